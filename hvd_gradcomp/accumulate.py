@@ -1,0 +1,138 @@
+"""Gradient accumulation: N small backward passes, one exchange and one optimizer step.
+
+Micro-batches of 1-4 samples fit in memory; summing gradients over N of them gives the
+gradient of one N times larger batch, provided each loss is scaled by 1/N (without it the
+effective learning rate is N times too large). :class:`GradientAccumulator` does the
+scaling, counting and stepping, around a DistributedOptimizer built with
+``backward_passes_per_step=N`` (ours or Horovod's), so the gradients are compressed and
+exchanged once per window, accumulated.
+
+Example::
+
+    opt = gc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression=gc.TopKQSGD(), backward_passes_per_step=8)
+    acc = gc.GradientAccumulator(opt, steps=8, micro_batch=4)
+    print(acc.describe())     # micro-batch 4 x 8 steps x 2 ranks = effective batch 64
+    for x, y in loader:
+        acc.backward(loss_fn(model(x), y))     # steps on every 8th call
+    acc.flush()               # the last, partial window of the epoch: steps if anything is left
+
+The partial window: with k < N micro-batches left, each gradient was scaled by 1/N, so
+``flush()`` rescales them by N/k before stepping: the step uses the mean over the k
+micro-batches it saw, exactly as a full window uses the mean over N.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+
+class GradientAccumulator:
+    """Scale, count and step; see the module docstring.
+
+    Attributes: ``steps`` (N), ``micro_batch``, ``optimizer_steps`` (steps taken so far),
+    ``pending`` (micro-batches in the current window).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int, micro_batch: Optional[int] = None) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1 (backward passes per optimizer step), got {steps!r}")
+        bpps = getattr(optimizer, "backward_passes_per_step", None)
+        if bpps is None:
+            raise ValueError("GradientAccumulator wraps a DistributedOptimizer (hvd_gradcomp's or Horovod's); "
+                             "got a plain optimizer")
+        if bpps != steps:
+            raise ValueError(f"the optimizer was built with backward_passes_per_step={bpps} but steps={steps}: "
+                             f"build it with backward_passes_per_step={steps}, or the exchange would happen "
+                             "at the wrong time")
+        self.optimizer = optimizer
+        self.steps = steps
+        self.micro_batch = micro_batch
+        self.pending = 0
+        self.optimizer_steps = 0
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """``(loss / steps).backward()``; on every ``steps``-th call, step and zero the gradients.
+
+        Returns True when this call stepped the optimizer.
+        """
+        if loss.dim() != 0:
+            raise ValueError(f"loss must be a scalar (reduce it with .mean()), got shape {tuple(loss.shape)}")
+        (loss / self.steps).backward()
+        self.pending += 1
+        if self.pending == self.steps:
+            self._step()
+            return True
+        return False
+
+    def flush(self) -> bool:
+        """Step on a partial window (see the module docstring); False if nothing is pending."""
+        if self.pending == 0:
+            return False
+        scale = self.steps / self.pending
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self._step()
+        return True
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.pending = 0
+        self.optimizer_steps += 1
+
+    def effective_batch(self, ranks: Optional[int] = None) -> Optional[int]:
+        """micro_batch x steps x ranks (None when micro_batch is unknown)."""
+        if self.micro_batch is None:
+            return None
+        return self.micro_batch * self.steps * (ranks if ranks is not None else _size())
+
+    def describe(self) -> str:
+        ranks = _size()
+        mb = "?" if self.micro_batch is None else str(self.micro_batch)
+        eff = self.effective_batch(ranks)
+        return f"micro-batch {mb} x {self.steps} steps x {ranks} ranks = effective batch {eff if eff else '?'}"
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Optimizer state, compressor residuals and random state, and the window counters.
+
+        Residuals differ between ranks: save one file per rank, e.g.
+        ``torch.save(acc.state_dict(), f"ckpt-rank{hvd.rank()}.pt")``.
+        """
+        return {"optimizer": self.optimizer.state_dict(), "compression": _compression_state(self.optimizer),
+                "pending": self.pending, "optimizer_steps": self.optimizer_steps, "steps": self.steps}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state["steps"] != self.steps:
+            raise ValueError(f"checkpoint was taken with steps={state['steps']}, this accumulator has {self.steps}")
+        if state["pending"]:
+            raise ValueError("checkpoint was taken in the middle of an accumulation window; "
+                             "save after a step (or after flush())")
+        self.optimizer.load_state_dict(state["optimizer"])
+        comp = _compressor(self.optimizer)
+        if state["compression"] is not None and comp is not None:
+            comp.load_state_dict(state["compression"])
+        self.pending = state["pending"]
+        self.optimizer_steps = state["optimizer_steps"]
+
+
+def _compressor(optimizer: Any) -> Any:
+    comp = getattr(optimizer, "compression", None) or getattr(optimizer, "_compression", None)
+    return comp if callable(getattr(comp, "state_dict", None)) else None
+
+
+def _compression_state(optimizer: Any) -> Optional[Dict[str, Any]]:
+    comp = _compressor(optimizer)
+    return comp.state_dict() if comp is not None else None
+
+
+def _size() -> int:
+    try:
+        import horovod.torch as hvd
+        return hvd.size()
+    except (ImportError, ValueError):
+        return 1

@@ -1,0 +1,393 @@
+"""QSGD, TopK and TopK+QSGD: Horovod compressors with error feedback and a compact wire format.
+
+Three layers, from low to high:
+
+* ``encode(tensor) -> payload`` / ``decode(payload) -> tensor``: the exact bytes that travel
+  (see :mod:`hvd_gradcomp.wire`), no state but the random stream.
+* ``compress_named(name, grad) -> payload``: error feedback around ``encode``: the residual
+  kept for ``name`` is added first, and what the payload does not carry becomes the new one.
+* ``compress(tensor) -> (tensor, ctx)`` / ``decompress(tensor, ctx)``: Horovod's compressor
+  protocol, so that ``hvd.DistributedOptimizer(opt, compression=TopKQSGD())`` works with an
+  unmodified Horovod (see :mod:`hvd_gradcomp.stock`).
+
+Example::
+
+    >>> c = TopKQSGD(ratio=0.01, bits=8)
+    >>> g = torch.randn(10_000)
+    >>> payload = c.compress_named("fc.weight", g)     # 100 values, 8 bits each, + indices
+    >>> payload.numel() < g.numel() * 4 / 150
+    True
+    >>> c.decode(payload).shape
+    torch.Size([10000])
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from . import kernels, wire
+from .feedback import ResidualStore, residual_dtype
+from .stats import ByteStats
+
+Sent = Union[Callable[[], torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+DEFAULT_BUCKET = 512
+
+
+@dataclass
+class _Encoded:
+    """What a compressor's ``_encode`` produced: header fields, sections and what was sent.
+
+    ``sent`` is either (indices, values) of a sparse payload or a callable that builds the
+    dense decoded tensor (only called when error feedback needs it).
+    """
+
+    k: int
+    bits: int
+    index_mode: int
+    bucket_size: int
+    sections: List[torch.Tensor]
+    sent: Sent
+
+
+class GradientCompressor:
+    """Base class: error feedback, random stream, byte statistics and Horovod's protocol.
+
+    Subclasses implement ``_encode(flat, seed) -> _Encoded`` and
+    ``_decode(header, reader) -> flat tensor``.
+    """
+
+    kind: int = 0
+
+    def __init__(self, error_feedback: bool = True, seed: Optional[int] = None) -> None:
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        self.error_feedback = error_feedback
+        self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.stream = 0  # set to the rank by hvd_gradcomp.DistributedOptimizer: ranks draw independent noise
+        self.residuals = ResidualStore()
+        self.stats = ByteStats()
+        self._steps: Dict[str, int] = {}
+
+    # ------------------------------------------------------------ wire level
+    def encode(self, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
+        """The payload for ``tensor`` (no error feedback): one 1-D ``torch.uint8`` tensor.
+
+        Each call advances the random stream of ``name``, so repeated calls draw fresh noise.
+        """
+        _check_input(tensor, name)
+        return self._encode_flat(tensor.reshape(-1), tensor.dtype, tuple(tensor.shape), name)[0]
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        """The tensor a payload stands for, in its original shape and dtype."""
+        h = wire.read_header(payload)
+        if h.kind != self.kind:
+            raise wire.WireFormatError(f"{type(self).__name__} cannot decode a payload of kind {h.kind}")
+        flat = self._decode(h, wire.SectionReader(payload, h))
+        return flat.view(h.shape)
+
+    # ------------------------------------------------------------ error feedback
+    def compress_named(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Payload for the gradient of tensor ``name``, with error feedback when enabled.
+
+        Raises ``FloatingPointError`` (residual untouched) when ``grad`` holds NaN or Inf.
+        """
+        _check_input(grad, name)
+        if not name:
+            raise ValueError("compress_named needs a non-empty tensor name")
+        _check_finite(grad, name)
+        if not self.error_feedback:
+            self.residuals.check_shape(name, grad)
+            return self._encode_flat(grad.reshape(-1), grad.dtype, tuple(grad.shape), name)[0]
+        acc = self.residuals.compensate(name, grad)
+        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name)
+        _subtract_sent(acc, sent)
+        self.residuals.commit(name, acc)
+        return payload
+
+    def compress_chunks(self, name: str, grad: torch.Tensor, bounds: List[int]) -> List[torch.Tensor]:
+        """One payload per chunk ``grad[bounds[i]:bounds[i+1]]`` (flattened), with error feedback
+        on the whole tensor: the chunks of QSGD's compressed allreduce.
+
+        ``bounds`` must cover the tensor and every chunk must be non-empty.
+        """
+        _check_input(grad, name)
+        _check_finite(grad, name)
+        if bounds[0] != 0 or bounds[-1] != grad.numel() or any(b >= e for b, e in zip(bounds, bounds[1:])):
+            raise ValueError(f"chunk bounds {bounds} do not split {grad.numel()} elements into non-empty chunks")
+        if self.error_feedback:
+            acc = self.residuals.compensate(name, grad)
+        else:
+            self.residuals.check_shape(name, grad)
+            acc = grad.reshape(-1)
+        payloads = []
+        for i, (b, e) in enumerate(zip(bounds, bounds[1:])):
+            part = acc[b:e]
+            payload, sent = self._encode_flat(part, grad.dtype, (e - b,), f"{name}#{i}")
+            if self.error_feedback:
+                _subtract_sent(part, sent)
+            payloads.append(payload)
+        if self.error_feedback:
+            self.residuals.commit(name, acc)
+        return payloads
+
+    def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
+                     name: str) -> Tuple[torch.Tensor, Sent]:
+        enc = self._encode(flat, dtype, self._next_seed(name))
+        header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
+                             enc.bucket_size)
+        payload = wire.assemble(header, enc.sections, flat.device)
+        self.stats.record(name, flat.numel() * dtype.itemsize, payload.numel())
+        return payload, enc.sent
+
+    def _next_seed(self, name: str) -> int:
+        """A 32-bit seed from (seed, stream, name, step): reproducible, distinct per call."""
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        return zlib.crc32(f"{self.seed}/{self.stream}/{name}/{step}".encode())
+
+    # ------------------------------------------------------------ Horovod protocol
+    def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
+        """Horovod's compressor entry point.
+
+        Called by ``hvd.DistributedOptimizer``, it finds the parameter name from Horovod's
+        call, starts an allgather of the payload and returns an empty tensor for Horovod's
+        allreduce (see :mod:`hvd_gradcomp.stock`). Called directly, it returns
+        ``(payload, ctx)``; pass ``name=`` when error feedback is on.
+        Integer and empty tensors pass through unchanged.
+        """
+        if not _compressible(tensor):
+            return tensor, None
+        if name is None:
+            from . import stock
+
+            call = stock.find_horovod_call(tensor)
+            if call is not None:
+                return stock.start_exchange(self, call, tensor)
+            if self.error_feedback:
+                raise ValueError(f"{type(self).__name__}.compress() needs name= when called outside "
+                                 "hvd.DistributedOptimizer with error_feedback=True (the residual is "
+                                 "kept per name)")
+            return self.encode(tensor), "local"
+        return self.compress_named(name, tensor), "local"
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Inverse of :meth:`compress`."""
+        if ctx is None:
+            return tensor
+        if ctx == "local":
+            return self.decode(tensor)
+        from . import stock
+
+        return stock.finish_exchange(self, ctx)
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Residuals and random state: restoring it continues the exact same sequence."""
+        return {"seed": self.seed, "stream": self.stream, "steps": dict(self._steps),
+                "residuals": self.residuals.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+        self.stream = int(state["stream"])
+        self._steps = dict(state["steps"])
+        self.residuals.load_state_dict(state["residuals"])
+
+    # ------------------------------------------------------------ to implement
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
+        raise NotImplementedError
+
+    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class QSGD(GradientCompressor):
+    """QSGD (Alistarh et al., 2017): norm-scaled stochastic quantisation, unbiased.
+
+    Per bucket of ``bucket_size`` values, each value is sent as a sign and a level in
+    0..s (s = 2**(bits-1) - 1) of ``|x| / ||bucket||_2``, rounded up or down at random so
+    that E[decode(encode(x))] = x. Levels are bit-packed (8 bits: 1 per byte, 4 bits: 2 per
+    byte, 2 bits: 4 per byte) with one float32 norm per bucket.
+
+    Payload bytes: 40 + 8*ndim + pad8(4 * ceil(n / bucket_size)) + pad8(ceil(n * bits / 8)).
+
+    >>> QSGD(bits=4)
+    QSGD(bits=4, bucket_size=512, error_feedback=True)
+    """
+
+    kind = wire.KIND_QSGD
+
+    def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
+                 seed: Optional[int] = None) -> None:
+        super().__init__(error_feedback, seed)
+        self.bits = _check_bits(bits)
+        self.bucket_size = _check_bucket(bucket_size)
+
+    def __repr__(self) -> str:
+        return f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback})"
+
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
+        norms, codes = kernels.qsgd_encode(flat, self.bits, self.bucket_size, seed)
+        sent = lambda: kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, flat.dtype)  # noqa: E731
+        return _Encoded(flat.numel(), self.bits, wire.INDEX_NONE, self.bucket_size,
+                        [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)], sent)
+
+    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+        return _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
+
+
+class TopK(GradientCompressor):
+    """TopK sparsification: send the k = max(1, ceil(ratio * n)) entries of largest magnitude.
+
+    Selection is exact (see :func:`hvd_gradcomp.kernels.topk_indices`). Values travel in the
+    gradient's dtype; indices are delta coded with per-block bit widths, or as a bitmap when
+    that is smaller (ratios above ~1/10).
+
+    >>> TopK(ratio=0.01)
+    TopK(ratio=0.01, error_feedback=True)
+    """
+
+    kind = wire.KIND_TOPK
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True, seed: Optional[int] = None) -> None:
+        super().__init__(error_feedback, seed)
+        self.ratio = _check_ratio(ratio)
+
+    def __repr__(self) -> str:
+        return f"TopK(ratio={self.ratio}, error_feedback={self.error_feedback})"
+
+    def _select(self, flat: torch.Tensor) -> Tuple[torch.Tensor, int, List[torch.Tensor]]:
+        idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio, flat.numel()))
+        mode, sections = wire.encode_indices(idx, flat.numel())
+        return idx, mode, sections
+
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
+        idx, mode, sections = self._select(flat)
+        vals = flat[idx].to(dtype)
+        return _Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
+
+    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel)
+        vals = wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
+        return _scatter(idx, vals, h.numel)
+
+
+class TopKQSGD(TopK):
+    """TopK, then QSGD on the kept values: the headline setting is ratio 0.01 with 8 bits.
+
+    >>> TopKQSGD()
+    TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True)
+    """
+
+    kind = wire.KIND_TOPKQSGD
+
+    def __init__(self, ratio: float = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
+                 error_feedback: bool = True, seed: Optional[int] = None) -> None:
+        super().__init__(ratio, error_feedback, seed)
+        self.bits = _check_bits(bits)
+        self.bucket_size = _check_bucket(bucket_size)
+
+    def __repr__(self) -> str:
+        return (f"TopKQSGD(ratio={self.ratio}, bits={self.bits}, bucket_size={self.bucket_size}, "
+                f"error_feedback={self.error_feedback})")
+
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
+        idx, mode, sections = self._select(flat)
+        vals = flat[idx]
+        norms, codes = kernels.qsgd_encode(vals, self.bits, self.bucket_size, seed)
+        sent_vals = kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, vals.dtype)
+        sections += [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
+        return _Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
+
+    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel)
+        vals = _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
+        return _scatter(idx, vals, h.numel)
+
+
+# ---------------------------------------------------------------- helpers
+def _read_qsgd(reader: wire.SectionReader, n: int, bits: int, bucket: int, dtype: torch.dtype) -> torch.Tensor:
+    nb = (n + bucket - 1) // bucket
+    norms = wire.from_bytes(reader.take(4 * nb), torch.float32)
+    codes = wire.unpack_bits(reader.take((n * bits + 7) // 8), bits, n).to(torch.uint8)
+    return kernels.qsgd_decode(norms, codes, bits, bucket, dtype)
+
+
+def _subtract_sent(acc: torch.Tensor, sent: Sent) -> None:
+    """acc -= what the payload carries (dense callable or sparse (indices, values)), in place."""
+    if callable(sent):
+        acc -= sent().to(acc.dtype)
+    else:
+        idx, vals = sent
+        acc[idx] -= vals.to(acc.dtype)
+
+
+def _scatter(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=vals.dtype, device=vals.device)
+    out[idx] = vals
+    return out
+
+
+def _compressible(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.dtype in wire.DTYPES and tensor.numel() > 0
+
+
+def _check_input(tensor: torch.Tensor, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor for {name or 'the input'}, got {type(tensor).__name__}")
+    if not _compressible(tensor):
+        raise ValueError(f"tensor {name!r} of dtype {tensor.dtype} and {tensor.numel()} elements cannot be "
+                         f"encoded: supported dtypes are {', '.join(map(str, wire.DTYPES))}, non-empty. "
+                         "compress() passes such tensors through unchanged.")
+
+
+def _check_finite(tensor: torch.Tensor, name: str) -> None:
+    # One reduction instead of isfinite().all(): NaN and +-Inf both make the sum non-finite.
+    if not torch.isfinite(tensor.sum(dtype=torch.float32)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise FloatingPointError(
+            f"gradient {name!r} has {bad} NaN/Inf values (of {tensor.numel()}); nothing was sent and its "
+            "error-feedback residual is unchanged. Lower the learning rate, use gradient clipping or "
+            "a loss scaler that skips such steps.")
+
+
+def _check_bits(bits: Any) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"bits must be an int from 2 to 8 (1 sign bit + level bits), got {bits!r}")
+    return bits
+
+
+def _check_ratio(ratio: Any) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be a number in (0, 1] (the share of entries sent), got {ratio!r}")
+    return float(ratio)
+
+
+def _check_bucket(bucket_size: Any) -> int:
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"bucket_size must be an int >= 1 (values per QSGD norm), got {bucket_size!r}")
+    return bucket_size
+
+
+def payload_size(compressor: GradientCompressor, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
+                 index_bytes: Optional[int] = None) -> int:
+    """Documented payload size in bytes, for QSGD exactly; for sparse payloads given the index bytes."""
+    n = 1
+    for d in shape:
+        n *= d
+    head = wire.padded(wire.HEADER_BYTES + 8 * len(shape))
+    if isinstance(compressor, QSGD):
+        nb = (n + compressor.bucket_size - 1) // compressor.bucket_size
+        return head + wire.padded(4 * nb) + wire.padded((n * compressor.bits + 7) // 8)
+    k = kernels.num_selected(compressor.ratio, n)
+    if index_bytes is None:
+        raise ValueError("sparse payload sizes depend on the index coding: pass index_bytes")
+    if isinstance(compressor, TopKQSGD):
+        nb = (k + compressor.bucket_size - 1) // compressor.bucket_size
+        return head + index_bytes + wire.padded(4 * nb) + wire.padded((k * compressor.bits + 7) // 8)
+    return head + index_bytes + wire.padded(k * dtype.itemsize)

@@ -1,0 +1,67 @@
+"""Error feedback: what a step did not send is kept per tensor and added to the next step.
+
+Invariant, checked by the tests: ``sent + new_residual == input + old_residual`` (up to float
+rounding). Residuals are keyed by a stable name (the parameter name), never by tensor
+identity, so they survive re-created gradient tensors and checkpoints.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def residual_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Residuals of 16-bit gradients are kept in float32: small leftovers would round away in
+    bfloat16 (8 mantissa bits) and error feedback would silently stop working."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+class ResidualStore:
+    """Per-name residuals, plus the shape each name was first used with.
+
+    >>> store = ResidualStore()
+    >>> acc = store.compensate("w", torch.ones(3))        # first step: nothing to add
+    >>> store.commit("w", acc - torch.tensor([1.0, 0.0, 0.0]))
+    >>> store.residual("w").tolist()
+    [0.0, 1.0, 1.0]
+    """
+
+    def __init__(self) -> None:
+        self._residuals: Dict[str, torch.Tensor] = {}
+        self._shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+
+    def check_shape(self, name: str, tensor: torch.Tensor) -> None:
+        """Raise if ``name`` was used before with another shape: residuals would mix."""
+        seen = self._shapes.setdefault(name, (tuple(tensor.shape), tensor.dtype))
+        if seen[0] != tuple(tensor.shape):
+            raise ValueError(f"tensor name {name!r} was used with shape {seen[0]} and now with "
+                             f"{tuple(tensor.shape)}: give every tensor its own name (e.g. the "
+                             "parameter names from model.named_parameters())")
+
+    def residual(self, name: str) -> Optional[torch.Tensor]:
+        return self._residuals.get(name)
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """grad + residual, as a new flat tensor of the residual dtype (grad is not modified)."""
+        self.check_shape(name, grad)
+        res = self._residuals.get(name)
+        acc = grad.reshape(-1).to(residual_dtype(grad.dtype), copy=True)
+        if res is not None:
+            acc += res.to(acc.device)
+        return acc
+
+    def commit(self, name: str, new_residual: torch.Tensor) -> None:
+        self._residuals[name] = new_residual
+
+    def clear(self) -> None:
+        self._residuals.clear()
+        self._shapes.clear()
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {name: r.detach().clone() for name, r in self._residuals.items()}
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        self._residuals = {name: r.detach().clone() for name, r in state.items()}

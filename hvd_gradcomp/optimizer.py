@@ -1,0 +1,255 @@
+"""``hvd_gradcomp.DistributedOptimizer``: Horovod's optimizer, with compressed exchanges.
+
+Same signature and behaviour as ``hvd.DistributedOptimizer``; what differs is the road each
+gradient takes (see :mod:`hvd_gradcomp.exchange`):
+
+* gradient hooks (``register_post_accumulate_grad_hook``) start each exchange as soon as the
+  gradient is final, so communication overlaps the rest of the backward pass;
+* parameter names reach the compressors (error feedback is keyed by them);
+* sparse payloads travel by allgather, QSGD by a compressed allreduce (alltoall + allgather);
+* tensors smaller than ``min_compress_numel`` (biases, norms) are not compressed and go
+  in one fused allreduce per dtype at ``synchronize()``.
+
+Example::
+
+    import horovod.torch as hvd
+    import hvd_gradcomp as gc
+
+    hvd.init()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size())
+    opt = gc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression=gc.TopKQSGD(ratio=0.01, bits=8))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    loss.backward(); opt.step()
+    print(opt.comm_stats.summary())     # bytes handed to Horovod, and the ratio
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .compressors import GradientCompressor
+from .exchange import DenseExchange, Pending, choose_exchange
+from .stats import ByteStats
+
+DEFAULT_MIN_COMPRESS_NUMEL = 1024
+
+
+class _GradCompOptimizer(torch.optim.Optimizer):
+    """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 process_set, min_compress_numel):
+        super(self.__class__, self).__init__(params)
+        import horovod.torch as hvd
+
+        self._hvd = hvd
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.process_set = process_set
+        self.min_compress_numel = max(min_compress_numel, process_set.size())
+        self._parameter_names = _name_parameters(self.param_groups, named_parameters)
+        if isinstance(compression, GradientCompressor):
+            compression.stream = process_set.rank()  # independent rounding noise on each rank
+        self._compressed = choose_exchange(compression, op, process_set)
+        self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
+                                    else compression)
+        self._delay: Dict[torch.Tensor, int] = {}
+        self._pending: Dict[torch.Tensor, Tuple[Any, Pending]] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self.comm_stats = ByteStats()   # bytes this rank hands to Horovod, all steps
+        self.last_step_bytes = 0        # ... in the last synchronize()
+        self.comm_wait_s = 0.0          # time synchronize() spent waiting for the network
+        self._step_bytes = 0
+        self._register_hooks()
+
+    # ------------------------------------------------------------ hooks
+    def _register_hooks(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._delay[p] = self.backward_passes_per_step
+                    p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if p in self._pending:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step "
+                f"({self.backward_passes_per_step}) times before step()/synchronize(). Increase "
+                "backward_passes_per_step to accumulate gradients locally, or call step() more often.")
+        self._delay[p] -= 1
+        if self._delay[p] == 0 and not self._is_small(p):
+            self._start(p, self._compressed)
+
+    def _is_small(self, p: torch.Tensor) -> bool:
+        return (not p.is_floating_point()) or p.numel() < self.min_compress_numel
+
+    def _start(self, p: torch.Tensor, exchange: Any) -> None:
+        if p.grad is None:  # unused on this rank: others may have a gradient, so send zeros
+            p.grad = torch.zeros_like(p)
+        pending = exchange.start(self._parameter_names[p], p.grad)
+        self._pending[p] = (exchange, pending)
+        self._record(p, pending)
+
+    def _record(self, p: torch.Tensor, pending: Pending) -> None:
+        self._step_bytes += pending.bytes_sent
+        self.comm_stats.record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
+
+    # ------------------------------------------------------------ synchronize / step
+    def synchronize(self) -> None:
+        """Finish every exchange and write the averaged gradients into ``p.grad``."""
+        t0 = time.perf_counter()
+        small = []
+        for p in self._delay:
+            if p in self._pending:
+                continue
+            if self._is_small(p):
+                small.append(p)
+            else:  # partial window (flush) or a parameter without gradient this step
+                self._start(p, self._compressed)
+        fused = self._start_fused(small)
+        for exchange, pending in self._pending.values():
+            exchange.advance(pending)
+        for p, (exchange, pending) in self._pending.items():
+            before = pending.bytes_sent
+            result = exchange.finish(pending)
+            self._step_bytes += pending.bytes_sent - before
+            self.comm_stats.bytes_out += pending.bytes_sent - before
+            p.grad.copy_(result)
+        self._finish_fused(fused)
+        self._pending.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self.last_step_bytes, self._step_bytes = self._step_bytes, 0
+        self.comm_wait_s += time.perf_counter() - t0
+        self._synchronized = True
+
+    def _start_fused(self, params: List[torch.Tensor]) -> List[Tuple[List[torch.Tensor], Pending]]:
+        """One allreduce per dtype for all small tensors: fewer, larger messages."""
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        fused = []
+        for dtype, ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            pending = self._dense.start(f"fused.{dtype}".replace("torch.", ""), flat)
+            self._step_bytes += pending.bytes_sent
+            self.comm_stats.record(pending.name, flat.numel() * flat.element_size(), pending.bytes_sent)
+            fused.append((ps, pending))
+        return fused
+
+    def _finish_fused(self, fused: List[Tuple[List[torch.Tensor], Pending]]) -> None:
+        for ps, pending in fused:
+            flat = self._dense.finish(pending)
+            offset = 0
+            for p in ps:
+                n = p.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Use after an explicit ``synchronize()`` (e.g. to clip gradients) so step() does not repeat it."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(): the gradients in flight "
+                                 "would be lost. Call step() (or synchronize()) first.")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+    # ------------------------------------------------------------ checkpoints
+    def compression_state_dict(self) -> Dict[str, Any]:
+        """Compressor residuals and random state of this rank (save one file per rank)."""
+        state = getattr(self.compression, "state_dict", None)
+        return {"compressor": state() if callable(state) else None}
+
+    def load_compression_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("compressor") is not None:
+            self.compression.load_state_dict(state["compressor"])
+
+
+def _name_parameters(param_groups: List[dict], named_parameters: Optional[Iterable]) -> Dict[torch.Tensor, str]:
+    """Map each parameter to a stable name; errors name the problem and the fix."""
+    all_params = [p for g in param_groups for p in g["params"]]
+    if named_parameters is None:
+        return {p: f"param.{i}" for i, p in enumerate(all_params)}
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names must be unique; duplicated: {dups}")
+    mapping = {p: n for n, p in named}
+    missing = [i for i, p in enumerate(all_params) if p not in mapping]
+    if missing:
+        raise ValueError(f"{len(missing)} optimizer parameters have no name in named_parameters "
+                         "(pass model.named_parameters() of the model the optimizer was built on)")
+    return mapping
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
+                         compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
+                         gradient_predivide_factor: float = 1.0, process_set: Any = None,
+                         min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL,
+                         **unsupported: Any) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Arguments are those of ``hvd.DistributedOptimizer``; ``compression`` takes an
+    hvd-gradcomp compressor (QSGD, TopK, TopKQSGD), a Horovod compressor
+    (``hvd.Compression.none`` / ``fp16``) or None. ``min_compress_numel``: tensors with
+    fewer elements are exchanged uncompressed in one fused allreduce.
+    ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``; Adasum is rejected.
+
+    >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),      # doctest: +SKIP
+    ...                            named_parameters=model.named_parameters(),
+    ...                            compression=TopKQSGD(ratio=0.01, bits=8),
+    ...                            backward_passes_per_step=4)
+    """
+    import horovod.torch as hvd
+
+    if unsupported.get("groups") not in (None, 0) or unsupported.get("num_groups") not in (None, 0):
+        raise ValueError("groups/num_groups are not supported: small tensors are fused automatically "
+                         "(see min_compress_numel)")
+    if unsupported.get("sparse_as_dense"):
+        raise ValueError("sparse_as_dense is not supported: compressors need dense gradients")
+    unknown = set(unsupported) - {"groups", "num_groups", "sparse_as_dense"}
+    if unknown:
+        raise TypeError(f"DistributedOptimizer() got unexpected arguments {sorted(unknown)}")
+    op = hvd.Average if op is None else op
+    if op == hvd.Adasum:
+        raise ValueError("op=hvd.Adasum is not supported with gradient compression; use hvd.Average or hvd.Sum")
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op}")
+    if gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor is not supported; averaging is done in float32 after decoding")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    if hasattr(optimizer, "_compressed") and hasattr(optimizer, "_pending"):
+        raise ValueError("optimizer is already an hvd_gradcomp.DistributedOptimizer; wrap the plain optimizer once")
+    process_set = hvd.global_process_set if process_set is None else process_set
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_GradCompOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               process_set, min_compress_numel)

@@ -1,0 +1,296 @@
+"""The wire format: the exact bytes a compressed tensor travels as.
+
+A payload is one contiguous ``torch.uint8`` tensor, self-describing, 8-byte aligned::
+
+    header (40 bytes, little-endian)
+        magic  b"GC"        2 B
+        version             1 B   (FORMAT_VERSION)
+        kind                1 B   (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD)
+        dtype               1 B   (index into DTYPES)
+        bits                1 B   (QSGD bits per value, 0 when values are raw)
+        index_mode          1 B   (INDEX_NONE, INDEX_DELTA, INDEX_BITMAP)
+        ndim                1 B
+        numel               8 B   elements of the original tensor
+        k                   8 B   values sent (numel for QSGD)
+        total_bytes         8 B   length of the whole payload, padding included
+        bucket_size         4 B   QSGD bucket size (0 when unused)
+        reserved            4 B
+    shape                   8 B per dimension
+    sections                each padded to 8 bytes (see compressors.py for their order)
+
+Because every payload carries ``total_bytes``, payloads gathered from several ranks can be
+split apart by walking headers (:func:`split_payloads`) with no extra collective.
+
+Indices of sparse payloads are delta coded in blocks of ``INDEX_BLOCK`` with a per-block bit
+width (:func:`encode_indices`), or sent as a bitmap when that is smaller.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+
+FORMAT_VERSION = 1
+MAGIC = b"GC"
+KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD = 1, 2, 3
+INDEX_NONE, INDEX_DELTA, INDEX_BITMAP = 0, 1, 2
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_BLOCK = 64  # deltas per block: 64 * width bits is always a whole number of bytes
+ALIGN = 8
+
+_HEADER = struct.Struct("<2sBBBBBBqqqII")
+HEADER_BYTES = _HEADER.size  # 40
+
+
+class WireFormatError(ValueError):
+    """A payload that is not a valid hvd-gradcomp payload (truncated, wrong version, ...)."""
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: int
+    dtype: torch.dtype
+    bits: int
+    index_mode: int
+    shape: Tuple[int, ...]
+    numel: int
+    k: int
+    total_bytes: int
+    bucket_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of header plus shape: where the first section starts."""
+        return HEADER_BYTES + 8 * len(self.shape)
+
+
+def padded(n: int) -> int:
+    """n rounded up to the section alignment."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def header_bytes(h: Header) -> bytes:
+    """Serialise a header (and the shape that follows it)."""
+    if h.dtype not in DTYPES:
+        raise WireFormatError(f"dtype {h.dtype} cannot be encoded; supported: {DTYPES}")
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, h.kind, DTYPES.index(h.dtype), h.bits, h.index_mode,
+                        len(h.shape), h.numel, h.k, h.total_bytes, h.bucket_size, 0)
+    return head + struct.pack(f"<{len(h.shape)}q", *h.shape)
+
+
+def read_header(payload: torch.Tensor) -> Header:
+    """Parse the header at the start of ``payload`` (reads at most 40 + 8*ndim bytes to the host)."""
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise WireFormatError(f"a payload is a 1-D torch.uint8 tensor, got {payload.dtype} of shape "
+                              f"{tuple(payload.shape)}")
+    if payload.numel() < HEADER_BYTES:
+        raise WireFormatError(f"payload of {payload.numel()} bytes is shorter than the {HEADER_BYTES}-byte header")
+    raw = payload[:HEADER_BYTES].cpu().numpy().tobytes()
+    magic, version, kind, dtype, bits, mode, ndim, numel, k, total, bucket, _ = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise WireFormatError(f"not an hvd-gradcomp payload (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise WireFormatError(f"payload format version {version}, this build reads {FORMAT_VERSION}: "
+                              "run the same hvd-gradcomp version on every rank")
+    if dtype >= len(DTYPES):
+        raise WireFormatError(f"unknown dtype code {dtype}")
+    shape_raw = payload[HEADER_BYTES:HEADER_BYTES + 8 * ndim].cpu().numpy().tobytes()
+    shape = struct.unpack(f"<{ndim}q", shape_raw)
+    if math.prod(shape) != numel or total > payload.numel():
+        raise WireFormatError(f"corrupt payload: shape {shape}, numel {numel}, {total} bytes declared, "
+                              f"{payload.numel()} present")
+    return Header(kind, DTYPES[dtype], bits, mode, tuple(shape), numel, k, total, bucket)
+
+
+def assemble(header: Header, sections: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Concatenate header and uint8 sections, each padded to ``ALIGN`` bytes, into one payload.
+
+    ``header.total_bytes`` is ignored and recomputed.
+    """
+    sizes = [padded(s.numel()) for s in sections]
+    total = padded(header.nbytes) + sum(sizes)
+    hdr = Header(**{**header.__dict__, "total_bytes": total})
+    out = torch.zeros(total, dtype=torch.uint8, device=device)
+    head = torch.frombuffer(bytearray(header_bytes(hdr)), dtype=torch.uint8)
+    out[:head.numel()].copy_(head)
+    pos = padded(hdr.nbytes)
+    for s, size in zip(sections, sizes):
+        out[pos:pos + s.numel()].copy_(s)
+        pos += size
+    return out
+
+
+class SectionReader:
+    """Reads the sections of a payload back in the order they were assembled."""
+
+    def __init__(self, payload: torch.Tensor, header: Header) -> None:
+        self.payload = payload
+        self.pos = padded(header.nbytes)
+        self.end = header.total_bytes
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.pos + nbytes > self.end:
+            raise WireFormatError(f"truncated payload: need {nbytes} bytes at offset {self.pos}, "
+                                  f"payload ends at {self.end}")
+        out = self.payload[self.pos:self.pos + nbytes]
+        self.pos += padded(nbytes)
+        return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """View a contiguous tensor as flat uint8 (no copy)."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret uint8 bytes as ``dtype``; copies only when the bytes are misaligned."""
+    try:
+        return b.view(dtype)
+    except RuntimeError:
+        return b.clone().view(dtype)
+
+
+def split_payloads(blob: torch.Tensor) -> List[torch.Tensor]:
+    """Split concatenated payloads (e.g. the output of an allgather) into single payloads."""
+    out, pos, n = [], 0, blob.numel()
+    while pos < n:
+        h = read_header(blob[pos:])
+        out.append(blob[pos:pos + h.total_bytes])
+        pos += h.total_bytes
+    return out
+
+
+# ---------------------------------------------------------------- bit packing
+_SHIFTS = {}
+
+
+def _shifts(width: int, device: torch.device) -> torch.Tensor:
+    key = (width, device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(width, dtype=torch.int64, device=device)
+    return _SHIFTS[key]
+
+
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack non-negative integers < 2**width into ceil(n*width/8) bytes, little-endian bit order.
+
+    >>> pack_bits(torch.tensor([1, 2, 3, 0]), 2).tolist()   # 0b00_11_10_01
+    [57]
+    """
+    if width == 8:
+        return values.to(torch.uint8)
+    n = values.numel()
+    if width in (1, 2, 4):
+        per = 8 // width
+        v = values.to(torch.uint8)
+        if n % per:
+            v = torch.cat([v, v.new_zeros(per - n % per)])
+        v = v.view(-1, per)
+        out = v[:, 0].clone()
+        for j in range(1, per):
+            out |= v[:, j] << (j * width)
+        return out
+    # Generic widths (indices up to 40 bits, QSGD 3/5/6/7 bits), in chunks to bound memory.
+    nbits = n * width
+    out_bits = torch.empty(nbits + (-nbits) % 8, dtype=torch.uint8, device=values.device)
+    out_bits[nbits:] = 0
+    chunk = 1 << 20
+    sh = _shifts(width, values.device)
+    for s in range(0, n, chunk):
+        v = values[s:s + chunk].to(torch.int64)
+        out_bits[s * width:(s + v.numel()) * width] = ((v.unsqueeze(1) >> sh) & 1).view(-1).to(torch.uint8)
+    return pack_bits(out_bits, 1)
+
+
+def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` values as int64 (uint8 for width 8)."""
+    if width == 8:
+        return packed[:n]
+    if width in (1, 2, 4):
+        per, mask = 8 // width, (1 << width) - 1
+        cols = [(packed >> (j * width)) & mask for j in range(per)]
+        return torch.stack(cols, dim=1).view(-1)[:n]
+    bits = unpack_bits(packed, 1, n * width).to(torch.int64).view(n, width)
+    return (bits << _shifts(width, packed.device)).sum(dim=1)
+
+
+def bit_length(x: torch.Tensor) -> torch.Tensor:
+    """Bits needed for each non-negative int64 (0 for 0). Exact below 2**53."""
+    return torch.frexp(x.to(torch.float64))[1].to(torch.int64)
+
+
+# ---------------------------------------------------------------- indices
+def delta_index_bytes(indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-block widths (uint8) and the packed deltas of sorted, distinct int64 indices.
+
+    delta_0 = idx_0, delta_j = idx_j - idx_{j-1} - 1; blocks of INDEX_BLOCK deltas share the
+    smallest width that holds their largest delta, so dense regions cost few bits.
+    """
+    k = indices.numel()
+    deltas = torch.empty(k + (-k) % INDEX_BLOCK, dtype=torch.int64, device=indices.device)
+    deltas[k:] = 0
+    if k:
+        deltas[0] = indices[0]
+        deltas[1:k] = indices[1:] - indices[:-1] - 1
+    blocks = deltas.view(-1, INDEX_BLOCK)
+    widths = bit_length(blocks.max(dim=1).values)
+    nbytes = widths * (INDEX_BLOCK // 8)
+    starts = torch.cumsum(nbytes, 0) - nbytes
+    out = torch.empty(int(nbytes.sum()), dtype=torch.uint8, device=indices.device)
+    for w in torch.unique(widths).tolist():
+        if w == 0:
+            continue
+        sel = (widths == w).nonzero().squeeze(1)
+        packed = pack_bits(blocks[sel].reshape(-1), w).view(sel.numel(), -1)
+        pos = starts[sel].unsqueeze(1) + torch.arange(packed.shape[1], device=out.device)
+        out[pos.reshape(-1)] = packed.reshape(-1)
+    return widths.to(torch.uint8), out
+
+
+def delta_index_size(k: int, widths: torch.Tensor) -> int:
+    return padded(widths.numel()) + padded(int(widths.to(torch.int64).sum()) * (INDEX_BLOCK // 8))
+
+
+def decode_delta_indices(widths: torch.Tensor, data: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`delta_index_bytes`: the k sorted indices."""
+    w64 = widths.to(torch.int64)
+    nb = w64.numel()
+    deltas = torch.zeros(nb, INDEX_BLOCK, dtype=torch.int64, device=data.device)
+    nbytes = w64 * (INDEX_BLOCK // 8)
+    starts = torch.cumsum(nbytes, 0) - nbytes
+    for w in torch.unique(w64).tolist():
+        if w == 0:
+            continue
+        sel = (w64 == w).nonzero().squeeze(1)
+        pos = starts[sel].unsqueeze(1) + torch.arange(w * INDEX_BLOCK // 8, device=data.device)
+        vals = unpack_bits(data[pos.reshape(-1)], w, sel.numel() * INDEX_BLOCK)
+        deltas[sel] = vals.to(torch.int64).view(-1, INDEX_BLOCK)
+    return torch.cumsum(deltas.view(-1)[:k] + 1, 0) - 1
+
+
+def encode_indices(indices: torch.Tensor, numel: int) -> Tuple[int, List[torch.Tensor]]:
+    """Choose the smaller of delta blocks and a bitmap; return (index_mode, sections)."""
+    widths, data = delta_index_bytes(indices)
+    delta_size = padded(widths.numel()) + padded(data.numel())
+    bitmap_size = padded((numel + 7) // 8)
+    if bitmap_size < delta_size:
+        mask = torch.zeros(numel, dtype=torch.uint8, device=indices.device)
+        mask[indices] = 1
+        return INDEX_BITMAP, [pack_bits(mask, 1)]
+    return INDEX_DELTA, [widths, data]
+
+
+def decode_indices(reader: SectionReader, mode: int, k: int, numel: int) -> torch.Tensor:
+    """Read the index sections written by :func:`encode_indices`."""
+    if mode == INDEX_BITMAP:
+        mask = unpack_bits(reader.take((numel + 7) // 8), 1, numel)
+        return mask.nonzero().squeeze(1)
+    if mode != INDEX_DELTA:
+        raise WireFormatError(f"unknown index mode {mode}")
+    nblocks = (k + INDEX_BLOCK - 1) // INDEX_BLOCK
+    widths = reader.take(nblocks)
+    data = reader.take(int(widths.to(torch.int64).sum()) * (INDEX_BLOCK // 8))
+    return decode_delta_indices(widths, data, k)

@@ -1,0 +1,8 @@
+"""Launchers for hvd-gradcomp: the ``hvdgc-launch`` command and its Slurm support.
+
+- :mod:`launchers.command` builds the command to run (pure: options in, argv and env out).
+- :mod:`launchers.slurm` reads a Slurm allocation and writes or submits batch scripts.
+- :mod:`launchers.cli` is the click front end that validates input and runs the job.
+
+See docs/LAUNCHING.md.
+"""

@@ -1,0 +1,261 @@
+"""``hvdgc-launch``: start a Horovod training script with gradient compression.
+
+Examples::
+
+    hvdgc-launch -np 8 examples/train.py --epochs 3
+    hvdgc-launch -np 8 -H node1:4,node2:4 --compression topk-qsgd --ratio 0.01 --bits 8 \\
+        --accumulate 8 examples/train.py --epochs 3
+    hvdgc-launch --dry-run --launcher mpirun -np 2 examples/train.py
+    hvdgc-launch --sbatch --nodes 2 --ntasks-per-node 4 --time 1:00:00 --submit examples/train.py
+
+The compression settings reach every rank as ``HVDGC_*`` environment variables that
+:func:`hvd_gradcomp.config.from_env` reads. See docs/LAUNCHING.md.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import click
+
+from .command import FORWARDED_ENV, LAUNCHERS, Host, LaunchError, LaunchSpec, build_command, parse_hostfile_text, \
+    parse_hosts, resolve_np
+from .slurm import BatchJob, allocation_from_env, launcher_args, render_sbatch, submit
+
+_TOOL_HINTS = {
+    "horovodrun": "install Horovod (bash scripts/setup.sh, or pip install horovod) or use --launcher mpirun",
+    "mpirun": "install Open MPI (apt-get install openmpi-bin) or use --launcher horovodrun",
+    "srun": "srun comes with Slurm; run inside salloc/sbatch on a Slurm cluster",
+    "sbatch": "sbatch comes with Slurm; write the script with --sbatch-file and submit it on the cluster",
+}
+
+
+def _config_module() -> ModuleType:
+    """``hvd_gradcomp.config`` without running ``hvd_gradcomp/__init__.py``.
+
+    The package imports torch and Horovod; the launcher needs neither, starts faster
+    without them, and keeps working where they are broken (the ranks will say so).
+    """
+    loaded = sys.modules.get("hvd_gradcomp.config")
+    if loaded is not None:
+        return loaded
+    package = importlib.util.find_spec("hvd_gradcomp")
+    if package is None or not package.submodule_search_locations:
+        raise click.ClickException("cannot find the hvd_gradcomp package; pip install -e . in the repository")
+    path = Path(list(package.submodule_search_locations)[0]) / "config.py"
+    spec = importlib.util.spec_from_file_location("_hvdgc_config", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def _find_tool(name: str) -> str:
+    """The path of ``name``: next to this Python first (an unactivated venv), then the PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise click.ClickException(f"{name} not found on the PATH; {_TOOL_HINTS[name]}")
+    return found
+
+
+def _check_script(command: Sequence[str]) -> None:
+    """Fail early on a missing script instead of once per rank."""
+    if not command:
+        raise click.UsageError("missing training script; usage: hvdgc-launch [OPTIONS] SCRIPT [ARGS]...")
+    script = command[0]
+    if script.startswith("-"):
+        raise click.UsageError(f"unknown option {script}; options go before the script (see hvdgc-launch --help)")
+    if script.endswith(".py") or os.sep in script:
+        if not Path(script).is_file():
+            raise click.UsageError(f"script not found: {script}; check the path (relative to {os.getcwd()})")
+    elif shutil.which(script) is None:
+        raise click.UsageError(f"script not found: {script} is neither a file nor a program on the PATH")
+
+
+def _compression_env(compression: str, ratio: float, bits: int, accumulate: int,
+                     error_feedback: bool, seed: Optional[int]) -> Dict[str, str]:
+    config = _config_module()
+    try:
+        cfg = config.CompressionConfig(compression=compression, ratio=ratio, bits=bits, accumulate=accumulate,
+                                       error_feedback=error_feedback, seed=seed)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    return cfg.to_env()
+
+
+def _hosts(hosts: Optional[str], hostfile: Optional[str],
+           environ: Mapping[str, str]) -> Tuple[Optional[Tuple[Host, ...]], str, Optional[int]]:
+    """(hosts, where they came from, Slurm's task count): -H, else --hostfile, else Slurm, else none."""
+    if hosts is not None and hostfile is not None:
+        raise LaunchError("give either -H or --hostfile, not both")
+    if hosts is not None:
+        return tuple(parse_hosts(hosts)), f"-H {hosts}", None
+    if hostfile is not None:
+        return tuple(parse_hostfile_text(Path(hostfile).read_text(), hostfile)), f"--hostfile {hostfile}", None
+    alloc = allocation_from_env(environ)
+    if alloc is None:
+        return None, "", None
+    return alloc.hosts, f"the Slurm allocation ({alloc.nodelist})", alloc.ntasks
+
+
+def _print_command(argv: List[str], env: Mapping[str, str], err: bool = False) -> None:
+    """Copy-pasteable: the variables the launch adds, then the command."""
+    click.echo("# environment added:", err=err)
+    for key in sorted(env):
+        click.echo(f"export {key}={shlex.quote(env[key])}", err=err)
+    click.echo("# command:", err=err)
+    click.echo(shlex.join(argv), err=err)
+
+
+def run(argv: List[str], env: Mapping[str, str]) -> int:
+    """Run argv (no shell) with ``env`` added; forward SIGINT/SIGTERM to its process group.
+
+    Returns the job's exit code (128+N when it died of signal N). A third signal kills the
+    group outright, for a launcher that hangs while shutting down.
+    """
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
+    received = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL if len(received) >= 3 else signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code
+
+
+def _self_command() -> List[str]:
+    """How a batch script calls this launcher: the installed script, else ``python -m``."""
+    beside = Path(sys.executable).parent / "hvdgc-launch"
+    if beside.is_file():
+        return [str(beside)]
+    return [sys.executable, "-m", "launchers.cli"]
+
+
+@click.command(name="hvdgc-launch", context_settings={
+    "ignore_unknown_options": True, "allow_interspersed_args": False, "help_option_names": ["-h", "--help"]})
+@click.option("-np", "--num-proc", "np", type=int, help="Number of ranks [default: all slots, or SLURM_NTASKS, or 1].")
+@click.option("-H", "--hosts", help="Hosts and slots, e.g. node1:4,node2:4 [default: localhost:NP].")
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), help="File with 'host slots=N' lines.")
+@click.option("--gloo/--mpi", "gloo", default=None, help="Horovod controller [default: Horovod's choice].")
+@click.option("-p", "--ssh-port", type=int, help="SSH port of the remote hosts.")
+@click.option("--start-timeout", type=int, help="Seconds horovodrun waits for all ranks to start.")
+@click.option("--verbose", is_flag=True, help="Print the command and make the launcher verbose.")
+@click.option("--launcher", type=click.Choice(LAUNCHERS), default="horovodrun", show_default=True,
+              help="What starts the ranks; srun (--mpi=pmix) only inside a Slurm allocation.")
+@click.option("--compression", default="none", show_default=True,
+              help="none, fp16, qsgd, topk or topk-qsgd.")
+@click.option("--ratio", type=float, default=0.01, show_default=True, help="TopK: fraction of entries sent.")
+@click.option("--bits", type=int, default=8, show_default=True, help="QSGD: bits per value (2..8).")
+@click.option("--accumulate", type=int, default=1, show_default=True, help="Backward passes per optimizer step.")
+@click.option("--error-feedback/--no-error-feedback", default=True, show_default=True,
+              help="Keep what compression dropped and add it to the next gradient.")
+@click.option("--seed", type=int, help="Seed of QSGD's stochastic rounding.")
+@click.option("--dry-run", is_flag=True, help="Print the command and the environment it adds; run nothing.")
+@click.option("--sbatch", is_flag=True, help="Write a Slurm batch script for this run instead of running it.")
+@click.option("--nodes", type=int, default=1, show_default=True, help="--sbatch: nodes to ask for.")
+@click.option("--ntasks-per-node", type=int, default=1, show_default=True, help="--sbatch: ranks per node.")
+@click.option("--time", "time_limit", help="--sbatch: time limit, e.g. 1:00:00.")
+@click.option("--partition", help="--sbatch: partition.")
+@click.option("--job-name", default="hvdgc", show_default=True, help="--sbatch: job name.")
+@click.option("--output", help="--sbatch: log file [default: %x-%j.out in the submit directory].")
+@click.option("--sbatch-file", type=click.Path(dir_okay=False), help="--sbatch: write the script here "
+              "[default: print it, or pipe it to sbatch with --submit].")
+@click.option("--submit", is_flag=True, help="--sbatch: submit the script with sbatch.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
+    """Run SCRIPT [ARGS]... on NP Horovod ranks; ARGS are passed to the script untouched."""
+    _check_script(command)
+    env = _compression_env(opts["compression"], opts["ratio"], opts["bits"], opts["accumulate"],
+                           opts["error_feedback"], opts["seed"])
+    try:
+        if opts["sbatch"]:
+            _sbatch(command, opts)
+            return
+        argv, added = _plan(command, env, opts, os.environ)
+    except LaunchError as err:
+        raise click.UsageError(str(err)) from None
+    if opts["dry_run"]:
+        _print_command(argv, added)
+        return
+    if opts["verbose"]:
+        _print_command(argv, added, err=True)
+    try:
+        ctx.exit(run(argv, added))
+    except OSError as err:
+        raise click.ClickException(f"cannot start {argv[0]}: {err.strerror}") from None
+
+
+def _plan(command: Tuple[str, ...], env: Dict[str, str], opts: Mapping[str, object],
+          environ: Mapping[str, str]) -> Tuple[List[str], Dict[str, str]]:
+    """Gather the facts (hosts, tool, euid) into a LaunchSpec and build it."""
+    launcher = str(opts["launcher"])
+    hosts, origin, slurm_ntasks = _hosts(opts["hosts"], opts["hostfile"], environ)
+    if launcher == "srun":
+        if opts["hosts"] is not None or "SLURM_JOB_ID" not in environ:
+            raise LaunchError("--launcher srun runs inside a Slurm allocation (salloc/sbatch) and takes no -H; "
+                              "use --sbatch to write one, or --launcher horovodrun")
+    np = opts["np"] if opts["np"] is not None else slurm_ntasks
+    spec = LaunchSpec(
+        command=command, np=np, hosts=hosts, hosts_origin=origin, hostfile=opts["hostfile"],
+        launcher=launcher,
+        backend=None if opts["gloo"] is None else ("gloo" if opts["gloo"] else "mpi"),
+        ssh_port=opts["ssh_port"], start_timeout=opts["start_timeout"], verbose=bool(opts["verbose"]),
+        python=sys.executable, env=env, forward_env=tuple(n for n in FORWARDED_ENV if n in environ),
+        as_root=os.geteuid() == 0)
+    argv, added = build_command(spec)
+    return [_find_tool(launcher), *argv[1:]], added
+
+
+def _sbatch(command: Tuple[str, ...], opts: Mapping[str, object]) -> None:
+    """Write (and maybe submit) a batch script that runs this launch inside the allocation."""
+    if opts["hosts"] is not None or opts["hostfile"] is not None:
+        raise LaunchError("-H/--hostfile do not combine with --sbatch: the allocation gives the hosts; "
+                          "use --nodes and --ntasks-per-node")
+    slots = int(opts["nodes"]) * int(opts["ntasks_per_node"])
+    resolve_np(opts["np"], [("allocation", slots)],
+               f"--nodes {opts['nodes']} x --ntasks-per-node {opts['ntasks_per_node']}")
+    inner = _self_command() + launcher_args([
+        ("-np", opts["np"]), ("--launcher", opts["launcher"]), ("--gloo", opts["gloo"] is True),
+        ("--mpi", opts["gloo"] is False),
+        ("-p", opts["ssh_port"]), ("--start-timeout", opts["start_timeout"]), ("--verbose", opts["verbose"]),
+        ("--compression", opts["compression"]), ("--ratio", opts["ratio"]), ("--bits", opts["bits"]),
+        ("--accumulate", opts["accumulate"]), ("--no-error-feedback", not opts["error_feedback"]),
+        ("--seed", opts["seed"])]) + list(command)
+    script = render_sbatch(BatchJob(
+        command=tuple(inner), nodes=int(opts["nodes"]), ntasks_per_node=int(opts["ntasks_per_node"]),
+        time=opts["time_limit"], partition=opts["partition"], job_name=str(opts["job_name"]),
+        output=opts["output"], workdir=os.getcwd()))
+    path = opts["sbatch_file"]
+    if path:
+        Path(str(path)).write_text(script)
+        click.echo(f"wrote {path}", err=True)
+    elif not opts["submit"] or opts["dry_run"]:
+        click.echo(script, nl=False)
+    if opts["submit"] and not opts["dry_run"]:
+        job_id = submit(script, _find_tool("sbatch"))
+        click.echo(f"Submitted batch job {job_id}")
+
+
+if __name__ == "__main__":
+    main()
