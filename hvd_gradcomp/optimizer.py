@@ -71,11 +71,18 @@ class _GradCompOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ hooks
     def _register_hooks(self) -> None:
+        self._hook_handles = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
                     self._delay[p] = self.backward_passes_per_step
-                    p.register_post_accumulate_grad_hook(self._hook)
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def remove_hooks(self) -> None:
+        """Detach this optimizer from the parameters (before wrapping them in a new one)."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
 
     def _hook(self, p: torch.Tensor) -> None:
         if p in self._pending:

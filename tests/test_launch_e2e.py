@@ -21,10 +21,12 @@ from tests.harness import BIN, HOROVODRUN, ROOT, launch, rank_env
 
 TARGET = "tests/scripts/launch_target.py"
 NASTY_ARGS = ["--steps", "2", "--note", "two words", "it's \"quoted\"", "a;b && echo pwned", "$HOME", "--", "-np"]
-RANK_RE = re.compile(r"rank=(\d+) size=(\d+) compression=(\S+) ratio=(\S+) bits=(\d+) accumulate=(\d+) "
-                     r"error_feedback=(\d) args=(\[.*\])\s*$")
-DONE_RE = re.compile(r"done rank=(\d+) steps=(\d+) loss=(\S+) params=(\S+)")
-COMPRESSOR_RE = re.compile(r"rank=(\d+) compressor=(.*)$")
+# Open MPI may split a line and glue another rank's prefix into it, so records are found
+# anywhere in the output, not per line, and every field is matched exactly.
+RANK_RE = re.compile(r"rank=(\d+) size=(\d+) compression=(\S+) ratio=([\d.e-]+) bits=(\d+) accumulate=(\d+) "
+                     r"error_feedback=(\d) args=")
+DONE_RE = re.compile(r"done rank=(\d+) steps=(\d+) loss=([-\d.e]+) params=([-\d.e]+)")
+COMPRESSOR_RE = re.compile(r"rank=(\d+) compressor=([^\n]*?\))")
 
 pytestmark = pytest.mark.multirank
 
@@ -52,16 +54,15 @@ def _compressors_importable() -> bool:
 def _parse_ranks(output: str, np: int) -> Dict[int, Dict[str, object]]:
     """Per rank: what it received and how its training ended; fails with the output if any is missing."""
     ranks: Dict[int, Dict[str, object]] = {}
-    for line in output.splitlines():
-        if match := RANK_RE.search(line):
-            r, size, comp, ratio, bits, acc, ef, args = match.groups()
-            ranks.setdefault(int(r), {}).update(size=int(size), compression=comp, ratio=float(ratio),
-                                                bits=int(bits), accumulate=int(acc), error_feedback=int(ef),
-                                                args=json.loads(args))
-        elif match := DONE_RE.search(line):
-            ranks.setdefault(int(match.group(1)), {}).update(steps=int(match.group(2)), params=match.group(4))
-        elif match := COMPRESSOR_RE.search(line):
-            ranks.setdefault(int(match.group(1)), {}).update(compressor=match.group(2))
+    for match in RANK_RE.finditer(output):
+        r, size, comp, ratio, bits, acc, ef = match.groups()
+        ranks.setdefault(int(r), {}).update(size=int(size), compression=comp, ratio=float(ratio), bits=int(bits),
+                                            accumulate=int(acc), error_feedback=int(ef),
+                                            args=json.JSONDecoder().raw_decode(output, match.end())[0])
+    for match in DONE_RE.finditer(output):
+        ranks.setdefault(int(match.group(1)), {}).update(steps=int(match.group(2)), params=match.group(4))
+    for match in COMPRESSOR_RE.finditer(output):
+        ranks.setdefault(int(match.group(1)), {}).update(compressor=match.group(2))
     complete = [r for r in range(np) if {"size", "params", "compressor"} <= set(ranks.get(r, {}))]
     if complete != list(range(np)):
         pytest.fail(f"expected complete output from ranks 0..{np - 1}, got {sorted(ranks)}\n"

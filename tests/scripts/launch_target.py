@@ -59,7 +59,7 @@ def _train(cfg, steps: int) -> tuple:
         opt.step()
         opt.zero_grad()
     params = sum(float(p.detach().double().sum()) for p in model.parameters())
-    return float(loss), params
+    return float(loss.detach()), params
 
 
 def main() -> int:
