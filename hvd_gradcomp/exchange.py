@@ -113,8 +113,10 @@ class ScatterReduceExchange:
         splits = torch.tensor([pl.numel() for pl in payloads], dtype=torch.int32)
         handle = _hvd().alltoall_async(torch.cat(payloads), splits=splits, name=f"hvdgc.a2a.{name}",
                                        process_set=self.process_set)
-        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=int(splits.sum()),
-                       extra={"bounds": bounds})
+        # The chunk this rank keeps never leaves it: count only what goes to the others, so
+        # that alltoall + allgather together send exactly one payload's worth per rank.
+        sent = int(splits.sum()) - int(splits[self.process_set.rank()])
+        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sent, extra={"bounds": bounds})
 
     def advance(self, p: Pending) -> None:
         """Stage 2: reduce my chunk from everybody's payloads, re-quantise, start the allgather."""

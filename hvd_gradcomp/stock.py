@@ -72,7 +72,7 @@ def _call_from_frame(frame: Any, tensor: torch.Tensor) -> HorovodCall:
     names = getattr(opt, "_parameter_names", None)
     if names is None:
         raise HorovodIntegrationError(_advice("this Horovod version's optimizer has no _parameter_names"))
-    if getattr(opt, "op", None) == hvd.Adasum:
+    if getattr(opt, "op", None) == hvd.Adasum or hasattr(opt, "_starting_models"):
         raise HorovodIntegrationError("hvd_gradcomp compressors do not support op=hvd.Adasum (it "
                                       "reduces dense deltas); use op=hvd.Average or hvd.Sum")
     p = frame.f_locals.get("p")

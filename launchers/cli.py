@@ -124,23 +124,32 @@ def run(argv: List[str], env: Mapping[str, str]) -> int:
     Returns the job's exit code (128+N when it died of signal N). A third signal kills the
     group outright, for a launcher that hangs while shutting down.
     """
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
-    received = []
+    received: List[int] = []
+    children: List[subprocess.Popen] = []
 
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL if len(received) >= 3 else signum)
-        except ProcessLookupError:
-            pass
+        for child in children:
+            _signal_group(child.pid, signal.SIGKILL if len(received) >= 3 else signum)
 
+    # Handlers go in before the child starts, so a Ctrl-C in between cannot orphan it.
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = proc.wait()
+        children.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True))
+        for signum in received:
+            _signal_group(children[0].pid, signum)
+        code = children[0].wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code if code >= 0 else 128 - code
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:  # the job has just ended
+        pass
 
 
 def _self_command() -> List[str]:
@@ -181,11 +190,12 @@ def _self_command() -> List[str]:
 @click.option("--sbatch-file", type=click.Path(dir_okay=False), help="--sbatch: write the script here "
               "[default: print it, or pipe it to sbatch with --submit].")
 @click.option("--submit", is_flag=True, help="--sbatch: submit the script with sbatch.")
-@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
     """Run SCRIPT [ARGS]... on NP Horovod ranks; ARGS are passed to the script untouched."""
     _check_script(command)
+    _check_sbatch_only(ctx)
     env = _compression_env(opts["compression"], opts["ratio"], opts["bits"], opts["accumulate"],
                            opts["error_feedback"], opts["seed"])
     try:
@@ -204,6 +214,20 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
         ctx.exit(run(argv, added))
     except OSError as err:
         raise click.ClickException(f"cannot start {argv[0]}: {err.strerror}") from None
+
+
+_SBATCH_ONLY = ("nodes", "ntasks_per_node", "time_limit", "partition", "job_name", "output", "sbatch_file", "submit")
+
+
+def _check_sbatch_only(ctx: click.Context) -> None:
+    """Batch options without --sbatch would be silently ignored; say so instead."""
+    if ctx.params["sbatch"]:
+        return
+    given = [name for name in _SBATCH_ONLY
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        option = next(p.opts[0] for p in ctx.command.params if p.name == given[0])
+        raise click.UsageError(f"{option} only applies with --sbatch; add --sbatch or drop it")
 
 
 def _plan(command: Tuple[str, ...], env: Dict[str, str], opts: Mapping[str, object],
@@ -248,7 +272,10 @@ def _sbatch(command: Tuple[str, ...], opts: Mapping[str, object]) -> None:
         output=opts["output"], workdir=os.getcwd()))
     path = opts["sbatch_file"]
     if path:
-        Path(str(path)).write_text(script)
+        try:
+            Path(str(path)).write_text(script)
+        except OSError as err:
+            raise click.ClickException(f"cannot write {path}: {err.strerror}") from None
         click.echo(f"wrote {path}", err=True)
     elif not opts["submit"] or opts["dry_run"]:
         click.echo(script, nl=False)

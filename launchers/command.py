@@ -9,8 +9,11 @@ Example::
 
     >>> spec = LaunchSpec(command=("train.py", "--epochs", "3"), np=2, python="python",
     ...                   env={"HVDGC_COMPRESSION": "topk"}, backend="gloo")
-    >>> build_command(spec)
-    (['horovodrun', '-np', '2', '-H', 'localhost:2', '--gloo', 'python', 'train.py', '--epochs', '3'], {'HVDGC_COMPRESSION': 'topk'})
+    >>> argv, env = build_command(spec)
+    >>> argv
+    ['horovodrun', '-np', '2', '-H', 'localhost:2', '--gloo', 'python', 'train.py', '--epochs', '3']
+    >>> env
+    {'HVDGC_COMPRESSION': 'topk'}
 """
 from __future__ import annotations
 
@@ -229,7 +232,8 @@ def _reject(spec: LaunchSpec, launcher: str, gloo: bool = False, start_timeout: 
             ssh_port: bool = False, hostfile: bool = False) -> None:
     """Fail on horovodrun-only options that the chosen launcher cannot honour."""
     if gloo and spec.backend == "gloo":
-        raise LaunchError(f"--gloo needs horovodrun; drop it or use --launcher horovodrun (--launcher {launcher} runs MPI)")
+        raise LaunchError(f"--gloo needs horovodrun; drop it or use --launcher horovodrun "
+                          f"(--launcher {launcher} runs MPI)")
     if start_timeout and spec.start_timeout is not None:
         raise LaunchError(f"--start-timeout is a horovodrun option; drop it with --launcher {launcher}")
     if ssh_port and spec.ssh_port is not None:

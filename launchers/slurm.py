@@ -137,7 +137,8 @@ def allocation_from_env(env: Mapping[str, str]) -> Optional[Allocation]:
                          f"or unset {ENV_JOB_ID} to launch outside Slurm")
     nodes = expand_nodelist(nodelist)
     slots = _slots(env, len(nodes))
-    return Allocation(job_id=job_id, hosts=tuple(zip(nodes, slots)), ntasks=_ntasks(env), nodelist=nodelist)
+    hosts = tuple(zip(nodes, slots))  # _slots returns one count per node
+    return Allocation(job_id=job_id, hosts=hosts, ntasks=_ntasks(env), nodelist=nodelist)
 
 
 def _slots(env: Mapping[str, str], n_nodes: int) -> List[int]:

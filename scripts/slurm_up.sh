@@ -23,7 +23,7 @@ log() { printf '[slurm_up %3ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 die() {
   printf '[slurm_up] ERROR: %s\n' "$*" >&2
   for f in /var/log/munge/munged.log "$LOGDIR/slurmctld.log" "$LOGDIR/slurmd.log"; do
-    [ -f "$f" ] && { printf -- '--- last lines of %s ---\n' "$f" >&2; tail -15 "$f" >&2; }
+    [ -r "$f" ] && { printf -- '--- last lines of %s ---\n' "$f" >&2; tail -15 "$f" >&2; }
   done
   exit 1
 }

@@ -252,6 +252,8 @@ def test_cli_inside_slurm_takes_hosts_and_np(invoke):
     (("--accumulate", "0", SCRIPT), None, "Error: accumulate must be >= 1, got 0"),
     (("--launcher", "mpirun", "--gloo", SCRIPT), None, "Error: --gloo needs horovodrun"),
     (("--launcher", "srun", SCRIPT), None, "Error: --launcher srun runs inside a Slurm allocation"),
+    (("--nodes", "2", SCRIPT), None, "Error: --nodes only applies with --sbatch; add --sbatch or drop it"),
+    (("--submit", SCRIPT), None, "Error: --submit only applies with --sbatch"),
     ((SCRIPT,), {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2", "SLURM_TASKS_PER_NODE": "1"},
      "Error: SLURM_JOB_NODELIST='n[1-2' is malformed: unclosed '['"),
     ((SCRIPT,), {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x3)"},
@@ -278,3 +280,14 @@ def test_cli_missing_launcher_tool(monkeypatch):
     assert res.exit_code == 1
     assert res.output.strip() == ("Error: mpirun not found on the PATH; install Open MPI (apt-get install "
                                   "openmpi-bin) or use --launcher horovodrun")
+
+
+# ---------------------------------------------------------------- running (a tiny real child, no Horovod)
+def test_run_adds_env_and_returns_exit_code():
+    code = cli.run([sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['HVDGC_TEST_CODE']))"],
+                   {"HVDGC_TEST_CODE": "7"})
+    assert code == 7
+
+
+def test_run_reports_death_by_signal_as_128_plus_n():
+    assert cli.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], {}) == 143

@@ -157,7 +157,7 @@ def test_launcher_args():
         "-np", "4", "--gloo", "--ratio", "0.5"]
 
 
-def test_cli_sbatch_prints_script_that_relaunches_with_same_options(monkeypatch, tmp_path):
+def test_cli_sbatch_prints_script_that_relaunches_with_same_options(monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(cli, "_self_command", lambda: ["hvdgc-launch"])
     res = CliRunner().invoke(cli.main, [

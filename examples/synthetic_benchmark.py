@@ -1,0 +1,227 @@
+"""Synthetic benchmark, in the manner of Horovod's ``pytorch_synthetic_benchmark.py``.
+
+A stack of square Linear layers sized by ``--params`` (25M by default) trains on one fixed
+random batch: warm-up iterations, then timed iterations of ``--batches-per-iter`` steps.
+Prints samples/s as mean +- 1.96 sigma per rank and in total, the time each step spends
+inside ``synchronize()`` (exposed communication and decoding) and the bytes each rank hands
+to Horovod per step. ``--json OUT`` writes the figures (rank 0) for ``hvdgc-bench``.
+
+Example::
+
+    horovodrun -np 2 -H localhost:2 --gloo python examples/synthetic_benchmark.py \\
+        --params 25e6 --compression topk-qsgd --ratio 0.01 --bits 8
+
+``--optimizer stock`` times Horovod's own ``hvd.DistributedOptimizer`` instead (its
+communication time is measured around an explicit ``synchronize()``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train import add_compression_args, resolve_config  # noqa: E402  (examples/train.py)
+
+import horovod.torch as hvd  # noqa: E402
+import hvd_gradcomp as gc  # noqa: E402
+from hvd_gradcomp.config import CompressionConfig  # noqa: E402
+
+
+def layer_plan(params: float, width: int) -> int:
+    """How many ``width x width`` Linear layers (with bias) come closest to ``params``, at least 1.
+
+    >>> layer_plan(25e6, 2048)
+    6
+    """
+    per_layer = width * width + width
+    return max(1, round(params / per_layer))
+
+
+def build_model(params: float, width: int, classes: int = 1000) -> nn.Module:
+    """``depth`` square Linear+ReLU layers, then a classifier head of ``classes`` outputs."""
+    depth = layer_plan(params, width)
+    layers: List[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace, CompressionConfig]:
+    parser = argparse.ArgumentParser(description="Synthetic Horovod benchmark with gradient compression",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--params", type=float, default=25e6, help="approximate model size in parameters")
+    parser.add_argument("--width", type=int, default=2048, help="width of the square Linear layers")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per step per rank (small: cheap compute)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations (not timed)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations")
+    parser.add_argument("--batches-per-iter", type=int, default=1, help="optimizer steps per iteration")
+    parser.add_argument("--optimizer", choices=("gc", "stock"), default="gc",
+                        help="gc: hvd_gradcomp.DistributedOptimizer; stock: hvd.DistributedOptimizer")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--json", default=None, help="write the results (rank 0) to this JSON file")
+    parser.add_argument("--label", default=None, help="name of this setting in the JSON")
+    add_compression_args(parser)
+    args = parser.parse_args(argv)
+    if args.params < 1000:
+        parser.error(f"--params must be >= 1000, got {args.params:g}")
+    for flag in ("width", "batch_size", "iters", "batches_per_iter", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    cfg = resolve_config(args, parser)
+    if args.optimizer == "stock" and cfg.accumulate != 1:
+        parser.error("--optimizer stock is timed with --accumulate 1")
+    return args, cfg
+
+
+def make_optimizer(model: nn.Module, cfg: CompressionConfig, kind: str, min_numel: int) -> Any:
+    """The distributed optimizer under test (public API only)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compression = cfg.make_compressor()
+    if kind == "stock":
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression or hvd.Compression.none)
+    else:
+        opt = gc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
+                                      backward_passes_per_step=cfg.accumulate, min_compress_numel=min_numel)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return opt
+
+
+class StepTimer:
+    """Runs one optimizer step and records its wall time, time in synchronize() and bytes sent."""
+
+    def __init__(self, model: nn.Module, opt: Any, kind: str, cfg: CompressionConfig, batch: int,
+                 width: int, seed: int) -> None:
+        self.model, self.opt, self.kind, self.cfg = model, opt, kind, cfg
+        g = torch.Generator().manual_seed(seed + hvd.rank())
+        self.x = torch.randn(batch, width, generator=g)
+        self.y = torch.randint(0, 1000, (batch,), generator=g)
+        self.raw_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.acc = gc.GradientAccumulator(opt, steps=cfg.accumulate, micro_batch=batch) if kind == "gc" else None
+
+    def step(self) -> Tuple[float, float, int]:
+        """(seconds, seconds in synchronize, bytes this rank handed to Horovod)."""
+        t0 = time.perf_counter()
+        if self.kind == "stock":
+            return self._stock_step(t0)
+        before = self.opt.comm_wait_s
+        for _ in range(self.cfg.accumulate):
+            self.acc.backward(F.cross_entropy(self.model(self.x), self.y))
+        return time.perf_counter() - t0, self.opt.comm_wait_s - before, self.opt.last_step_bytes
+
+    def _stock_step(self, t0: float) -> Tuple[float, float, int]:
+        self.opt.zero_grad()
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        t1 = time.perf_counter()
+        self.opt.synchronize()
+        comm = time.perf_counter() - t1
+        with self.opt.skip_synchronize():
+            self.opt.step()
+        fp16 = self.cfg.compression == "fp16"
+        return time.perf_counter() - t0, comm, self.raw_bytes // 2 if fp16 else self.raw_bytes
+
+
+def confidence(values: List[float]) -> Tuple[float, float]:
+    """(mean, 1.96 x population standard deviation), as Horovod's benchmark prints them.
+
+    >>> confidence([1.0, 3.0])
+    (2.0, 1.96)
+    """
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / len(values)
+    return mean, 1.96 * math.sqrt(var)
+
+
+def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    model = build_model(args.params, args.width)
+    opt = make_optimizer(model, cfg, args.optimizer, args.min_compress_numel)
+    timer = StepTimer(model, opt, args.optimizer, cfg, args.batch_size, args.width, cfg.seed)
+    say = print if hvd.rank() == 0 else (lambda *a, **k: None)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"Model: {len(model) // 2} x Linear({args.width}, {args.width}) + head, {n_params:,} parameters "
+        f"({timer.raw_bytes / 1e6:.1f} MB of float32 gradients)")
+    say(f"Batch size: {args.batch_size} per rank x {cfg.accumulate} accumulated, ranks: {hvd.size()}, "
+        f"optimizer: {args.optimizer}, compression: {cfg.compression} ({cfg.make_compressor()!r})", flush=True)
+    t_warm = time.perf_counter()
+    for _ in range(args.warmup * args.batches_per_iter):
+        timer.step()
+    say(f"Warm-up: {args.warmup} iterations, {time.perf_counter() - t_warm:.1f}s", flush=True)
+    steps: List[Tuple[float, float, int]] = []
+    rates: List[float] = []
+    samples = args.batch_size * cfg.accumulate * args.batches_per_iter
+    for i in range(args.iters):
+        t0 = time.perf_counter()
+        for _ in range(args.batches_per_iter):
+            steps.append(timer.step())
+        rate = samples / (time.perf_counter() - t0)
+        rates.append(rate)
+        say(f"Iter #{i}: {rate:.1f} samples/sec per rank", flush=True)
+    return _report(args, cfg, model, timer, steps, rates, say)
+
+
+def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, timer: StepTimer,
+            steps: List[Tuple[float, float, int]], rates: List[float], say: Any) -> Dict[str, Any]:
+    mean, conf = confidence(rates)
+    size = hvd.size()
+    step_s = _across_ranks([sum(s for s, _, _ in steps) / len(steps)], "bench.step")[0]
+    comm_s = _across_ranks([sum(c for _, c, _ in steps) / len(steps)], "bench.comm")[0]
+    bytes_step = sum(b for _, _, b in steps) / len(steps)
+    say(f"Samples/sec per rank: {mean:.1f} +-{conf:.1f}")
+    say(f"Total samples/sec on {size} rank(s): {size * mean:.1f} +-{size * conf:.1f}")
+    say(f"Step time: {step_s * 1e3:.1f} ms, of which in synchronize(): {comm_s * 1e3:.1f} ms "
+        f"({100 * comm_s / step_s:.1f}%)")
+    say(f"Bytes handed to Horovod per step per rank: {bytes_step:,.0f} (raw gradients {timer.raw_bytes:,}, "
+        f"ratio {timer.raw_bytes / bytes_step if bytes_step else 0:.1f}x)")
+    result = {
+        "label": args.label or cfg.compression, "optimizer": args.optimizer, "config": vars_cfg(cfg),
+        "compressor": repr(cfg.make_compressor()), "ranks": size, "params": sum(p.numel() for p in model.parameters()),
+        "width": args.width, "batch_size": args.batch_size, "warmup": args.warmup, "iters": args.iters,
+        "batches_per_iter": args.batches_per_iter, "samples_per_s_rank_mean": mean, "samples_per_s_rank_conf": conf,
+        "samples_per_s_total_mean": size * mean, "samples_per_s_total_conf": size * conf,
+        "step_s": step_s, "comm_s": comm_s, "comm_share": comm_s / step_s if step_s else 0.0,
+        "bytes_per_step": bytes_step, "raw_bytes_per_step": timer.raw_bytes,
+        "ratio": timer.raw_bytes / bytes_step if bytes_step else 0.0,
+        "step_times_s": [s for s, _, _ in steps], "torch": torch.__version__, "python": platform.python_version(),
+    }
+    if args.json and hvd.rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+def vars_cfg(cfg: CompressionConfig) -> Dict[str, Any]:
+    return {"compression": cfg.compression, "ratio": cfg.ratio, "bits": cfg.bits, "accumulate": cfg.accumulate,
+            "error_feedback": cfg.error_feedback, "seed": cfg.seed}
+
+
+def _across_ranks(values: List[float], name: str) -> List[float]:
+    """Means over ranks: the step and communication times the job saw."""
+    return hvd.allreduce(torch.tensor(values, dtype=torch.float64), name=name).tolist()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args, cfg = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    run(args, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

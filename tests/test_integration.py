@@ -1,0 +1,142 @@
+"""Horovod integration on 2 ranks, under Gloo and under MPI (issue 4, tests a-f).
+
+Starting ranks costs seconds, so related scenarios run as one job per backend (a
+"battery", cached for the module) and each test asserts on its part of the results.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List
+
+import pytest
+
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+COMPRESSORS = {"qsgd8": ("qsgd", {"bits": 8}), "qsgd4": ("qsgd", {"bits": 4}),
+               "topk": ("topk", {"ratio": 0.05}), "topkqsgd": ("topkqsgd", {"ratio": 0.05, "bits": 8})}
+DENSE = {"none": ("none", {}), "fp16": ("fp16", {})}
+BYTES = {"topkqsgd": ("topkqsgd", {"ratio": 0.01, "bits": 8}, 150), "qsgd8": ("qsgd", {"bits": 8}, 3.9),
+         "qsgd4": ("qsgd", {"bits": 4}, 7.8), "qsgd2": ("qsgd", {"bits": 2}, 15.0),
+         "topk": ("topk", {"ratio": 0.01}, 60), "none": ("none", {}, 1.0)}
+_cache: Dict[Any, List[Any]] = {}
+
+
+def battery(backend: str, group: str, tmp_path_factory=None) -> Dict[str, Any]:
+    """Results of one job running every scenario of ``group``, keyed by scenario id (rank 0 and 1)."""
+    key = (backend, group)
+    if key not in _cache:
+        scenarios = SCENARIOS[group](tmp_path_factory)
+        ids = list(scenarios)
+        per_rank = run_ranks("integration:battery", backend=backend, timeout=300,
+                             scenarios=[scenarios[i] for i in ids])
+        _cache[key] = {i: [rank_result[j] for rank_result in per_rank] for j, i in enumerate(ids)}
+    return _cache[key]
+
+
+def _gradient_scenarios(_):
+    sc = {f"ours-{k}": {"fn": "compressed_gradient", "kind": kind, **kw}
+          for k, (kind, kw) in {**COMPRESSORS, **DENSE}.items()}
+    sc.update({f"stock-{k}": {"fn": "compressed_gradient", "kind": kind, "stock": True, **kw}
+               for k, (kind, kw) in COMPRESSORS.items()})
+    sc["ours-topk-sum"] = {"fn": "compressed_gradient", "kind": "topk", "op": "sum", "ratio": 0.05}
+    sc["ours-qsgd-sum"] = {"fn": "compressed_gradient", "kind": "qsgd", "op": "sum", "bits": 8}
+    sc["errors"] = {"fn": "stock_errors"}
+    return sc
+
+
+def _accumulation_scenarios(_):
+    return {"ours": {"fn": "accumulation", "n": 4, "micro": 4},
+            "stock": {"fn": "accumulation", "n": 4, "micro": 4, "stock": True},
+            "partial": {"fn": "accumulation", "n": 4, "micro": 4, "partial": 3},
+            "partial-stock": {"fn": "accumulation", "n": 4, "micro": 4, "partial": 3, "stock": True}}
+
+
+def _bytes_scenarios(_):
+    return {k: {"fn": "bytes_per_step", "kind": kind, **kw} for k, (kind, kw, _) in BYTES.items()}
+
+
+def _checkpoint_scenarios(tmp_path_factory):
+    return {kind: {"fn": "checkpoint_resume", "kind": kind, "ckpt_dir": str(tmp_path_factory.mktemp(kind))}
+            for kind in ("topkqsgd", "qsgd", "topk", "none")}
+
+
+SCENARIOS = {"gradient": _gradient_scenarios, "accumulation": _accumulation_scenarios,
+             "bytes": _bytes_scenarios, "checkpoint": _checkpoint_scenarios}
+
+
+def _check_gradient(results: List[Dict[str, Any]], kind: str) -> None:
+    for r in results:
+        for name, same, err, bound, rel in zip(r["names"], r["identical"], r["max_err"], r["bound"], r["rel_err"]):
+            assert same, f"{name}: ranks hold different gradients"
+            assert err <= bound, f"{name}: error {err} above the {kind} bound {bound} (relative {rel})"
+
+
+@pytest.mark.parametrize("case", [*COMPRESSORS, *DENSE, "topk-sum", "qsgd-sum"])
+def test_compressed_gradient_matches_reference(backend, case):
+    """(a) gc.DistributedOptimizer: identical on every rank, within the compressor's bound."""
+    kind = {**COMPRESSORS, **DENSE}.get(case, (case.split("-")[0],))[0]
+    _check_gradient(battery(backend, "gradient")[f"ours-{case}"], kind)
+
+
+@pytest.mark.parametrize("case", list(COMPRESSORS))
+def test_stock_horovod_optimizer_with_each_compressor(backend, case):
+    """(f) the unmodified hvd.DistributedOptimizer with our compressors."""
+    _check_gradient(battery(backend, "gradient")[f"stock-{case}"], COMPRESSORS[case][0])
+
+
+def test_misuse_gives_clear_errors(backend):
+    msgs = battery(backend, "gradient")["errors"][0]["messages"]
+    assert len(msgs) == 2
+    assert "needs name=" in msgs[0]
+    assert "Adasum" in msgs[1]
+
+
+@pytest.mark.parametrize("case", ["ours", "stock"])
+def test_accumulation_equals_large_batch(backend, case):
+    """(b) 4 micro-batches of 4 == one batch of 16: gradient and parameters, rel. error <= 1e-5."""
+    for r in battery(backend, "accumulation")[case]:
+        assert r["stepped"] == [False, False, False, True]
+        assert r["grad_rel"] <= 1e-5 and r["param_rel"] <= 1e-5, r
+        assert r["grads_zeroed"]
+        assert r["describe"] == "micro-batch 4 x 4 steps x 2 ranks = effective batch 32"
+
+
+@pytest.mark.parametrize("case", ["partial", "partial-stock"])
+def test_partial_window_flush(backend, case):
+    """(b) 3 of 4 micro-batches then flush() == one batch of 12."""
+    for r in battery(backend, "accumulation")[case]:
+        assert r["stepped"] == [False, False, False, True]
+        assert r["optimizer_steps"] == 1
+        assert r["grad_rel"] <= 1e-5 and r["param_rel"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("case", list(BYTES))
+def test_bytes_handed_to_horovod_match_ratio(backend, case):
+    """(c) compressed tensors shrink by the compressor's ratio; small ones go dense, fused."""
+    min_ratio = BYTES[case][2]
+    for r in battery(backend, "bytes")[case]:
+        ratio = r["raw_big"] / r["sent_big"]
+        assert ratio >= min_ratio, r
+        if case == "none":
+            assert ratio == 1.0
+        assert r["last_step_bytes"] == r["sent_big"] + r["small_bytes"], r
+
+
+@pytest.mark.parametrize("kind", ["topkqsgd", "qsgd", "topk", "none"])
+def test_checkpoint_resume_is_identical(backend, kind, tmp_path_factory):
+    """(d) stop, save per-rank state, rebuild everything, resume == never stopped."""
+    for r in battery(backend, "checkpoint", tmp_path_factory)[kind]:
+        assert r["moved"] > 1e-3, "training did not change the parameters: the test would prove nothing"
+        assert r["identical"], f"resumed run differs by {r['max_diff']}"
+        assert r["optimizer_steps"] == 6
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_failing_rank_ends_job(backend, mode):
+    """(e) a rank that raises or is killed makes the job exit non-zero, in bounded time."""
+    t0 = time.monotonic()
+    [res] = run_ranks("integration:failing_rank", backend=backend, mode=mode, expect_fail=True, timeout=120)
+    assert res["returncode"] != 0
+    assert "rank 1 going down" in res["output"]
+    assert time.monotonic() - t0 < 120

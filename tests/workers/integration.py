@@ -1,0 +1,276 @@
+"""Rank-side code of tests/test_integration.py (runs under horovodrun; see tests/harness.py).
+
+Each function returns JSON-able values; the assertions live in the test, in the pytest
+process, except where a value can only be checked on the rank (then it is returned too).
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from typing import Any, Dict, List
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+import hvd_gradcomp as gc
+from hvd_gradcomp.stats import ByteStats  # noqa: F401  (documented attribute types)
+
+IN, HIDDEN, OUT = 64, 128, 10   # fc1.weight 8192 and fc2.weight 1280 elements: compressed
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(IN, HIDDEN))
+    model.add_module("act", torch.nn.Tanh())
+    model.add_module("fc2", torch.nn.Linear(HIDDEN, OUT))
+    return model.double() if os.environ.get("HVDGC_TEST_DOUBLE") else model
+
+
+def batch(rank: int, step: int, n: int = 16, offset: int = 0):
+    """Deterministic data of (rank, step): the same on every run."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(n + offset, IN, generator=g)[offset:]
+    y = torch.randint(0, OUT, (n + offset,), generator=g)[offset:]
+    return x, y
+
+
+def make_compressor(kind: str, **kw: Any):
+    if kind == "none":
+        return None
+    if kind == "fp16":
+        return hvd.Compression.fp16
+    return {"qsgd": gc.QSGD, "topk": gc.TopK, "topkqsgd": gc.TopKQSGD}[kind](**kw)
+
+
+def grads_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def all_ranks_equal(t: torch.Tensor) -> bool:
+    every = hvd.allgather(t.detach().reshape(1, -1).contiguous())
+    return all(torch.equal(every[0], every[r]) for r in range(every.shape[0]))
+
+
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    return hvd.allreduce(t.detach().clone(), op=hvd.Average)
+
+
+# ---------------------------------------------------------------- (a) and (f)
+def compressed_gradient(kind: str, stock: bool = False, op: str = "average", **kw: Any) -> Dict[str, Any]:
+    """One step's exchanged gradient against an uncompressed reference computed here."""
+    model = make_model()
+    comp = make_compressor(kind, **kw)
+    hvd_op = hvd.Average if op == "average" else hvd.Sum
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
+    opt = wrap(base, named_parameters=model.named_parameters(), compression=comp, op=hvd_op)
+    x, y = batch(hvd.rank(), 0)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    local = grads_of(model)
+    opt.synchronize()
+    out: Dict[str, Any] = {"names": [], "identical": [], "max_err": [], "bound": [], "rel_err": []}
+    for name, p in model.named_parameters():
+        ref = expected(kind, local[name], hvd_op, kw, stock)
+        out["names"].append(name)
+        out["identical"].append(all_ranks_equal(p.grad))
+        out["max_err"].append((p.grad - ref).abs().max().item())
+        out["rel_err"].append(((p.grad - ref).norm() / ref.norm()).item())
+        out["bound"].append(error_bound(kind, local[name], hvd_op, kw, stock))
+    return out
+
+
+def error_bound(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: bool = False) -> float:
+    """A hard elementwise bound on |exchanged - expected|, from every rank's gradient.
+
+    Expected is the exact mean for dense kinds, and the mean of every rank's top-k-masked
+    gradient for TopK kinds. QSGD moves each value by less than one level, norm/s, per
+    quantisation; the compressed allreduce quantises twice (each rank's chunk, then the
+    reduced chunk), and a bucket's norm is at most the tensor's norm. fp16: relative 2**-11.
+    """
+    scale = hvd.size() if op == hvd.Sum else 1
+    if g.numel() < 1024 and not stock:  # below min_compress_numel: uncompressed (fp16 still casts)
+        kind = "fp16" if kind == "fp16" else "none"
+    gmax_norm = hvd.allreduce(g.norm().reshape(1), op=hvd.Max).item()
+    if kind in ("qsgd", "topkqsgd"):
+        s = 2 ** (kw.get("bits", 8) - 1) - 1
+        stages = 2 if kind == "qsgd" else 1
+        return scale * stages * gmax_norm / s * 1.0001 + 1e-7
+    if kind == "fp16":
+        return scale * 2 * hvd.allreduce(g.abs().max().reshape(1), op=hvd.Max).item() * 2 ** -10 + 1e-7
+    return 1e-6 * scale
+
+
+def expected(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: bool = False) -> torch.Tensor:
+    """What the exchange should produce, computed independently of the library (torch.topk)."""
+    flat = g.reshape(-1)
+    if kind in ("topk", "topkqsgd") and (flat.numel() >= 1024 or stock):
+        k = max(1, math.ceil(kw.get("ratio", 0.01) * flat.numel() - 1e-9))
+        keep = torch.zeros_like(flat, dtype=torch.bool)
+        keep[torch.topk(flat.abs(), k).indices] = True
+        flat = torch.where(keep, flat, torch.zeros_like(flat))
+    out = mean_over_ranks(flat)
+    return (out * hvd.size() if op == hvd.Sum else out).view_as(g)
+
+
+# ---------------------------------------------------------------- (b) accumulation
+def accumulation(n: int = 4, micro: int = 4, stock: bool = False, partial: int = 0) -> Dict[str, Any]:
+    """N micro-batches through GradientAccumulator vs one batch N times larger (float32).
+
+    With ``partial`` = k < N, only k micro-batches are fed and ``flush()`` steps: the
+    reference is then one batch of k micro-batches.
+    """
+    fed = partial or n
+    wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
+    xs, ys = zip(*[batch(hvd.rank(), 0, micro, offset=i * micro) for i in range(fed)])
+    # Accumulated.
+    m_acc = make_model()
+    opt = wrap(torch.optim.SGD(m_acc.parameters(), lr=0.5), named_parameters=m_acc.named_parameters(),
+               backward_passes_per_step=n)
+    acc = gc.GradientAccumulator(opt, steps=n, micro_batch=micro)
+    grads_seen: Dict[str, torch.Tensor] = {}
+    orig_step = opt.step
+
+    def capture_then_step(*a, **k):  # record the exchanged gradient the step applies
+        opt.synchronize()
+        grads_seen.update(grads_of(m_acc))
+        with opt.skip_synchronize():
+            return orig_step(*a, **k)
+
+    opt.step = capture_then_step
+    stepped = [acc.backward(F.cross_entropy(m_acc(x), y)) for x, y in zip(xs, ys)]
+    if partial:
+        stepped.append(acc.flush())
+    # Reference: one large batch, one step.
+    m_ref = make_model()
+    ref_opt = wrap(torch.optim.SGD(m_ref.parameters(), lr=0.5), named_parameters=m_ref.named_parameters())
+    F.cross_entropy(m_ref(torch.cat(xs)), torch.cat(ys)).backward()
+    ref_opt.synchronize()
+    ref_grads = grads_of(m_ref)
+    with ref_opt.skip_synchronize():
+        ref_opt.step()
+    grad_rel = max(((grads_seen[k] - ref_grads[k]).abs().max() / ref_grads[k].abs().max()).item()
+                   for k in ref_grads)
+    param_rel = max(((a - b).abs().max() / b.abs().max()).item()
+                    for a, b in zip(m_acc.parameters(), m_ref.parameters()))
+    return {"stepped": stepped, "grad_rel": grad_rel, "param_rel": param_rel,
+            "describe": acc.describe(), "optimizer_steps": acc.optimizer_steps,
+            "grads_zeroed": all(p.grad is None or not p.grad.any() for p in m_acc.parameters())}
+
+
+# ---------------------------------------------------------------- (c) bytes
+def bytes_per_step(kind: str, **kw: Any) -> Dict[str, Any]:
+    """Bytes this rank hands to Horovod in one step, against the raw gradient bytes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))
+    comp = make_compressor(kind, **kw)
+    opt = gc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), compression=comp)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(hvd.rank()))
+    model(x).pow(2).mean().backward()
+    opt.step()
+    big = [n for n, p in model.named_parameters() if p.numel() >= 1024]
+    small_bytes = sum(p.numel() * 4 for p in model.parameters() if p.numel() < 1024)
+    raw_big = sum(p.numel() * 4 for n, p in model.named_parameters() if n in big)
+    sent_big = sum(opt.comm_stats.per_tensor[n][1] for n in big)
+    comp_ratio = None
+    if comp is not None and hasattr(comp, "stats"):
+        # The compressor's own count of payload bytes (chunks and re-quantised chunks included).
+        comp_ratio = comp.stats.ratio
+    return {"last_step_bytes": opt.last_step_bytes, "small_bytes": small_bytes, "raw_big": raw_big,
+            "sent_big": sent_big, "compressor_ratio": comp_ratio, "size": hvd.size()}
+
+
+# ---------------------------------------------------------------- (d) checkpoint / resume
+def _train(model, acc, steps: int, start: int, n: int) -> None:
+    for step in range(start, start + steps):
+        for i in range(n):
+            x, y = batch(hvd.rank(), 100 * step + i, 8)
+            acc.backward(F.cross_entropy(model(x), y))
+
+
+def _fresh(kind: str, n: int):
+    model = make_model()
+    comp = make_compressor(kind, seed=7) if kind != "none" else None
+    opt = gc.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters(), compression=comp,
+                                  backward_passes_per_step=n)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return model, opt, gc.GradientAccumulator(opt, steps=n, micro_batch=8)
+
+
+def checkpoint_resume(kind: str, ckpt_dir: str, n: int = 2, steps: int = 6) -> Dict[str, Any]:
+    """Uninterrupted run vs a run stopped at steps/2, saved, rebuilt from scratch and resumed."""
+    model, _, acc = _fresh(kind, n)
+    _train(model, acc, steps, 0, n)
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, _, acc = _fresh(kind, n)
+    _train(model, acc, steps // 2, 0, n)
+    path = os.path.join(ckpt_dir, f"ckpt-rank{hvd.rank()}.pt")
+    torch.save({"model": model.state_dict(), "acc": acc.state_dict()}, path)
+    del model, acc
+    model, _, acc = _fresh(kind, n)       # new objects, new (same-seeded) compressor
+    state = torch.load(path)
+    model.load_state_dict(state["model"])
+    acc.load_state_dict(state["acc"])
+    _train(model, acc, steps - steps // 2, steps // 2, n)
+    resumed = [p.detach().clone() for p in model.parameters()]
+    moved = max((a - b).abs().max().item() for a, b in zip(straight, make_model().parameters()))
+    return {"identical": all(torch.equal(a, b) for a, b in zip(straight, resumed)),
+            "max_diff": max((a - b).abs().max().item() for a, b in zip(straight, resumed)),
+            "moved": moved, "optimizer_steps": acc.optimizer_steps}
+
+
+# ---------------------------------------------------------------- (e) failures
+def failing_rank(mode: str) -> Dict[str, Any]:
+    """Rank 1 raises (or is killed) after one step; rank 0 goes on into the next exchange."""
+    model = make_model()
+    opt = gc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), compression=gc.TopKQSGD())
+    for step in range(50):
+        if step == 1 and hvd.rank() == 1:
+            print(f"rank 1 going down ({mode})", flush=True)
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("deliberate failure on rank 1")
+        x, y = batch(hvd.rank(), step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        time.sleep(0.05)
+    return {"finished": True}
+
+
+# ---------------------------------------------------------------- errors
+def stock_errors() -> Dict[str, List[str]]:
+    """Misuse through stock Horovod raises clear errors instead of wrong gradients."""
+    messages = []
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=gc.TopK(), sparse_as_dense=False)
+    x, y = batch(hvd.rank(), 0)
+    model(x).sum().backward()
+    opt.synchronize()  # works: names come from Horovod's call
+    c = gc.TopK()
+    try:
+        c.compress(torch.randn(100))  # outside Horovod, error feedback on, no name
+    except ValueError as e:
+        messages.append(str(e))
+    try:
+        gc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum,
+                                compression=gc.TopK())
+    except ValueError as e:
+        messages.append(str(e))
+    return {"messages": messages}
+
+
+def battery(scenarios: List[Dict[str, Any]]) -> List[Any]:
+    """Run several scenarios in one job (starting ranks costs seconds): [{"fn": name, **kwargs}]."""
+    return [globals()[sc.pop("fn")](**sc) for sc in scenarios]
