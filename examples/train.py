@@ -289,7 +289,9 @@ def _tensorboard(path: Path) -> Any:
 
 
 def _fmt_bytes(n: float) -> str:
-    """>>> _fmt_bytes(2_500_000)
+    """Bytes in human units.
+
+    >>> _fmt_bytes(2_500_000)
     '2.50 MB'
     """
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

@@ -1,0 +1,230 @@
+"""Error feedback: the invariant sent + new residual == input + old residual, boundedness over
+many steps, per-name state, checkpoints and shape checks."""
+import io
+import math
+
+import pytest
+import torch
+
+from hvd_gradcomp import QSGD, ResidualStore, TopK, TopKQSGD
+from hvd_gradcomp.feedback import residual_dtype
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+COMPRESSORS = {
+    "qsgd8": lambda seed=0: QSGD(bits=8, seed=seed),
+    "qsgd4-b32": lambda seed=0: QSGD(bits=4, bucket_size=32, seed=seed),
+    "topk": lambda seed=0: TopK(ratio=0.1, seed=seed),
+    "topkqsgd": lambda seed=0: TopKQSGD(ratio=0.2, bits=4, bucket_size=8, seed=seed),
+}
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def residual_or_zero(c, name: str, numel: int) -> torch.Tensor:
+    r = c.residuals.residual(name)
+    return torch.zeros(numel, dtype=torch.float64) if r is None else r.double().reshape(-1)
+
+
+def test_residual_store_docstring_example():
+    store = ResidualStore()
+    acc = store.compensate("w", torch.ones(3))
+    store.commit("w", acc - torch.tensor([1.0, 0.0, 0.0]))
+    assert store.residual("w").tolist() == [0.0, 1.0, 1.0]
+    acc = store.compensate("w", torch.tensor([1.0, 2.0, 3.0]))
+    assert acc.tolist() == [1.0, 3.0, 4.0]
+
+
+def test_half_precision_residuals_are_float32():
+    assert residual_dtype(torch.float16) == torch.float32
+    assert residual_dtype(torch.bfloat16) == torch.float32
+    assert residual_dtype(torch.float32) == torch.float32
+    c = TopK(ratio=0.1)
+    c.compress_named("w", torch.randn(50).to(torch.bfloat16))
+    assert c.residuals.residual("w").dtype == torch.float32
+
+
+# ------------------------------------------------------------------ the invariant
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_sent_plus_new_residual_equals_input_plus_old_residual(name, dtype):
+    """Checked against what the receiver decodes from the payload, to float32 rounding: the
+    residual is kept in float32 so that nothing the wire did not carry is lost, the rounding
+    of the decoded values to a 16-bit dtype included."""
+    c = COMPRESSORS[name]()
+    for step in range(6):
+        g = (torch.randn(33, 17, generator=gen(step)) * (1 + step)).to(dtype)
+        g_before = g.clone()
+        old = residual_or_zero(c, "w", g.numel())
+        payload = c.compress_named("w", g)
+        assert torch.equal(g, g_before)  # the gradient itself is not modified
+        sent = c.decode(payload).double().reshape(-1)
+        new = residual_or_zero(c, "w", g.numel())
+        rhs = g.double().reshape(-1) + old
+        atol = 4e-7 * float(rhs.abs().max())  # a few float32 ulps of the largest value
+        torch.testing.assert_close(sent + new, rhs, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_invariant_holds_for_chunks(name):
+    c = COMPRESSORS[name]()
+    bounds = [0, 100, 101, 250, 561]
+    for step in range(4):
+        g = torch.randn(3, 187, generator=gen(step))
+        old = residual_or_zero(c, "w", g.numel())
+        payloads = c.compress_chunks("w", g, bounds)
+        assert len(payloads) == len(bounds) - 1
+        parts = [c.decode(p).double() for p in payloads]
+        assert [p.numel() for p in parts] == [e - b for b, e in zip(bounds, bounds[1:])]
+        sent = torch.cat(parts)
+        new = residual_or_zero(c, "w", g.numel())
+        rhs = g.double().reshape(-1) + old
+        torch.testing.assert_close(sent + new, rhs, rtol=0, atol=4e-7 * float(rhs.abs().max()))
+
+
+def test_topk_residual_is_the_unsent_part_exactly():
+    c = TopK(ratio=0.25)
+    g = torch.tensor([1.0, -8.0, 3.0, 0.5, 2.0, -0.25, 7.0, 0.0])
+    c.compress_named("w", g)  # k = 2: -8 and 7 go out
+    assert c.residuals.residual("w").tolist() == [1.0, 0.0, 3.0, 0.5, 2.0, -0.25, 0.0, 0.0]
+    y = c.decode(c.compress_named("w", g))  # acc = 2, -8, 6, 1, 4, -0.5, 7, 0: -8 and 7 again
+    assert y.tolist() == [0.0, -8.0, 0.0, 0.0, 0.0, 0.0, 7.0, 0.0]
+    assert c.residuals.residual("w").tolist() == [2.0, 0.0, 6.0, 1.0, 4.0, -0.5, 0.0, 0.0]
+
+
+def test_names_have_independent_residuals():
+    c = TopK(ratio=0.1)
+    a, b = torch.randn(40, generator=gen(1)), torch.randn(40, generator=gen(2))
+    c.compress_named("a", a)
+    ra = c.residuals.residual("a").clone()
+    c.compress_named("b", b)
+    assert torch.equal(c.residuals.residual("a"), ra)
+    ref = TopK(ratio=0.1)
+    ref.compress_named("b", b)
+    assert torch.equal(c.residuals.residual("b"), ref.residuals.residual("b"))
+
+
+def test_without_error_feedback_nothing_is_kept():
+    c = QSGD(bits=4, error_feedback=False, seed=0)
+    g = torch.randn(100)
+    c.compress_named("w", g)
+    c.compress_named("w", g)
+    assert c.residuals.residual("w") is None
+
+
+# ------------------------------------------------------------------ many steps
+LONG_RUN = {
+    "qsgd8": lambda: QSGD(bits=8, seed=1),
+    "qsgd4": lambda: QSGD(bits=4, seed=1),
+    "qsgd2": lambda: QSGD(bits=2, seed=1),
+    "topk0.01": lambda: TopK(ratio=0.01),
+    "topk0.1": lambda: TopK(ratio=0.1),
+    "topkqsgd8": lambda: TopKQSGD(ratio=0.01, bits=8, seed=1),
+    "topkqsgd2": lambda: TopKQSGD(ratio=0.01, bits=2, seed=1),
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_RUN))
+def test_sent_tracks_gradients_over_200_steps(name):
+    """Over 200 steps of gradients with a consistent direction the residual stays bounded:
+
+    * below a cap at every step: 5 ||g|| for QSGD; for TopK-based compressors the bound
+      sqrt(1-d) / (1 - sqrt(1-d)) ||g|| (d = k/n) that follows from ||x - topk(x)||^2 <=
+      (1-d) ||x||^2 (TopK at 1% plateaus near 11 ||g|| on this input, TopK at 10% near 1.4);
+    * not growing: its largest value in steps 150..199 is at most 1.5 times that of 50..99;
+
+    and the sum of what was decoded follows the sum of the gradients: the gap is the
+    residual, so relative to the growing sum it shrinks (at step 200 <= 0.75 x step 100).
+    """
+    c = LONG_RUN[name]()
+    n, steps = 2048, 200
+    if isinstance(c, TopK):
+        d = max(1, math.ceil(c.ratio * n)) / n
+        cap = (1 - d) ** 0.5 / (1 - (1 - d) ** 0.5)
+    else:
+        cap = 5.0
+    g_ = gen(42)
+    drift = torch.randn(n, generator=g_) * 0.3
+    sum_g = torch.zeros(n, dtype=torch.float64)
+    sum_sent = torch.zeros(n, dtype=torch.float64)
+    ratios, rel = [], []
+    for t in range(steps):
+        g = drift + torch.randn(n, generator=g_)
+        sent = c.decode(c.compress_named("w", g)).double()
+        sum_g += g.double()
+        sum_sent += sent
+        ratios.append(float(c.residuals.residual("w").norm() / g.norm()))
+        rel.append(float((sum_sent - sum_g).norm() / sum_g.norm()))
+    assert max(ratios) <= cap, f"residual reached {max(ratios):.3g} x ||g|| (cap {cap:.3g})"
+    assert max(ratios[150:]) <= 1.5 * max(ratios[50:100]), "residual still growing"
+    assert rel[-1] <= 0.75 * rel[99], f"sum(sent) drifts from sum(g): {rel[99]:.3g} -> {rel[-1]:.3g}"
+
+
+# ------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_state_dict_restores_byte_identical_payloads(name):
+    def grads(step):
+        return [("enc.w", torch.randn(40, 7, generator=gen(2 * step))),
+                ("dec.b", torch.randn(13, generator=gen(2 * step + 1)).to(torch.bfloat16))]
+
+    c1 = COMPRESSORS[name](seed=7)
+    for step in range(3):
+        for tname, g in grads(step):
+            c1.compress_named(tname, g)
+    buf = io.BytesIO()
+    torch.save(c1.state_dict(), buf)
+    snapshot = {k: c1.residuals.residual(k).clone() for k in ("enc.w", "dec.b")}
+
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)  # a plain checkpoint, loadable safely
+    c2 = COMPRESSORS[name](seed=99)
+    c2.load_state_dict(state)
+    for k, r in snapshot.items():
+        assert torch.equal(c2.residuals.residual(k), r)
+    for step in range(3, 6):
+        for tname, g in grads(step):
+            assert torch.equal(c1.compress_named(tname, g), c2.compress_named(tname, g))
+    for k in snapshot:
+        assert torch.equal(c1.residuals.residual(k), c2.residuals.residual(k))
+
+
+def test_state_dict_is_a_snapshot():
+    c = QSGD(bits=4, seed=3)
+    c.compress_named("w", torch.randn(64, generator=gen(0)))
+    state = c.state_dict()
+    r = state["residuals"]["w"].clone()
+    c.compress_named("w", torch.randn(64, generator=gen(1)))
+    assert torch.equal(state["residuals"]["w"], r)
+    assert not torch.equal(c.residuals.residual("w"), r)
+
+
+# ------------------------------------------------------------------ shapes
+@pytest.mark.parametrize("ef", [True, False])
+@pytest.mark.parametrize("second", [(11,), (2, 5), (10, 1)], ids=str)
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_one_name_two_shapes_raises(name, second, ef):
+    c = COMPRESSORS[name]()
+    c.error_feedback = ef
+    c.compress_named("layer.w", torch.randn(10))
+    before = c.residuals.residual("layer.w")
+    for call in (lambda: c.compress_named("layer.w", torch.randn(second)),
+                 lambda: c.compress_chunks("layer.w", torch.randn(second), [0, 5, int(torch.Size(second).numel())])):
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = str(err.value)
+        assert "layer.w" in msg and "(10,)" in msg and str(tuple(second)) in msg
+    after = c.residuals.residual("layer.w")
+    assert (before is None and after is None) or torch.equal(before, after)
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_shape_check_survives_a_checkpoint(name):
+    """A restored compressor still refuses a name seen with another shape (same numel here,
+    which would otherwise silently mix the residual into the wrong elements)."""
+    c1 = COMPRESSORS[name]()
+    c1.compress_named("w", torch.randn(10))
+    c2 = COMPRESSORS[name]()
+    c2.load_state_dict(c1.state_dict())
+    with pytest.raises(ValueError, match="'w'"):
+        c2.compress_named("w", torch.randn(2, 5))
