@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import kernels, wire
-from .feedback import ResidualStore, residual_dtype
+from .feedback import ResidualStore
 from .stats import ByteStats
 
 Sent = Union[Callable[[], torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
@@ -233,7 +233,7 @@ class QSGD(GradientCompressor):
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
         norms, codes = kernels.qsgd_encode(flat, self.bits, self.bucket_size, seed)
-        sent = lambda: kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, flat.dtype)  # noqa: E731
+        sent = kernels.QSGDDecoded(norms, codes, self.bits, self.bucket_size, flat.dtype)
         return _Encoded(flat.numel(), self.bits, wire.INDEX_NONE, self.bucket_size,
                         [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)], sent)
 
@@ -320,7 +320,9 @@ def _read_qsgd(reader: wire.SectionReader, n: int, bits: int, bucket: int, dtype
 
 def _subtract_sent(acc: torch.Tensor, sent: Sent) -> None:
     """acc -= what the payload carries (dense callable or sparse (indices, values)), in place."""
-    if callable(sent):
+    if isinstance(sent, kernels.QSGDDecoded):
+        sent.subtract_from(acc)  # one fused pass, no dense decoded temporary
+    elif callable(sent):
         acc -= sent().to(acc.dtype)
     else:
         idx, vals = sent

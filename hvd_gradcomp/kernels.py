@@ -26,49 +26,79 @@ _M32 = 0xFFFFFFFF
 _HASH_MUL = 0x045D9F3B
 
 
-def _uniform_from_hash(start: torch.Tensor, n: int, seed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _uniform_from_hash(start: torch.Tensor, n: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
     """n uniforms in [0, 1) from a 32-bit integer hash of (element index + start) xor seed.
 
-    All products stay below 2**59, so int64 arithmetic never overflows on any backend.
+    The hash is the 32-bit one ``h ^= h >> 16; h *= 0x045D9F3B`` (twice, then ``h ^= h >> 16``),
+    computed in int32: AVX2 has no 64-bit multiply, so int64 arithmetic costs ~3x here. int32
+    products wrap modulo 2**32 on every backend (vpmulld, CUDA, Triton), which is exactly the
+    32-bit hash; ``& 0xFFFF`` after each right shift undoes the sign extension. ``start`` and
+    ``seed`` are int32 tensors holding the low 32 bits, so no value of theirs recompiles.
     """
-    h = (torch.arange(n, dtype=torch.int64, device=like.device) + start) & _M32
-    h = h ^ seed
-    h = (((h >> 16) ^ h) * _HASH_MUL) & _M32
-    h = (((h >> 16) ^ h) * _HASH_MUL) & _M32
-    h = (h >> 16) ^ h
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    idx = torch.arange(n, dtype=torch.int32 if n < 1 << 31 else torch.int64, device=device)
+    h = (idx.to(torch.int32) + start) ^ seed
+    h = (((h >> 16) & 0xFFFF) ^ h) * _HASH_MUL
+    h = (((h >> 16) & 0xFFFF) ^ h) * _HASH_MUL
+    h = ((h >> 16) & 0xFFFF) ^ h
+    return ((h >> 8) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def _qsgd_encode(x: torch.Tensor, seed: torch.Tensor, start: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x: (buckets, bucket_size). Returns (float32 norms per bucket, uint8 codes).
+def _sum_squares(xf: torch.Tensor) -> torch.Tensor:
+    """Per-row sum of squares in float64, rounded to float32.
+
+    float32 squares are exact in float64 and the float64 sum is far more precise than float32,
+    so the rounded result does not depend on the summation order: the compiled and the eager
+    kernel produce the same norms, hence the same payload bytes.
+    """
+    xd = xf.to(torch.float64)
+    return (xd * xd).sum(dim=1).to(torch.float32)
+
+
+def _qsgd_encode_into(x: torch.Tensor, codes: torch.Tensor, seed: torch.Tensor, start: torch.Tensor,
+                      bits: int) -> torch.Tensor:
+    """x: (buckets, bucket_size). Writes uint8 codes into ``codes`` (same shape), returns the
+    float32 sum of squares per bucket.
 
     code = sign << (bits-1) | level, level = floor(|x| / norm * s + u), s = 2**(bits-1) - 1,
-    u ~ U[0, 1): E[level] = |x| / norm * s, so the decoded value is unbiased.
+    u ~ U[0, 1): E[level] = |x| / norm * s, so the decoded value is unbiased. Writing into a
+    caller's buffer lets the last, shorter bucket land next to the others without a ``cat``.
     """
     s = (1 << (bits - 1)) - 1
     xf = x.to(torch.float32)
-    norms = torch.linalg.vector_norm(xf, dim=1)
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    u = _uniform_from_hash(start, x.numel(), seed, x).view_as(xf)
-    level = torch.floor(xf.abs() * (s / safe).unsqueeze(1) + u).clamp_(max=s)
-    code = level.to(torch.uint8) | ((xf < 0).to(torch.uint8) << (bits - 1))
-    return norms, code
+    sq = _sum_squares(xf)
+    norms = sq.sqrt()
+    scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms)).unsqueeze(1)
+    u = _uniform_from_hash(start, x.numel(), seed, x.device).view_as(xf)
+    level = torch.floor(xf.abs() * scale + u).clamp_(max=s)
+    # The sign as a float select, then one float->uint8 conversion: storing a boolean mask as
+    # bytes is ~10x slower than this in inductor's CPU code.
+    codes.copy_(torch.where(xf < 0, level + (s + 1), level).to(torch.uint8))
+    return sq
 
 
-def _qsgd_decode(norms: torch.Tensor, codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`_qsgd_encode`; codes: (buckets, bucket_size) uint8."""
+def _qsgd_decode_into(out: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
+    """Inverse of :func:`_qsgd_encode_into`: out[b, i] = +-level * step[b], step = norm / s."""
     s = (1 << (bits - 1)) - 1
-    level = (codes & s).to(torch.float32)
-    sign = 1.0 - 2.0 * (codes >> (bits - 1)).to(torch.float32)
-    return (level * sign * (norms / s).unsqueeze(1)).to(dtype)
+    c = codes.to(torch.float32)
+    signed = torch.where(c > s, (s + 1) - c, c)
+    out.copy_((signed * step.unsqueeze(1)).to(out.dtype))
+
+
+def _qsgd_subtract_into(acc: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
+    """acc -= decoded codes, in one pass (error feedback's residual update)."""
+    s = (1 << (bits - 1)) - 1
+    c = codes.to(torch.float32)
+    signed = torch.where(c > s, (s + 1) - c, c)
+    acc.sub_((signed * step.unsqueeze(1)).to(acc.dtype))
 
 
 def _abs_at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    return x.abs() >= threshold
+    """uint8 mask of |x| >= threshold (via a float select: inductor stores bool masks slowly)."""
+    return torch.where(x.abs() >= threshold, 1.0, 0.0).to(torch.uint8)
 
 
-_EAGER: Dict[str, Callable] = {"qsgd_encode": _qsgd_encode, "qsgd_decode": _qsgd_decode,
-                               "abs_at_least": _abs_at_least}
+_EAGER: Dict[str, Callable] = {"qsgd_encode": _qsgd_encode_into, "qsgd_decode": _qsgd_decode_into,
+                               "qsgd_subtract": _qsgd_subtract_into, "abs_at_least": _abs_at_least}
 _COMPILED: Dict[str, Callable] = {}
 _compile_broken = False
 
@@ -96,6 +126,15 @@ def _kernel(name: str, numel: int) -> Callable:
     return run
 
 
+def _seed_tensors(seed: int, start: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Seed and start as int32 tensors of their low 32 bits (tensors: new values never recompile)."""
+    def low32(v: int) -> int:
+        v &= _M32
+        return v - (1 << 32) if v >= 1 << 31 else v
+    return (torch.tensor(low32(seed), dtype=torch.int32, device=device),
+            torch.tensor(low32(start), dtype=torch.int32, device=device))
+
+
 def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 1-D tensor: (float32 norm per bucket, uint8 code per element).
 
@@ -107,35 +146,61 @@ def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int) -> T
     """
     n = flat.numel()
     full = n // bucket_size * bucket_size
-    seed_t = torch.tensor(seed & _M32, dtype=torch.int64, device=flat.device)
-    norms, codes = [], []
+    codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
+    sums = []
     if full:
-        start = torch.zeros((), dtype=torch.int64, device=flat.device)
-        nrm, cd = _kernel("qsgd_encode", full)(flat[:full].view(-1, bucket_size), seed_t, start, bits)
-        norms.append(nrm)
-        codes.append(cd.view(-1))
+        seed_t, start = _seed_tensors(seed, 0, flat.device)
+        sums.append(_kernel("qsgd_encode", full)(flat[:full].view(-1, bucket_size),
+                                                 codes[:full].view(-1, bucket_size), seed_t, start, bits))
     if full < n:
-        start = torch.tensor(full, dtype=torch.int64, device=flat.device)
-        nrm, cd = _qsgd_encode(flat[full:].view(1, -1), seed_t, start, bits)
-        norms.append(nrm)
-        codes.append(cd.view(-1))
-    if len(norms) == 1:
-        return norms[0], codes[0]
-    return torch.cat(norms), torch.cat(codes)
+        seed_t, start = _seed_tensors(seed, full, flat.device)
+        sums.append(_qsgd_encode_into(flat[full:].view(1, -1), codes[full:].view(1, -1), seed_t, start, bits))
+    sq = sums[0] if len(sums) == 1 else torch.cat(sums)
+    return sq.sqrt(), codes
+
+
+def _run_dense(name: str, target: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, bits: int,
+               bucket_size: int) -> None:
+    """Run a decode-shaped kernel over whole buckets (compiled when large) and the short tail."""
+    n = codes.numel()
+    full = n // bucket_size * bucket_size
+    step = norms.to(torch.float32) / ((1 << (bits - 1)) - 1)
+    if full:
+        nb = full // bucket_size
+        _kernel(name, full)(target[:full].view(nb, bucket_size), step[:nb], codes[:full].view(nb, bucket_size), bits)
+    if full < n:
+        _EAGER[name](target[full:].view(1, -1), step[-1:], codes[full:].view(1, -1), bits)
 
 
 def qsgd_decode(norms: torch.Tensor, codes: torch.Tensor, bits: int, bucket_size: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`qsgd_encode`: a 1-D tensor of ``dtype``."""
-    n = codes.numel()
-    full = n // bucket_size * bucket_size
-    parts = []
-    if full:
-        nb = full // bucket_size
-        parts.append(_kernel("qsgd_decode", full)(norms[:nb], codes[:full].view(nb, bucket_size), bits, dtype).view(-1))
-    if full < n:
-        parts.append(_qsgd_decode(norms[-1:], codes[full:].view(1, -1), bits, dtype).view(-1))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+    _run_dense("qsgd_decode", out, norms, codes, bits, bucket_size)
+    return out
+
+
+def qsgd_subtract(acc: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, bits: int, bucket_size: int) -> None:
+    """acc -= qsgd_decode(norms, codes, ...), in place and in one pass (no decoded temporary)."""
+    _run_dense("qsgd_subtract", acc, norms, codes, bits, bucket_size)
+
+
+class QSGDDecoded:
+    """What a QSGD payload carries, built only on demand (error feedback's ``sent``).
+
+    Calling it returns the dense decoded tensor; :meth:`subtract_from` updates a residual in one
+    fused pass instead of materialising that tensor first.
+    """
+
+    def __init__(self, norms: torch.Tensor, codes: torch.Tensor, bits: int, bucket_size: int,
+                 dtype: torch.dtype) -> None:
+        self.norms, self.codes, self.bits, self.bucket_size, self.dtype = norms, codes, bits, bucket_size, dtype
+
+    def __call__(self) -> torch.Tensor:
+        return qsgd_decode(self.norms, self.codes, self.bits, self.bucket_size, self.dtype)
+
+    def subtract_from(self, acc: torch.Tensor) -> None:
+        qsgd_subtract(acc, self.norms, self.codes, self.bits, self.bucket_size)
 
 
 def num_selected(ratio: float, numel: int) -> int:
@@ -147,9 +212,10 @@ def topk_indices(flat: torch.Tensor, k: int, sample_target: int = 1 << 16) -> to
     """Sorted int64 indices of the k entries of largest magnitude: the exact top-k.
 
     For large tensors, a threshold taken from a strided sample (aimed at ~1.5k entries)
-    selects a candidate superset with one fused compare; ``torch.topk`` then runs over the
-    candidates only. If the sample misjudged and fewer than k candidates pass, it falls
-    back to ``torch.topk`` over everything, so the result is always exact (ties aside).
+    selects a candidate superset with one fused compare; the k-th largest magnitude among the
+    candidates then picks the result in index order, so no sort is needed. If the sample
+    misjudged and fewer than k candidates pass, or ties at the k-th value would keep more than
+    k, it falls back to ``torch.topk``, so the result is always exact (ties aside).
     """
     n = flat.numel()
     if k >= n:
@@ -160,11 +226,33 @@ def topk_indices(flat: torch.Tensor, k: int, sample_target: int = 1 << 16) -> to
     sample = flat[stride // 2::stride].abs().float()
     want = min(sample.numel(), int(1.5 * k * sample.numel() / n) + 8)
     threshold = torch.topk(sample, want, sorted=False).values.min()
-    candidates = _kernel("abs_at_least", n)(flat, threshold.to(flat.dtype)).nonzero().squeeze(1)
+    candidates = _candidates(flat, threshold.to(flat.dtype))
     if candidates.numel() < k:
         return _exact_topk(flat, k)
-    keep = torch.topk(flat[candidates].abs(), k, sorted=False).indices
-    return candidates[keep].sort().values
+    mags = flat[candidates].abs()
+    kth = torch.kthvalue(mags.float(), candidates.numel() - k + 1).values
+    keep = (mags >= kth.to(mags.dtype)).nonzero().squeeze(1)
+    if keep.numel() != k:  # ties at the k-th magnitude
+        keep = torch.topk(mags, k, sorted=False).indices.sort().values
+    return candidates[keep]
+
+
+def _candidates(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Ascending indices of |flat| >= threshold.
+
+    ``nonzero`` over a byte mask of 25M entries costs more than the compare; viewing the mask
+    as int64 words finds the few words holding a candidate 8x faster, and only their bytes are
+    searched again.
+    """
+    n = flat.numel()
+    mask = _kernel("abs_at_least", n)(flat, threshold)
+    n8 = n // 8 * 8
+    words = mask[:n8].view(torch.int64).nonzero().squeeze(1)
+    hits = mask[:n8].view(-1, 8)[words].view(-1).nonzero().squeeze(1)
+    found = words[hits // 8] * 8 + hits % 8
+    if n8 < n:
+        found = torch.cat([found, mask[n8:].nonzero().squeeze(1) + n8])
+    return found
 
 
 def _exact_topk(flat: torch.Tensor, k: int) -> torch.Tensor:

@@ -102,11 +102,6 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         pending = exchange.start(self._parameter_names[p], p.grad)
         self._pending[p] = (exchange, pending)
-        self._record(p, pending)
-
-    def _record(self, p: torch.Tensor, pending: Pending) -> None:
-        self._step_bytes += pending.bytes_sent
-        self.comm_stats.record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
 
     # ------------------------------------------------------------ synchronize / step
     def synchronize(self) -> None:
@@ -124,11 +119,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for exchange, pending in self._pending.values():
             exchange.advance(pending)
         for p, (exchange, pending) in self._pending.items():
-            before = pending.bytes_sent
-            result = exchange.finish(pending)
-            self._step_bytes += pending.bytes_sent - before
-            self.comm_stats.bytes_out += pending.bytes_sent - before
-            p.grad.copy_(result)
+            p.grad.copy_(exchange.finish(pending))
+            # Counted once finished: the QSGD road adds its allgather's bytes in advance().
+            self._record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
         self._finish_fused(fused)
         self._pending.clear()
         for p in self._delay:
@@ -148,8 +141,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for dtype, ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
             flat = torch.cat([p.grad.reshape(-1) for p in ps])
             pending = self._dense.start(f"fused.{dtype}".replace("torch.", ""), flat)
-            self._step_bytes += pending.bytes_sent
-            self.comm_stats.record(pending.name, flat.numel() * flat.element_size(), pending.bytes_sent)
+            self._record(pending.name, flat.numel() * flat.element_size(), pending.bytes_sent)
             fused.append((ps, pending))
         return fused
 
@@ -161,6 +153,10 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 n = p.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
+
+    def _record(self, name: str, raw_bytes: int, sent_bytes: int) -> None:
+        self._step_bytes += sent_bytes
+        self.comm_stats.record(name, raw_bytes, sent_bytes)
 
     @contextmanager
     def skip_synchronize(self):

@@ -7,6 +7,7 @@ the documented size formulas), not copied from the code's output.
 import math
 import warnings
 from fractions import Fraction
+from itertools import pairwise
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def topk_set(x: torch.Tensor, k: int) -> set:
 
 def delta_index_bytes(idx) -> int:
     """Documented delta coding size: 64 deltas per block, one width byte per block."""
-    deltas = [idx[0]] + [b - a - 1 for a, b in zip(idx, idx[1:])]
+    deltas = [idx[0]] + [b - a - 1 for a, b in pairwise(idx)]
     blocks = [deltas[i:i + 64] for i in range(0, len(deltas), 64)]
     return pad8(len(blocks)) + pad8(sum(int(max(b)).bit_length() * 8 for b in blocks))
 
@@ -172,7 +173,7 @@ def test_all_zero_tensor(name, dtype):
         assert torch.equal(r, torch.zeros_like(r))
 
 
-def test_qsgd_docstring_example_and_bit_exact_levels():
+def test_qsgd_encode_docstring_example():
     norms, codes = kernels.qsgd_encode(torch.tensor([3.0, -4.0]), bits=8, bucket_size=2, seed=0)
     assert norms.tolist() == [5.0] and codes.shape == (2,)
 
@@ -521,10 +522,12 @@ def test_compiled_kernels_match_eager(monkeypatch):
     monkeypatch.setenv("HVDGC_COMPILE", "0")
     eager = [m().encode(x) for m in makers]
     monkeypatch.setenv("HVDGC_COMPILE", "1")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a silent fallback to eager would make this test vacuous
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         compiled = [m().encode(x) for m in makers]
         decoded = [m().decode(p) for m, p in zip(makers, compiled)]
+    # a fallback to eager kernels would make this test vacuous
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]
     for e, c_, d, m in zip(eager, compiled, decoded, makers):
         assert torch.equal(e, c_), repr(m())
         monkeypatch.setenv("HVDGC_COMPILE", "0")

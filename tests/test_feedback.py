@@ -2,6 +2,7 @@
 many steps, per-name state, checkpoints and shape checks."""
 import io
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_invariant_holds_for_chunks(name):
         payloads = c.compress_chunks("w", g, bounds)
         assert len(payloads) == len(bounds) - 1
         parts = [c.decode(p).double() for p in payloads]
-        assert [p.numel() for p in parts] == [e - b for b, e in zip(bounds, bounds[1:])]
+        assert [p.numel() for p in parts] == [e - b for b, e in pairwise(bounds)]
         sent = torch.cat(parts)
         new = residual_or_zero(c, "w", g.numel())
         rhs = g.double().reshape(-1) + old

@@ -6,10 +6,11 @@ size rule), never from the code under test.
 """
 import math
 import struct
+from itertools import pairwise
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvd_gradcomp import QSGD, TopK, TopKQSGD, WireFormatError, wire
@@ -53,6 +54,10 @@ def oracle_pack(values, width: int) -> bytes:
     return big.to_bytes((len(values) * width + 7) // 8, "little")
 
 
+def pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
 def bit_len(x: int) -> int:
     return int(x).bit_length()
 
@@ -61,11 +66,10 @@ def oracle_delta_bytes(indices) -> int:
     """Documented size of delta-coded indices: blocks of 64 deltas (delta_0 = idx_0,
     delta_j = idx_j - idx_{j-1} - 1), one width byte per block, 64*width bits per block,
     each of the two sections padded to 8 bytes."""
-    deltas = [indices[0]] + [b - a - 1 for a, b in zip(indices, indices[1:])]
+    deltas = [indices[0]] + [b - a - 1 for a, b in pairwise(indices)]
     blocks = [deltas[i:i + 64] for i in range(0, len(deltas), 64)]
     widths = [bit_len(max(b)) for b in blocks]
-    pad = lambda n: -(-n // 8) * 8  # noqa: E731
-    return pad(len(blocks)) + pad(sum(w * 8 for w in widths))
+    return pad8(len(blocks)) + pad8(sum(w * 8 for w in widths))
 
 
 # ------------------------------------------------------------------ header
@@ -158,13 +162,13 @@ def test_index_coding_round_trip(idx, tail):
     got = wire.decode_indices(wire.SectionReader(payload, h), h.index_mode, k, numel)
     assert got.tolist() == idx
     index_bytes = payload.numel() - 48
-    bitmap = -(-((numel + 7) // 8) // 8) * 8
+    bitmap = pad8((numel + 7) // 8)
     assert index_bytes == min(oracle_delta_bytes(idx), bitmap)
 
 
 @pytest.mark.parametrize("idx, numel", [
     ([0], 1), ([0], 10 ** 6), ([10 ** 6 - 1], 10 ** 6), (list(range(1000)), 1000),
-    ([0, 2 ** 40], 2 ** 40 + 1), (list(range(0, 64 * 5)) + [2 ** 40 - 1], 2 ** 40),
+    ([0, 2 ** 40], 2 ** 40 + 1), (list(range(64 * 5)) + [2 ** 40 - 1], 2 ** 40),
     ([3, 4, 5, 100, 101, 102, 10 ** 9], 10 ** 9 + 1),
 ])
 def test_index_coding_edge_sets(idx, numel):
