@@ -81,6 +81,7 @@ class GradientCompressor:
         Each call advances the random stream of ``name``, so repeated calls draw fresh noise.
         """
         _check_input(tensor, name)
+        _check_finite(tensor, name)
         return self._encode_flat(tensor.reshape(-1), tensor.dtype, tuple(tensor.shape), name)[0]
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
@@ -189,14 +190,15 @@ class GradientCompressor:
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """Residuals and random state: restoring it continues the exact same sequence."""
+        res = self.residuals.state_dict()
         return {"seed": self.seed, "stream": self.stream, "steps": dict(self._steps),
-                "residuals": self.residuals.state_dict()}
+                "residuals": res["residuals"], "shapes": res["shapes"]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.seed = int(state["seed"])
         self.stream = int(state["stream"])
         self._steps = dict(state["steps"])
-        self.residuals.load_state_dict(state["residuals"])
+        self.residuals.load_state_dict({"residuals": state["residuals"], "shapes": state.get("shapes", {})})
 
     # ------------------------------------------------------------ to implement
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:

@@ -110,11 +110,20 @@ def from_env(env: Optional[Mapping[str, str]] = None) -> CompressionConfig:
     ef_raw = env.get(ENV_ERROR_FEEDBACK, "1").strip().lower()
     if ef_raw not in ("1", "0", "true", "false", "yes", "no", "on", "off", ""):
         raise ValueError(f"{ENV_ERROR_FEEDBACK}={ef_raw!r}: use 1 or 0")
-    return CompressionConfig(
-        compression=env.get(ENV_COMPRESSION, "none") or "none",
-        ratio=_parse(env, ENV_RATIO, float, 0.01),
-        bits=_parse(env, ENV_BITS, int, 8),
-        accumulate=_parse(env, ENV_ACCUMULATE, int, 1),
-        error_feedback=ef_raw in ("1", "true", "yes", "on", ""),
-        seed=_parse(env, ENV_SEED, int, None),
-    )
+    fields = {
+        "compression": env.get(ENV_COMPRESSION, "none") or "none",
+        "ratio": _parse(env, ENV_RATIO, float, 0.01),
+        "bits": _parse(env, ENV_BITS, int, 8),
+        "accumulate": _parse(env, ENV_ACCUMULATE, int, 1),
+        "error_feedback": ef_raw in ("1", "true", "yes", "on", ""),
+        "seed": _parse(env, ENV_SEED, int, None),
+    }
+    try:
+        return CompressionConfig(**fields)
+    except ValueError as exc:
+        # Name the variable, not the field: the user set the variable.
+        var = _FIELD_VARS[str(exc).split()[0]] if str(exc).split()[0] in _FIELD_VARS else "HVDGC_*"
+        raise ValueError(f"{var}: {exc}") from None
+
+
+_FIELD_VARS = {"unknown": ENV_COMPRESSION, "ratio": ENV_RATIO, "bits": ENV_BITS, "accumulate": ENV_ACCUMULATE}

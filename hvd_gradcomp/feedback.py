@@ -6,7 +6,7 @@ identity, so they survive re-created gradient tensors and checkpoints.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -60,8 +60,13 @@ class ResidualStore:
         self._residuals.clear()
         self._shapes.clear()
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {name: r.detach().clone() for name, r in self._residuals.items()}
+    def state_dict(self) -> Dict[str, Any]:
+        """Residuals and the shape each name was used with (so the shape check survives a restart)."""
+        return {"residuals": {name: r.detach().clone() for name, r in self._residuals.items()},
+                "shapes": {name: (list(shape), str(dtype).replace("torch.", ""))
+                           for name, (shape, dtype) in self._shapes.items()}}
 
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        self._residuals = {name: r.detach().clone() for name, r in state.items()}
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._residuals = {name: r.detach().clone() for name, r in state["residuals"].items()}
+        self._shapes = {name: (tuple(shape), getattr(torch, dtype))
+                        for name, (shape, dtype) in state["shapes"].items()}

@@ -113,12 +113,15 @@ def assemble(header: Header, sections: List[torch.Tensor], device: torch.device)
     sizes = [padded(s.numel()) for s in sections]
     total = padded(header.nbytes) + sum(sizes)
     hdr = Header(**{**header.__dict__, "total_bytes": total})
-    out = torch.zeros(total, dtype=torch.uint8, device=device)
+    # empty, not zeros: a large payload is written once, only the padding bytes get zeroed.
+    out = torch.empty(total, dtype=torch.uint8, device=device)
     head = torch.frombuffer(bytearray(header_bytes(hdr)), dtype=torch.uint8)
-    out[:head.numel()].copy_(head)
     pos = padded(hdr.nbytes)
+    out[:pos].zero_()
+    out[:head.numel()].copy_(head)
     for s, size in zip(sections, sizes):
         out[pos:pos + s.numel()].copy_(s)
+        out[pos + s.numel():pos + size].zero_()
         pos += size
     return out
 
@@ -223,31 +226,47 @@ def bit_length(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- indices
+def _block_layout(widths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per value of a delta-coded index section: its bit offset in the data and its width.
+
+    Block b starts at byte 8 * sum(widths[:b]) (INDEX_BLOCK = 64 values of widths[b] bits) and
+    value j of the block sits at bit j * widths[b] after that, little-endian bit order.
+    """
+    w = widths.to(torch.int64)
+    starts = (torch.cumsum(w, 0) - w) * INDEX_BLOCK  # in bits
+    j = torch.arange(INDEX_BLOCK, dtype=torch.int64, device=w.device)
+    offsets = starts.unsqueeze(1) + j * w.unsqueeze(1)
+    return offsets.view(-1), w.repeat_interleave(INDEX_BLOCK)
+
+
+# Bytes one value of up to 40 bits can touch, starting at any bit of its first byte.
+_SPAN = 6
+
+
 def delta_index_bytes(indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-block widths (uint8) and the packed deltas of sorted, distinct int64 indices.
 
     delta_0 = idx_0, delta_j = idx_j - idx_{j-1} - 1; blocks of INDEX_BLOCK deltas share the
     smallest width that holds their largest delta, so dense regions cost few bits.
+
+    All blocks are packed at once, whatever their widths: each value is shifted to its bit
+    offset and split into the (at most ``_SPAN``) bytes it touches; bits of different values
+    never overlap, so adding the byte pieces up is the same as OR-ing them.
     """
     k = indices.numel()
-    deltas = torch.empty(k + (-k) % INDEX_BLOCK, dtype=torch.int64, device=indices.device)
-    deltas[k:] = 0
+    deltas = torch.zeros(k + (-k) % INDEX_BLOCK, dtype=torch.int64, device=indices.device)
     if k:
         deltas[0] = indices[0]
         deltas[1:k] = indices[1:] - indices[:-1] - 1
-    blocks = deltas.view(-1, INDEX_BLOCK)
-    widths = bit_length(blocks.max(dim=1).values)
-    nbytes = widths * (INDEX_BLOCK // 8)
-    starts = torch.cumsum(nbytes, 0) - nbytes
-    out = torch.empty(int(nbytes.sum()), dtype=torch.uint8, device=indices.device)
-    for w in torch.unique(widths).tolist():
-        if w == 0:
-            continue
-        sel = (widths == w).nonzero().squeeze(1)
-        packed = pack_bits(blocks[sel].reshape(-1), w).view(sel.numel(), -1)
-        pos = starts[sel].unsqueeze(1) + torch.arange(packed.shape[1], device=out.device)
-        out[pos.reshape(-1)] = packed.reshape(-1)
-    return widths.to(torch.uint8), out
+    widths = bit_length(deltas.view(-1, INDEX_BLOCK).max(dim=1).values)
+    offsets, _ = _block_layout(widths)
+    nbytes = int(widths.sum()) * (INDEX_BLOCK // 8)
+    shifted = deltas << (offsets % 8)
+    first = offsets // 8
+    out = torch.zeros(nbytes + _SPAN, dtype=torch.int64, device=indices.device)
+    for b in range(_SPAN):
+        out.index_add_(0, first + b, (shifted >> (8 * b)) & 0xFF)
+    return widths.to(torch.uint8), out[:nbytes].to(torch.uint8)
 
 
 def delta_index_size(k: int, widths: torch.Tensor) -> int:
@@ -255,20 +274,16 @@ def delta_index_size(k: int, widths: torch.Tensor) -> int:
 
 
 def decode_delta_indices(widths: torch.Tensor, data: torch.Tensor, k: int) -> torch.Tensor:
-    """Inverse of :func:`delta_index_bytes`: the k sorted indices."""
-    w64 = widths.to(torch.int64)
-    nb = w64.numel()
-    deltas = torch.zeros(nb, INDEX_BLOCK, dtype=torch.int64, device=data.device)
-    nbytes = w64 * (INDEX_BLOCK // 8)
-    starts = torch.cumsum(nbytes, 0) - nbytes
-    for w in torch.unique(w64).tolist():
-        if w == 0:
-            continue
-        sel = (w64 == w).nonzero().squeeze(1)
-        pos = starts[sel].unsqueeze(1) + torch.arange(w * INDEX_BLOCK // 8, device=data.device)
-        vals = unpack_bits(data[pos.reshape(-1)], w, sel.numel() * INDEX_BLOCK)
-        deltas[sel] = vals.to(torch.int64).view(-1, INDEX_BLOCK)
-    return torch.cumsum(deltas.view(-1)[:k] + 1, 0) - 1
+    """Inverse of :func:`delta_index_bytes`: the k sorted indices (one gather per byte span)."""
+    offsets, w = _block_layout(widths)
+    offsets, w = offsets[:k], w[:k]
+    padded_data = torch.cat([data.to(torch.int64), data.new_zeros(_SPAN, dtype=torch.int64)])
+    first = offsets // 8
+    word = torch.zeros(k, dtype=torch.int64, device=data.device)
+    for b in range(_SPAN):
+        word |= padded_data[first + b] << (8 * b)
+    deltas = (word >> (offsets % 8)) & ((1 << w) - 1)
+    return torch.cumsum(deltas + 1, 0) - 1
 
 
 def encode_indices(indices: torch.Tensor, numel: int) -> Tuple[int, List[torch.Tensor]]:
