@@ -19,13 +19,13 @@ the allgather once the alltoall is done. ``bytes_sent`` counts the bytes handed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
 from . import wire
 from .compressors import GradientCompressor, QSGD
-from .stock import reduce_payloads
+from .feedback import residual_dtype
 
 
 @dataclass
@@ -63,8 +63,8 @@ class DenseExchange:
     def advance(self, p: Pending) -> None:
         pass
 
-    def finish(self, p: Pending) -> torch.Tensor:
-        return self.compression.decompress(_hvd().synchronize(p.handle), p.ctx)
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        out.copy_(self.compression.decompress(_hvd().synchronize(p.handle), p.ctx).view_as(out))
 
 
 class AllgatherExchange:
@@ -81,10 +81,41 @@ class AllgatherExchange:
     def advance(self, p: Pending) -> None:
         pass
 
-    def finish(self, p: Pending) -> torch.Tensor:
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
         gathered = _hvd().synchronize(p.handle)
         payloads = wire.split_payloads(gathered)
-        return reduce_payloads(self.compressor, payloads, self.op, self.process_set.size(), p.dtype).view(p.shape)
+        reduce_payloads(self.compressor, payloads, self.op, self.process_set.size(), p.dtype, out=out)
+
+
+def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], op: Any, size: int,
+                    dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The average (or sum) of every rank's payload, decoded in rank order.
+
+    Every rank runs the same additions in the same order on the same bytes, so every rank
+    gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse payloads
+    are added straight into one zeroed buffer (no dense decode per rank); with ``out`` (a
+    contiguous tensor of the payload's dtype), the result is written there.
+    """
+    hvd = _hvd()
+    if len(payloads) != size:
+        raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
+    if op == hvd.Average:
+        scale = 1.0 / size
+    elif op == hvd.Sum:
+        scale = 1.0
+    else:
+        raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
+    acc_dtype = residual_dtype(dtype)
+    numel = wire.read_header(payloads[0]).numel
+    direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
+    acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=payloads[0].device)
+    acc.zero_()
+    for payload in payloads:
+        compressor.decode_add_(payload, acc, scale)
+    if out is not None and not direct:
+        out.copy_(acc.view_as(out))
+        return out
+    return acc if acc.dtype == dtype else acc.to(dtype)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -130,16 +161,21 @@ class ScatterReduceExchange:
         p.bytes_sent += payload.numel()
         p.stage = 2
 
-    def finish(self, p: Pending) -> torch.Tensor:
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
         if p.stage == 1:
             self.advance(p)
         gathered = _hvd().synchronize(p.handle)
-        chunks = [self.compressor.decode(pl).reshape(-1) for pl in wire.split_payloads(gathered)]
-        out = torch.cat(chunks) if chunks else gathered.new_zeros(0)
-        if out.numel() != p.shape.numel():
-            raise RuntimeError(f"{p.name}: reassembled {out.numel()} of {p.shape.numel()} elements; "
-                               "ranks disagree on the tensor's shape")
-        return out.view(p.shape)
+        payloads = wire.split_payloads(gathered)
+        bounds = p.extra["bounds"]
+        if len(payloads) != len(bounds) - 1:
+            raise RuntimeError(f"{p.name}: got {len(payloads)} chunks for {len(bounds) - 1} ranks")
+        flat = out.view(-1)
+        for payload, b, e in zip(payloads, bounds, bounds[1:]):
+            chunk = self.compressor.decode(payload).reshape(-1)
+            if chunk.numel() != e - b:
+                raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
+                                   "ranks disagree on the tensor's shape")
+            flat[b:e].copy_(chunk)
 
 
 def choose_exchange(compression: Any, op: Any, process_set: Any):

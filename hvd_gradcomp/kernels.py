@@ -44,20 +44,22 @@ def _uniform_from_hash(start: torch.Tensor, n: int, seed: torch.Tensor, device: 
 
 
 def _sum_squares(xf: torch.Tensor) -> torch.Tensor:
-    """Per-row sum of squares in float64, rounded to float32.
+    """Per-row float64 sum of squares, to be rounded to float32 by its users.
 
     float32 squares are exact in float64 and the float64 sum is far more precise than float32,
     so the rounded result does not depend on the summation order: the compiled and the eager
-    kernel produce the same norms, hence the same payload bytes.
+    kernel produce the same norms, hence the same payload bytes. (Returned unrounded because
+    a separate rounding step would stop inductor from fusing the norm and the quantisation
+    into one pass over each bucket.)
     """
     xd = xf.to(torch.float64)
-    return (xd * xd).sum(dim=1).to(torch.float32)
+    return (xd * xd).sum(dim=1)
 
 
 def _qsgd_encode_into(x: torch.Tensor, codes: torch.Tensor, seed: torch.Tensor, start: torch.Tensor,
                       bits: int) -> torch.Tensor:
     """x: (buckets, bucket_size). Writes uint8 codes into ``codes`` (same shape), returns the
-    float32 sum of squares per bucket.
+    float64 sum of squares per bucket (see :func:`_sum_squares`).
 
     code = sign << (bits-1) | level, level = floor(|x| / norm * s + u), s = 2**(bits-1) - 1,
     u ~ U[0, 1): E[level] = |x| / norm * s, so the decoded value is unbiased. Writing into a
@@ -66,7 +68,7 @@ def _qsgd_encode_into(x: torch.Tensor, codes: torch.Tensor, seed: torch.Tensor, 
     s = (1 << (bits - 1)) - 1
     xf = x.to(torch.float32)
     sq = _sum_squares(xf)
-    norms = sq.sqrt()
+    norms = sq.to(torch.float32).sqrt()
     scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms)).unsqueeze(1)
     u = _uniform_from_hash(start, x.numel(), seed, x.device).view_as(xf)
     level = torch.floor(xf.abs() * scale + u).clamp_(max=s)
@@ -76,10 +78,15 @@ def _qsgd_encode_into(x: torch.Tensor, codes: torch.Tensor, seed: torch.Tensor, 
     return sq
 
 
+def _codes_as_float(codes: torch.Tensor) -> torch.Tensor:
+    # Through int16: inductor's direct uint8 -> float32 conversion on CPU runs ~3x slower.
+    return codes.to(torch.int16).to(torch.float32)
+
+
 def _qsgd_decode_into(out: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
     """Inverse of :func:`_qsgd_encode_into`: out[b, i] = +-level * step[b], step = norm / s."""
     s = (1 << (bits - 1)) - 1
-    c = codes.to(torch.float32)
+    c = _codes_as_float(codes)
     signed = torch.where(c > s, (s + 1) - c, c)
     out.copy_((signed * step.unsqueeze(1)).to(out.dtype))
 
@@ -87,14 +94,14 @@ def _qsgd_decode_into(out: torch.Tensor, step: torch.Tensor, codes: torch.Tensor
 def _qsgd_subtract_into(acc: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
     """acc -= decoded codes, in one pass (error feedback's residual update)."""
     s = (1 << (bits - 1)) - 1
-    c = codes.to(torch.float32)
+    c = _codes_as_float(codes)
     signed = torch.where(c > s, (s + 1) - c, c)
     acc.sub_((signed * step.unsqueeze(1)).to(acc.dtype))
 
 
 def _abs_at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """uint8 mask of |x| >= threshold (via a float select: inductor stores bool masks slowly)."""
-    return torch.where(x.abs() >= threshold, 1.0, 0.0).to(torch.uint8)
+    """uint8 mask of |x| >= threshold, through float: inductor stores bool masks ~10x slower."""
+    return (x.abs() >= threshold).to(torch.float32).to(torch.uint8)
 
 
 _EAGER: Dict[str, Callable] = {"qsgd_encode": _qsgd_encode_into, "qsgd_decode": _qsgd_decode_into,
@@ -156,7 +163,7 @@ def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int) -> T
         seed_t, start = _seed_tensors(seed, full, flat.device)
         sums.append(_qsgd_encode_into(flat[full:].view(1, -1), codes[full:].view(1, -1), seed_t, start, bits))
     sq = sums[0] if len(sums) == 1 else torch.cat(sums)
-    return sq.sqrt(), codes
+    return sq.to(torch.float32).sqrt(), codes
 
 
 def _run_dense(name: str, target: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, bits: int,
@@ -212,10 +219,10 @@ def topk_indices(flat: torch.Tensor, k: int, sample_target: int = 1 << 16) -> to
     """Sorted int64 indices of the k entries of largest magnitude: the exact top-k.
 
     For large tensors, a threshold taken from a strided sample (aimed at ~1.5k entries)
-    selects a candidate superset with one fused compare; the k-th largest magnitude among the
-    candidates then picks the result in index order, so no sort is needed. If the sample
-    misjudged and fewer than k candidates pass, or ties at the k-th value would keep more than
-    k, it falls back to ``torch.topk``, so the result is always exact (ties aside).
+    selects a candidate superset with one fused compare; ``torch.topk`` over the candidates
+    gives the k-th largest magnitude, and comparing against it keeps the result in index order
+    without a sort. If the sample misjudged and fewer than k candidates pass, it falls back to
+    ``torch.topk`` over everything, so the result is always exact (ties aside).
     """
     n = flat.numel()
     if k >= n:
@@ -229,12 +236,12 @@ def topk_indices(flat: torch.Tensor, k: int, sample_target: int = 1 << 16) -> to
     candidates = _candidates(flat, threshold.to(flat.dtype))
     if candidates.numel() < k:
         return _exact_topk(flat, k)
-    mags = flat[candidates].abs()
-    kth = torch.kthvalue(mags.float(), candidates.numel() - k + 1).values
-    keep = (mags >= kth.to(mags.dtype)).nonzero().squeeze(1)
-    if keep.numel() != k:  # ties at the k-th magnitude
-        keep = torch.topk(mags, k, sorted=False).indices.sort().values
-    return candidates[keep]
+    mags = flat.index_select(0, candidates).abs()
+    top = torch.topk(mags, k, sorted=False)
+    keep = (mags >= top.values.min()).nonzero().squeeze(1)
+    if keep.numel() != k:  # ties at the k-th magnitude: take topk's choice among them
+        keep = top.indices.sort().values
+    return candidates.index_select(0, keep)
 
 
 def _candidates(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -247,9 +254,10 @@ def _candidates(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     n = flat.numel()
     mask = _kernel("abs_at_least", n)(flat, threshold)
     n8 = n // 8 * 8
-    words = mask[:n8].view(torch.int64).nonzero().squeeze(1)
-    hits = mask[:n8].view(-1, 8)[words].view(-1).nonzero().squeeze(1)
-    found = words[hits // 8] * 8 + hits % 8
+    packed = mask[:n8].view(torch.int64)
+    words = packed.nonzero().squeeze(1)
+    hits = packed.index_select(0, words).view(torch.uint8).nonzero().squeeze(1)
+    found = words.index_select(0, hits >> 3) * 8 + (hits & 7)
     if n8 < n:
         found = torch.cat([found, mask[n8:].nonzero().squeeze(1) + n8])
     return found

@@ -119,7 +119,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for exchange, pending in self._pending.values():
             exchange.advance(pending)
         for p, (exchange, pending) in self._pending.items():
-            p.grad.copy_(exchange.finish(pending))
+            exchange.finish(pending, p.grad)
             # Counted once finished: the QSGD road adds its allgather's bytes in advance().
             self._record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
         self._finish_fused(fused)
@@ -147,7 +147,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
 
     def _finish_fused(self, fused: List[Tuple[List[torch.Tensor], Pending]]) -> None:
         for ps, pending in fused:
-            flat = self._dense.finish(pending)
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=pending.dtype, device=ps[0].device)
+            self._dense.finish(pending, flat)
             offset = 0
             for p in ps:
                 n = p.numel()

@@ -103,23 +103,8 @@ def finish_exchange(compressor: Any, pending: PendingExchange) -> torch.Tensor:
     """decompress() inside Horovod: the average (or sum) of every rank's decoded payload."""
     import horovod.torch as hvd
 
+    from .exchange import reduce_payloads
+
     gathered = hvd.synchronize(pending.handle)
     return reduce_payloads(compressor, wire.split_payloads(gathered), pending.op, pending.size,
                            pending.dtype).view(pending.shape)
-
-
-def reduce_payloads(compressor: Any, payloads: list, op: Any, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Decode payloads in rank order and sum them in float32; divide by size for Average."""
-    import horovod.torch as hvd
-
-    if len(payloads) != size:
-        raise HorovodIntegrationError(f"expected {size} payloads from the allgather, got {len(payloads)}")
-    total = None
-    for p in payloads:
-        dec = compressor.decode(p).reshape(-1).to(torch.float32)
-        total = dec if total is None else total.add_(dec)
-    if op == hvd.Average:
-        total /= size
-    elif op != hvd.Sum:
-        raise HorovodIntegrationError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
-    return total.to(dtype)

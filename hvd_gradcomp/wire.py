@@ -243,6 +243,11 @@ def _block_layout(widths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 _SPAN = 6
 
 
+def _span(widths: torch.Tensor) -> int:
+    """Bytes a value of the widest block can touch: fewer byte passes for narrow blocks."""
+    return (int(widths.max()) + 14) // 8 if widths.numel() else 1
+
+
 def delta_index_bytes(indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-block widths (uint8) and the packed deltas of sorted, distinct int64 indices.
 
@@ -261,10 +266,10 @@ def delta_index_bytes(indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     widths = bit_length(deltas.view(-1, INDEX_BLOCK).max(dim=1).values)
     offsets, _ = _block_layout(widths)
     nbytes = int(widths.sum()) * (INDEX_BLOCK // 8)
-    shifted = deltas << (offsets % 8)
-    first = offsets // 8
+    shifted = deltas << (offsets & 7)
+    first = offsets >> 3
     out = torch.zeros(nbytes + _SPAN, dtype=torch.int64, device=indices.device)
-    for b in range(_SPAN):
+    for b in range(_span(widths)):
         out.index_add_(0, first + b, (shifted >> (8 * b)) & 0xFF)
     return widths.to(torch.uint8), out[:nbytes].to(torch.uint8)
 
@@ -278,11 +283,11 @@ def decode_delta_indices(widths: torch.Tensor, data: torch.Tensor, k: int) -> to
     offsets, w = _block_layout(widths)
     offsets, w = offsets[:k], w[:k]
     padded_data = torch.cat([data.to(torch.int64), data.new_zeros(_SPAN, dtype=torch.int64)])
-    first = offsets // 8
+    first = offsets >> 3
     word = torch.zeros(k, dtype=torch.int64, device=data.device)
-    for b in range(_SPAN):
-        word |= padded_data[first + b] << (8 * b)
-    deltas = (word >> (offsets % 8)) & ((1 << w) - 1)
+    for b in range(_span(widths)):
+        word |= padded_data.index_select(0, first + b) << (8 * b)
+    deltas = (word >> (offsets & 7)) & ((1 << w) - 1)
     return torch.cumsum(deltas + 1, 0) - 1
 
 

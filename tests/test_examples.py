@@ -45,7 +45,9 @@ def _rows(path: Path) -> List[Dict[str, float]]:
 def _load_train_module():
     spec = importlib.util.spec_from_file_location("examples_train", TRAIN)
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))
     spec.loader.exec_module(module)
     return module
 
