@@ -248,10 +248,19 @@ class QSGD(GradientCompressor):
         return f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback})"
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
-        norms, codes = kernels.qsgd_encode(flat, self.bits, self.bucket_size, seed)
-        sent = kernels.QSGDDecoded(norms, codes, self.bits, self.bucket_size, flat.dtype)
-        return _Encoded(flat.numel(), self.bits, wire.INDEX_NONE, self.bucket_size,
-                        [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)], sent)
+        n = flat.numel()
+        if self.bits == 8 and n >= kernels.COMPILE_MIN_NUMEL:
+            # Codes are the payload bytes: write them in place, sparing assemble a copy.
+            nb = (n + self.bucket_size - 1) // self.bucket_size
+            norm_bytes, code_bytes = wire.reserve([4 * nb, n], flat.device)
+            norms, codes = kernels.qsgd_encode(flat, 8, self.bucket_size, seed, codes=code_bytes)
+            norm_bytes.view(torch.float32).copy_(norms)
+            sections = [norm_bytes, code_bytes]
+        else:
+            norms, codes = kernels.qsgd_encode(flat, self.bits, self.bucket_size, seed)
+            sections = [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
+        sent = kernels.QSGDDecoded(norms, codes, self.bits, self.bucket_size, dtype)
+        return _Encoded(n, self.bits, wire.INDEX_NONE, self.bucket_size, sections, sent)
 
     def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
         return _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
@@ -316,7 +325,7 @@ class TopKQSGD(TopK):
         idx, mode, sections = self._select(flat)
         vals = flat[idx]
         norms, codes = kernels.qsgd_encode(vals, self.bits, self.bucket_size, seed)
-        sent_vals = kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, vals.dtype)
+        sent_vals = kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, dtype)
         sections += [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
         return _Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
 
@@ -368,6 +377,8 @@ def _check_finite(tensor: torch.Tensor, name: str) -> None:
     # One reduction instead of isfinite().all(): NaN and +-Inf both make the sum non-finite.
     if not torch.isfinite(tensor.sum(dtype=torch.float32)):
         bad = int((~torch.isfinite(tensor)).sum())
+        if not bad:  # large finite values whose sum overflowed
+            return
         raise FloatingPointError(
             f"gradient {name!r} has {bad} NaN/Inf values (of {tensor.numel()}); nothing was sent and its "
             "error-feedback residual is unchanged. Lower the learning rate, use gradient clipping or "

@@ -48,10 +48,11 @@ class ResidualStore:
         """grad + residual, as a new flat tensor of the residual dtype (grad is not modified)."""
         self.check_shape(name, grad)
         res = self._residuals.get(name)
-        acc = grad.reshape(-1).to(residual_dtype(grad.dtype), copy=True)
-        if res is not None:
-            acc += res.to(acc.device)
-        return acc
+        flat = grad.reshape(-1)
+        if res is None:
+            return flat.to(residual_dtype(grad.dtype), copy=True)
+        # One pass writing a fresh tensor, instead of a copy and then an in-place add.
+        return torch.add(flat, res.to(flat.device), out=torch.empty_like(flat, dtype=residual_dtype(grad.dtype)))
 
     def commit(self, name: str, new_residual: torch.Tensor) -> None:
         self._residuals[name] = new_residual

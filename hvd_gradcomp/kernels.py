@@ -11,13 +11,17 @@ Speed notes (measured by ``benchmarks/bench_compressors.py``):
 * Top-k uses a threshold estimated from a strided sample to find a small candidate superset,
   then an exact ``torch.topk`` over the candidates: the result is the exact top-k, at a
   fraction of the cost of ``torch.topk`` over the whole tensor.
+* Inductor's CPU code is slow at some conversions (bool masks stored as bytes, uint8 ->
+  float32, float selects on compares): the kernels go through float or int16 instead. The
+  hash runs in int32 (AVX2 has no 64-bit multiply). Kernels write into caller buffers so the
+  short last bucket needs no ``cat``.
 """
 from __future__ import annotations
 
 import math
 import os
 import warnings
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -78,25 +82,26 @@ def _qsgd_encode_into(x: torch.Tensor, codes: torch.Tensor, seed: torch.Tensor, 
     return sq
 
 
-def _codes_as_float(codes: torch.Tensor) -> torch.Tensor:
-    # Through int16: inductor's direct uint8 -> float32 conversion on CPU runs ~3x slower.
-    return codes.to(torch.int16).to(torch.float32)
+def _signed_levels(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """+-level of each code, as float32.
+
+    Integer arithmetic in int16, converted once: in inductor's CPU code a uint8 -> float32
+    conversion, or a float select on a compare, runs 1.5-4x slower than this.
+    """
+    s = (1 << (bits - 1)) - 1
+    c = codes.to(torch.int16)
+    return ((c & s) * (1 - 2 * (c >> (bits - 1)))).to(torch.float32)
 
 
 def _qsgd_decode_into(out: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
     """Inverse of :func:`_qsgd_encode_into`: out[b, i] = +-level * step[b], step = norm / s."""
-    s = (1 << (bits - 1)) - 1
-    c = _codes_as_float(codes)
-    signed = torch.where(c > s, (s + 1) - c, c)
-    out.copy_((signed * step.unsqueeze(1)).to(out.dtype))
+    out.copy_((_signed_levels(codes, bits) * step.unsqueeze(1)).to(out.dtype))
 
 
-def _qsgd_subtract_into(acc: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
-    """acc -= decoded codes, in one pass (error feedback's residual update)."""
-    s = (1 << (bits - 1)) - 1
-    c = _codes_as_float(codes)
-    signed = torch.where(c > s, (s + 1) - c, c)
-    acc.sub_((signed * step.unsqueeze(1)).to(acc.dtype))
+def _qsgd_subtract_into(acc: torch.Tensor, step: torch.Tensor, codes: torch.Tensor, bits: int,
+                        dtype: torch.dtype) -> None:
+    """acc -= decoded codes as the receiver sees them (rounded to ``dtype``), in one pass."""
+    acc.sub_((_signed_levels(codes, bits) * step.unsqueeze(1)).to(dtype).to(acc.dtype))
 
 
 def _abs_at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -142,10 +147,12 @@ def _seed_tensors(seed: int, start: int, device: torch.device) -> Tuple[torch.Te
             torch.tensor(low32(start), dtype=torch.int32, device=device))
 
 
-def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int,
+                codes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 1-D tensor: (float32 norm per bucket, uint8 code per element).
 
-    The last bucket may be shorter than ``bucket_size``.
+    The last bucket may be shorter than ``bucket_size``. ``codes``, when given, is the uint8
+    buffer the codes are written to (e.g. a payload section, see :func:`wire.reserve`).
 
     >>> norms, codes = qsgd_encode(torch.tensor([3.0, -4.0]), bits=8, bucket_size=2, seed=0)
     >>> norms.tolist(), codes.shape
@@ -153,7 +160,8 @@ def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int) -> T
     """
     n = flat.numel()
     full = n // bucket_size * bucket_size
-    codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
+    if codes is None:
+        codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
     sums = []
     if full:
         seed_t, start = _seed_tensors(seed, 0, flat.device)
@@ -167,16 +175,17 @@ def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int) -> T
 
 
 def _run_dense(name: str, target: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, bits: int,
-               bucket_size: int) -> None:
+               bucket_size: int, *extra: torch.dtype) -> None:
     """Run a decode-shaped kernel over whole buckets (compiled when large) and the short tail."""
     n = codes.numel()
     full = n // bucket_size * bucket_size
     step = norms.to(torch.float32) / ((1 << (bits - 1)) - 1)
     if full:
         nb = full // bucket_size
-        _kernel(name, full)(target[:full].view(nb, bucket_size), step[:nb], codes[:full].view(nb, bucket_size), bits)
+        _kernel(name, full)(target[:full].view(nb, bucket_size), step[:nb], codes[:full].view(nb, bucket_size), bits,
+                              *extra)
     if full < n:
-        _EAGER[name](target[full:].view(1, -1), step[-1:], codes[full:].view(1, -1), bits)
+        _EAGER[name](target[full:].view(1, -1), step[-1:], codes[full:].view(1, -1), bits, *extra)
 
 
 def qsgd_decode(norms: torch.Tensor, codes: torch.Tensor, bits: int, bucket_size: int,
@@ -187,9 +196,10 @@ def qsgd_decode(norms: torch.Tensor, codes: torch.Tensor, bits: int, bucket_size
     return out
 
 
-def qsgd_subtract(acc: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, bits: int, bucket_size: int) -> None:
-    """acc -= qsgd_decode(norms, codes, ...), in place and in one pass (no decoded temporary)."""
-    _run_dense("qsgd_subtract", acc, norms, codes, bits, bucket_size)
+def qsgd_subtract(acc: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, bits: int, bucket_size: int,
+                  dtype: torch.dtype) -> None:
+    """acc -= qsgd_decode(norms, codes, ..., dtype), in place and in one pass (no decoded temporary)."""
+    _run_dense("qsgd_subtract", acc, norms, codes, bits, bucket_size, dtype)
 
 
 class QSGDDecoded:
@@ -207,12 +217,16 @@ class QSGDDecoded:
         return qsgd_decode(self.norms, self.codes, self.bits, self.bucket_size, self.dtype)
 
     def subtract_from(self, acc: torch.Tensor) -> None:
-        qsgd_subtract(acc, self.norms, self.codes, self.bits, self.bucket_size)
+        qsgd_subtract(acc, self.norms, self.codes, self.bits, self.bucket_size, self.dtype)
 
 
 def num_selected(ratio: float, numel: int) -> int:
-    """k = max(1, ceil(ratio * numel)): how many entries TopK keeps."""
-    return max(1, math.ceil(ratio * numel - 1e-9))
+    """k = max(1, ceil(ratio * numel)): how many entries TopK keeps.
+
+    The relative slack absorbs float error: 0.07 * 3e9 lands just above 210000000 and a fixed
+    1e-9 slack would round it up one too many.
+    """
+    return max(1, math.ceil(ratio * numel * (1 - 1e-12)))
 
 
 def topk_indices(flat: torch.Tensor, k: int, sample_target: int = 1 << 16) -> torch.Tensor:

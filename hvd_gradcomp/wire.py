@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -113,16 +113,52 @@ def assemble(header: Header, sections: List[torch.Tensor], device: torch.device)
     sizes = [padded(s.numel()) for s in sections]
     total = padded(header.nbytes) + sum(sizes)
     hdr = Header(**{**header.__dict__, "total_bytes": total})
-    # empty, not zeros: a large payload is written once, only the padding bytes get zeroed.
-    out = torch.empty(total, dtype=torch.uint8, device=device)
+    out = _reserved_payload(sections, total)
+    if out is None:  # empty, not zeros: a large payload is written once, only padding is zeroed
+        out = torch.empty(total, dtype=torch.uint8, device=device)
     head = torch.frombuffer(bytearray(header_bytes(hdr)), dtype=torch.uint8)
     pos = padded(hdr.nbytes)
     out[:pos].zero_()
     out[:head.numel()].copy_(head)
     for s, size in zip(sections, sizes):
-        out[pos:pos + s.numel()].copy_(s)
+        if s.data_ptr() != out[pos:].data_ptr():
+            out[pos:pos + s.numel()].copy_(s)
         out[pos + s.numel():pos + size].zero_()
         pos += size
+    return out
+
+
+# Room for the largest header (ndim is one byte) in front of reserved sections.
+_MAX_HEAD = padded(HEADER_BYTES + 8 * 255)
+
+
+def reserve(section_bytes: List[int], device: torch.device) -> List[torch.Tensor]:
+    """uint8 views, one per section, placed as :func:`assemble` will place them.
+
+    A kernel that writes its output straight into these views saves ``assemble`` a copy of
+    it (25 MB for QSGD-8 on 25M values): ``assemble`` then writes the header in front and
+    returns a view of this buffer (up to ``_MAX_HEAD`` unused bytes precede it).
+    """
+    sizes = [padded(n) for n in section_bytes]
+    buf = torch.empty(_MAX_HEAD + sum(sizes), dtype=torch.uint8, device=device)
+    views, pos = [], _MAX_HEAD
+    for n, size in zip(section_bytes, sizes):
+        views.append(buf[pos:pos + n])
+        pos += size
+    return views
+
+
+def _reserved_payload(sections: List[torch.Tensor], total: int) -> Optional[torch.Tensor]:
+    """The payload view of a :func:`reserve` buffer when every section already sits in it."""
+    base = sections[0]._base if sections else None
+    if base is None or base.dtype != torch.uint8 or base.dim() != 1 or not 0 <= base.numel() - total <= _MAX_HEAD:
+        return None
+    out = base[base.numel() - total:]
+    pos = total - sum(padded(s.numel()) for s in sections)
+    for s in sections:
+        if s._base is not base or s.data_ptr() != out[pos:].data_ptr():
+            return None
+        pos += padded(s.numel())
     return out
 
 

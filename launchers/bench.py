@@ -63,14 +63,20 @@ SPEED_SETTINGS = (
     Setting("topk", "TopK 1%", ("--compression", "topk", "--ratio", "0.01"), True),
     Setting("topkqsgd", "TopKQSGD(1%, 8)", ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8"), True),
 )
+# DGC momentum correction (see train.py --help) for the TopK rows: each rank applies SGD's momentum
+# to its own gradient before TopK, error feedback accumulates that velocity, and the wrapped SGD
+# runs without momentum. Same lr and momentum as every row; uncompressed it is exactly momentum SGD.
+MOMENTUM_CORRECTION = ("--momentum-correction", "--no-momentum-masking")
 CONVERGENCE_SETTINGS = (
     Setting("none", "uncompressed", ("--compression", "none")),
     Setting("fp16", "fp16", ("--compression", "fp16")),
     Setting("qsgd8", "QSGD 8-bit", ("--compression", "qsgd", "--bits", "8", "--error-feedback"), True),
     Setting("qsgd4", "QSGD 4-bit", ("--compression", "qsgd", "--bits", "4", "--error-feedback"), True),
-    Setting("topk", "TopK 1%", ("--compression", "topk", "--ratio", "0.01", "--error-feedback"), True),
+    Setting("topk", "TopK 1%", (*MOMENTUM_CORRECTION, "--compression", "topk", "--ratio", "0.01",
+                                "--error-feedback"), True),
     Setting("topkqsgd", "TopKQSGD(1%, 8)",
-            ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8", "--error-feedback"), True),
+            (*MOMENTUM_CORRECTION, "--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8",
+             "--error-feedback"), True),
     Setting("topkqsgd-noef", "TopKQSGD(1%, 8), no error feedback",
             ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8", "--no-error-feedback"), False),
 )
@@ -498,7 +504,18 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
         "`hvd_gradcomp.DistributedOptimizer`.",
         f"- Convergence: `examples/train.py --steps {plan.steps} --seed {plan.seed}` (character-level MLP on the "
         "standard library's sources, micro-batch 32, SGD lr 0.05 momentum 0.9) on 2 ranks, at "
-        f"{conv['rate'] if conv else '-'}; the held-out loss is on 4,096 fixed windows of text not trained on.",
+        f"{conv['rate'] if conv else '-'}; the held-out loss is on 4,096 fixed windows of text not trained on. "
+        "Every row uses the same steps, seed, lr and momentum; every tensor of at least 1,024 elements is "
+        "compressed and there is no sparsity warm-up.",
+        f"- TopK 1% and TopKQSGD(1%, 8) with error feedback pass `{' '.join(MOMENTUM_CORRECTION)}`: DGC's "
+        "momentum correction (Lin et al., 2018): each rank applies the momentum 0.9 to its own gradient "
+        "before TopK, error feedback accumulates that velocity, and the wrapped SGD has no momentum of its "
+        "own (uncompressed, this is exactly momentum SGD: held-out loss 2.4927 either way). With the momentum "
+        "applied after the exchange instead (plain `torch.optim.SGD`, as the other rows), TopKQSGD(1%, 8) with "
+        "error feedback ended at 2.5611 (+2.74%) in the same run.",
+        "- Noise: at 400 steps the loss still falls by ~0.1 per 100 steps and compressed runs lag by a roughly "
+        "constant number of steps, so one run's gap moves with its trajectory: uncompressed runs with seeds "
+        "0, 1, 2 end at 2.4927, 2.4644, 2.5245 (about +-1.2%).",
     ]
 
 
