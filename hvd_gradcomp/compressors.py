@@ -22,6 +22,7 @@ Example::
 """
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -120,7 +121,7 @@ class GradientCompressor:
             self.residuals.check_shape(name, grad)
             return self._encode_flat(grad.reshape(-1), grad.dtype, tuple(grad.shape), name)[0]
         acc = self.residuals.compensate(name, grad)
-        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name)
+        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=True)
         _subtract_sent(acc, sent)
         self.residuals.commit(name, acc)
         return payload
@@ -143,7 +144,8 @@ class GradientCompressor:
         payloads = []
         for i, (b, e) in enumerate(zip(bounds, bounds[1:])):
             part = acc[b:e]
-            payload, sent = self._encode_flat(part, grad.dtype, (e - b,), f"{name}#{i}")
+            payload, sent = self._encode_flat(part, grad.dtype, (e - b,), f"{name}#{i}",
+                                              contract=self.error_feedback)
             if self.error_feedback:
                 _subtract_sent(part, sent)
             payloads.append(payload)
@@ -152,8 +154,8 @@ class GradientCompressor:
         return payloads
 
     def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
-                     name: str) -> Tuple[torch.Tensor, Sent]:
-        enc = self._encode(flat, dtype, self._next_seed(name))
+                     name: str, contract: bool = False) -> Tuple[torch.Tensor, Sent]:
+        enc = self._encode(flat, dtype, self._next_seed(name), contract)
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
                              enc.bucket_size)
         payload = wire.assemble(header, enc.sections, flat.device)
@@ -201,6 +203,12 @@ class GradientCompressor:
 
         return stock.finish_exchange(self, ctx)
 
+    @property
+    def ef_scale(self) -> float:
+        """Factor applied to what is sent under error feedback (1.0: none), for full buckets;
+        buckets of fewer values get the (larger) factor of their size. See :func:`qsgd_ef_scale`."""
+        return 1.0
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """Residuals and random state: restoring it continues the exact same sequence."""
@@ -215,7 +223,7 @@ class GradientCompressor:
         self.residuals.load_state_dict({"residuals": state["residuals"], "shapes": state.get("shapes", {})})
 
     # ------------------------------------------------------------ to implement
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
         raise NotImplementedError
 
     def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
@@ -244,20 +252,26 @@ class QSGD(GradientCompressor):
         self.bits = _check_bits(bits)
         self.bucket_size = _check_bucket(bucket_size)
 
+    @property
+    def ef_scale(self) -> float:
+        return qsgd_ef_scale(self.bits, self.bucket_size) if self.error_feedback else 1.0
+
     def __repr__(self) -> str:
         return f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback})"
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
         n = flat.numel()
         if self.bits == 8 and n >= kernels.COMPILE_MIN_NUMEL:
             # Codes are the payload bytes: write them in place, sparing assemble a copy.
             nb = (n + self.bucket_size - 1) // self.bucket_size
             norm_bytes, code_bytes = wire.reserve([4 * nb, n], flat.device)
             norms, codes = kernels.qsgd_encode(flat, 8, self.bucket_size, seed, codes=code_bytes)
+            norms = _shrunk(norms, contract, self.bits, min(n, self.bucket_size))
             norm_bytes.view(torch.float32).copy_(norms)
             sections = [norm_bytes, code_bytes]
         else:
             norms, codes = kernels.qsgd_encode(flat, self.bits, self.bucket_size, seed)
+            norms = _shrunk(norms, contract, self.bits, min(n, self.bucket_size))
             sections = [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
         sent = kernels.QSGDDecoded(norms, codes, self.bits, self.bucket_size, dtype)
         return _Encoded(n, self.bits, wire.INDEX_NONE, self.bucket_size, sections, sent)
@@ -291,15 +305,17 @@ class TopK(GradientCompressor):
         mode, sections = wire.encode_indices(idx, flat.numel())
         return idx, mode, sections
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
         idx, mode, sections = self._select(flat)
         vals = flat[idx].to(dtype)
         return _Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
 
     def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+        return _scatter(*self._decode_sparse(h, reader), h.numel)
+
+    def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
         idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel)
-        vals = wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
-        return _scatter(idx, vals, h.numel)
+        return idx, wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
 
 
 class TopKQSGD(TopK):
@@ -317,25 +333,54 @@ class TopKQSGD(TopK):
         self.bits = _check_bits(bits)
         self.bucket_size = _check_bucket(bucket_size)
 
+    @property
+    def ef_scale(self) -> float:
+        return qsgd_ef_scale(self.bits, self.bucket_size) if self.error_feedback else 1.0
+
     def __repr__(self) -> str:
         return (f"TopKQSGD(ratio={self.ratio}, bits={self.bits}, bucket_size={self.bucket_size}, "
                 f"error_feedback={self.error_feedback})")
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int) -> _Encoded:
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
         idx, mode, sections = self._select(flat)
         vals = flat[idx]
         norms, codes = kernels.qsgd_encode(vals, self.bits, self.bucket_size, seed)
+        norms = _shrunk(norms, contract, self.bits, min(vals.numel(), self.bucket_size))
         sent_vals = kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, dtype)
         sections += [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
         return _Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
 
-    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+    def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
         idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel)
-        vals = _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
-        return _scatter(idx, vals, h.numel)
+        return idx, _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
 
 
 # ---------------------------------------------------------------- helpers
+def qsgd_ef_scale(bits: int, bucket_size: int) -> float:
+    """Scale of QSGD payloads under error feedback: 1/(1+w) when w >= 1, else 1.
+
+    QSGD is unbiased with variance E||Q(v)-v||^2 <= w ||v||^2, w = min(d/s^2, sqrt(d)/s)
+    (Alistarh et al., Lemma 3.1; d = bucket size, s = 2**(bits-1) - 1). Error feedback is
+    stable only when what is left behind is smaller than what came in: w < 1. At 8 bits
+    with 512-value buckets w = 0.03 and nothing changes; at 4 bits w = 3.2 and at 2 bits
+    w = 22.6, where the residual would grow without bound. Scaling by 1/(1+w) makes the
+    compressor a contraction (Stich & Karimireddy, 2019), so the residual stays bounded;
+    what is not sent stays in the residual and goes out in later steps.
+
+    >>> qsgd_ef_scale(8, 512), round(qsgd_ef_scale(4, 512), 3)
+    (1.0, 0.236)
+    """
+    s = (1 << (bits - 1)) - 1
+    w = min(bucket_size / s**2, math.sqrt(bucket_size) / s)
+    return 1.0 if w < 1.0 else 1.0 / (1.0 + w)
+
+
+def _shrunk(norms: torch.Tensor, contract: bool, bits: int, bucket: int) -> torch.Tensor:
+    """Norms scaled by :func:`qsgd_ef_scale` when error feedback needs a contraction."""
+    scale = qsgd_ef_scale(bits, bucket) if contract else 1.0
+    return norms if scale == 1.0 else norms * scale
+
+
 def _read_qsgd(reader: wire.SectionReader, n: int, bits: int, bucket: int, dtype: torch.dtype) -> torch.Tensor:
     nb = (n + bucket - 1) // bucket
     norms = wire.from_bytes(reader.take(4 * nb), torch.float32)

@@ -38,6 +38,7 @@ MAGIC = b"GC"
 KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD = 1, 2, 3
 INDEX_NONE, INDEX_DELTA, INDEX_BITMAP = 0, 1, 2
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_NDIM = 64
 INDEX_BLOCK = 64  # deltas per block: 64 * width bits is always a whole number of bytes
 ALIGN = 8
 
@@ -97,12 +98,32 @@ def read_header(payload: torch.Tensor) -> Header:
                               "run the same hvd-gradcomp version on every rank")
     if dtype >= len(DTYPES):
         raise WireFormatError(f"unknown dtype code {dtype}")
+    if ndim > MAX_NDIM or payload.numel() < HEADER_BYTES + 8 * ndim:
+        raise WireFormatError(f"corrupt or truncated payload: {ndim} dimensions declared, "
+                              f"{payload.numel()} bytes present")
     shape_raw = payload[HEADER_BYTES:HEADER_BYTES + 8 * ndim].cpu().numpy().tobytes()
     shape = struct.unpack(f"<{ndim}q", shape_raw)
-    if math.prod(shape) != numel or total > payload.numel():
-        raise WireFormatError(f"corrupt payload: shape {shape}, numel {numel}, {total} bytes declared, "
-                              f"{payload.numel()} present")
+    if any(d < 0 for d in shape) or math.prod(shape) != numel:
+        raise WireFormatError(f"corrupt payload: shape {shape} does not hold {numel} elements")
+    if not padded(HEADER_BYTES + 8 * ndim) <= total <= payload.numel():
+        raise WireFormatError(f"corrupt or truncated payload: {total} bytes declared, {payload.numel()} present")
+    _check_fields(kind, bits, mode, numel, k, bucket)
     return Header(kind, DTYPES[dtype], bits, mode, tuple(shape), numel, k, total, bucket)
+
+
+def _check_fields(kind: int, bits: int, mode: int, numel: int, k: int, bucket: int) -> None:
+    """Reject header fields no encoder writes, before they reach a decoder."""
+    if kind not in (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD):
+        raise WireFormatError(f"unknown payload kind {kind}")
+    quantised = kind in (KIND_QSGD, KIND_TOPKQSGD)
+    if quantised and not (2 <= bits <= 8 and bucket >= 1):
+        raise WireFormatError(f"corrupt payload: QSGD bits {bits} (2..8), bucket size {bucket} (>= 1)")
+    if kind == KIND_TOPK and bits != 0:
+        raise WireFormatError(f"corrupt payload: TopK values are raw, bits must be 0, got {bits}")
+    if kind == KIND_QSGD and (k != numel or mode != INDEX_NONE):
+        raise WireFormatError(f"corrupt payload: QSGD sends every value, k {k} != numel {numel}")
+    if kind != KIND_QSGD and (not 1 <= k <= numel or mode not in (INDEX_DELTA, INDEX_BITMAP)):
+        raise WireFormatError(f"corrupt payload: sparse payload with k {k} of {numel}, index mode {mode}")
 
 
 def assemble(header: Header, sections: List[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -130,7 +130,8 @@ LONG_RUN = {
 def test_sent_tracks_gradients_over_200_steps(name):
     """Over 200 steps of gradients with a consistent direction the residual stays bounded:
 
-    * below a cap at every step: 5 ||g|| for QSGD; for TopK-based compressors the bound
+    * below a cap at every step: 5 ||g|| for 8-bit QSGD (and the contraction bound below for
+      low-bit QSGD, scaled by ef_scale); for TopK-based compressors the bound
       sqrt(1-d) / (1 - sqrt(1-d)) ||g|| (d = k/n) that follows from ||x - topk(x)||^2 <=
       (1-d) ||x||^2 (TopK at 1% plateaus near 11 ||g|| on this input, TopK at 10% near 1.4);
     * not growing: its largest value in steps 150..199 is at most 1.5 times that of 50..99;
@@ -139,12 +140,19 @@ def test_sent_tracks_gradients_over_200_steps(name):
     residual, so relative to the growing sum it shrinks (at step 200 <= 0.75 x step 100).
     """
     c = LONG_RUN[name]()
-    n, steps = 2048, 200
+    # TopK 1% then 2-bit QSGD contracts by ~0.01 * 0.18 per step: its residual needs ~10x
+    # longer to level off (it plateaus near 72 ||g||, below the cap), so it runs longer.
+    n, steps = 2048, (1500 if name == "topkqsgd2" else 200)
     if isinstance(c, TopK):
         d = max(1, math.ceil(c.ratio * n)) / n
         cap = (1 - d) ** 0.5 / (1 - (1 - d) ** 0.5)
     else:
         cap = 5.0
+    if c.ef_scale < 1.0:
+        # Low-bit QSGD under error feedback is scaled by 1/(1+w) into a contraction with
+        # E||C(x) - x||^2 <= (1 - d) ||x||^2, d = ef_scale: the same bound as TopK's, in expectation.
+        d = c.ef_scale
+        cap = max(cap, (1 - d) ** 0.5 / (1 - (1 - d) ** 0.5))
     g_ = gen(42)
     drift = torch.randn(n, generator=g_) * 0.3
     sum_g = torch.zeros(n, dtype=torch.float64)
@@ -158,8 +166,9 @@ def test_sent_tracks_gradients_over_200_steps(name):
         ratios.append(float(c.residuals.residual("w").norm() / g.norm()))
         rel.append(float((sum_sent - sum_g).norm() / sum_g.norm()))
     assert max(ratios) <= cap, f"residual reached {max(ratios):.3g} x ||g|| (cap {cap:.3g})"
-    assert max(ratios[150:]) <= 1.5 * max(ratios[50:100]), "residual still growing"
-    assert rel[-1] <= 0.75 * rel[99], f"sum(sent) drifts from sum(g): {rel[99]:.3g} -> {rel[-1]:.3g}"
+    q = steps // 4
+    assert max(ratios[3 * q:]) <= 1.5 * max(ratios[q:2 * q]), "residual still growing"
+    assert rel[-1] <= 0.75 * rel[2 * q - 1], f"sum(sent) drifts from sum(g): {rel[2 * q - 1]:.3g} -> {rel[-1]:.3g}"
 
 
 # ------------------------------------------------------------------ checkpoints

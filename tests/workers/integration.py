@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import hvd_gradcomp as gc
+from hvd_gradcomp.compressors import qsgd_ef_scale
 from hvd_gradcomp.stats import ByteStats  # noqa: F401  (documented attribute types)
 
 IN, HIDDEN, OUT = 64, 128, 10   # fc1.weight 8192 and fc2.weight 1280 elements: compressed
@@ -105,9 +106,19 @@ def error_bound(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: 
     return 1e-6 * scale
 
 
+def ef_shrink(kind: str, n: int, kw: Dict[str, Any], stock: bool) -> float:
+    """Error feedback scales low-bit QSGD payloads by 1/(1+w) (see qsgd_ef_scale): the factor for a
+    tensor of n elements, applied once per quantisation (twice on the compressed-allreduce road)."""
+    if kind != "qsgd" or not kw.get("error_feedback", True) or (n < 1024 and not stock):
+        return 1.0
+    piece = n if stock else n // hvd.size()
+    scale = qsgd_ef_scale(kw.get("bits", 8), min(piece, kw.get("bucket_size", 512)))
+    return scale if stock else scale ** 2
+
+
 def expected(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: bool = False) -> torch.Tensor:
     """What the exchange should produce, computed independently of the library (torch.topk)."""
-    flat = g.reshape(-1)
+    flat = g.reshape(-1) * ef_shrink(kind, g.numel(), kw, stock)
     if kind in ("topk", "topkqsgd") and (flat.numel() >= 1024 or stock):
         k = max(1, math.ceil(kw.get("ratio", 0.01) * flat.numel() - 1e-9))
         keep = torch.zeros_like(flat, dtype=torch.bool)
