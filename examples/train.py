@@ -11,7 +11,13 @@ Compression flags default from the ``HVDGC_*`` variables that ``hvdgc-launch`` s
 (:func:`hvd_gradcomp.config.from_env`) and override them when given. Rank 0 shows a
 progress bar with loss, samples/s, bytes sent per step and the compression ratio, writes
 one CSV row per optimizer step (``--out-dir``/``<run-name>.csv``), a JSON summary
-(``<run-name>.json``) and TensorBoard scalars when ``torch.utils.tensorboard`` imports.
+(``<run-name>.json``, with the ``--eval-every`` held-out losses) and TensorBoard scalars when
+``torch.utils.tensorboard`` imports.
+
+Two techniques of Deep Gradient Compression (Lin et al., 2018) are implemented here, in the
+example, on top of the library: ``--momentum-correction`` (momentum applied per rank before
+TopK, so error feedback accumulates velocity) and ``--warmup-steps`` (TopK ratio decreasing
+geometrically from ``--warmup-ratio``; the compressor's ``ratio`` is a plain attribute).
 """
 from __future__ import annotations
 
@@ -56,11 +62,12 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
                    help="tensors smaller than this go uncompressed in one fused allreduce")
     g.add_argument("--momentum-correction", action="store_true",
                    help="DGC momentum correction (Lin et al., 2018): each rank applies --momentum to its own "
-                        "gradient before compression (u = momentum*u + g; error feedback then accumulates u), "
-                        "momentum of sent coordinates is zeroed (momentum factor masking), and the wrapped SGD "
-                        "runs without momentum. Uncompressed, this is exactly SGD with --momentum")
+                        "gradient before compression (u = momentum*u + g; error feedback then accumulates u) "
+                        "and the wrapped SGD runs without momentum. Uncompressed, this is exactly SGD with "
+                        "--momentum. hvdgc-bench uses it, without masking, for its TopK rows")
     g.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --momentum-correction and TopK: zero the local momentum of the coordinates sent")
+                   help="with --momentum-correction and TopK: zero the local momentum of the coordinates "
+                        "sent each step (DGC's momentum factor masking)")
     g.add_argument("--warmup-steps", type=int, default=0,
                    help="topk/topk-qsgd: sparsity warm-up (DGC): the TopK ratio falls geometrically from "
                         "--warmup-ratio to --ratio over this many optimizer steps (more bytes sent then)")
