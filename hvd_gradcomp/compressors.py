@@ -93,19 +93,19 @@ class GradientCompressor:
         flat = self._decode(h, wire.SectionReader(payload, h))
         return flat.view(h.shape)
 
-    def decode_add_(self, payload: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> None:
-        """``out += alpha * decode(payload)`` on a flat tensor; sparse payloads add in place."""
+    def decode_parts(self, payload: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(indices, values) of a sparse payload, or (None, flat dense values) of a dense one.
+
+        Summing payloads from many ranks then costs one pass over the output (index_add)
+        instead of one dense decode per rank.
+        """
         sparse = getattr(self, "_decode_sparse", None)
         if sparse is None:
-            out.add_(self.decode(payload).reshape(-1).to(out.dtype), alpha=alpha)
-            return
+            return None, self.decode(payload).reshape(-1)
         h = wire.read_header(payload)
         if h.kind != self.kind:
             raise wire.WireFormatError(f"{type(self).__name__} cannot decode a payload of kind {h.kind}")
-        if h.numel != out.numel():
-            raise ValueError(f"payload of {h.numel} elements cannot be added to a tensor of {out.numel()}")
-        idx, vals = sparse(h, wire.SectionReader(payload, h))
-        out.index_add_(0, idx, vals.to(out.dtype), alpha=alpha)
+        return sparse(h, wire.SectionReader(payload, h))
 
     # ------------------------------------------------------------ error feedback
     def compress_named(self, name: str, grad: torch.Tensor) -> torch.Tensor:

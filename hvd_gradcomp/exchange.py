@@ -19,7 +19,7 @@ the allgather once the alltoall is done. ``bytes_sent`` counts the bytes handed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -39,6 +39,7 @@ class Pending:
     ctx: Any = None
     bytes_sent: int = 0
     stage: int = 1
+    finished: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -63,8 +64,12 @@ class DenseExchange:
     def advance(self, p: Pending) -> None:
         pass
 
+    def progress(self, p: Pending, out: torch.Tensor) -> None:
+        """Nothing to do early: Horovod's allreduce runs in its background thread."""
+
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         out.copy_(self.compression.decompress(_hvd().synchronize(p.handle), p.ctx).view_as(out))
+        p.finished = True
 
 
 class AllgatherExchange:
@@ -81,41 +86,72 @@ class AllgatherExchange:
     def advance(self, p: Pending) -> None:
         pass
 
+    def progress(self, p: Pending, out: torch.Tensor) -> None:
+        """Decode now if the allgather is done, overlapping the rest of backward; never blocks.
+
+        Decoded parts wait in ``p.extra``: ``p.grad`` keeps the local gradient until
+        synchronize(), as with Horovod.
+        """
+        if "parts" not in p.extra and _hvd().poll(p.handle):
+            self._decode(p)
+
+    def _decode(self, p: Pending) -> None:
+        payloads = wire.split_payloads(_hvd().synchronize(p.handle))
+        p.extra["parts"] = decode_payloads(self.compressor, payloads, self.process_set.size())
+
     def finish(self, p: Pending, out: torch.Tensor) -> None:
-        gathered = _hvd().synchronize(p.handle)
-        payloads = wire.split_payloads(gathered)
-        reduce_payloads(self.compressor, payloads, self.op, self.process_set.size(), p.dtype, out=out)
+        if "parts" not in p.extra:
+            self._decode(p)
+        sum_parts(p.extra.pop("parts"), self.op, out.numel(), p.dtype, out=out)
+        p.finished = True
 
 
-def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], op: Any, size: int,
-                    dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The average (or sum) of every rank's payload, decoded in rank order.
+Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
-    Every rank runs the same additions in the same order on the same bytes, so every rank
-    gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse payloads
-    are added straight into one zeroed buffer (no dense decode per rank); with ``out`` (a
-    contiguous tensor of the payload's dtype), the result is written there.
-    """
-    hvd = _hvd()
+
+def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int) -> Parts:
+    """Every rank's payload decoded, in rank order, as (indices or None, values)."""
     if len(payloads) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
+    return [compressor.decode_parts(pl) for pl in payloads]
+
+
+def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The average (or sum) of decoded parts.
+
+    Every rank runs the same additions in the same order on the same bytes, so every rank
+    gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
+    added straight into one zeroed buffer; with ``out`` (contiguous, of the accumulation
+    dtype) the result is written there.
+    """
+    hvd = _hvd()
     if op == hvd.Average:
-        scale = 1.0 / size
+        scale = 1.0 / len(parts)
     elif op == hvd.Sum:
         scale = 1.0
     else:
         raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
     acc_dtype = residual_dtype(dtype)
-    numel = wire.read_header(payloads[0]).numel
     direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
-    acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=payloads[0].device)
+    acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
     acc.zero_()
-    for payload in payloads:
-        compressor.decode_add_(payload, acc, scale)
+    for idx, vals in parts:
+        if idx is None:
+            acc.add_(vals.to(acc_dtype), alpha=scale)
+        else:
+            acc.index_add_(0, idx, vals.to(acc_dtype), alpha=scale)
     if out is not None and not direct:
         out.copy_(acc.view_as(out))
         return out
     return acc if acc.dtype == dtype else acc.to(dtype)
+
+
+def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], op: Any, size: int,
+                    dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
+    numel = wire.read_header(payloads[0]).numel if payloads else 0
+    return sum_parts(decode_payloads(compressor, payloads, size), op, numel, dtype, out)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -149,8 +185,15 @@ class ScatterReduceExchange:
         sent = int(splits.sum()) - int(splits[self.process_set.rank()])
         return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sent, extra={"bounds": bounds})
 
+    def progress(self, p: Pending, out: torch.Tensor) -> None:
+        """Start stage 2 as soon as the alltoall is done (p.grad is untouched); never blocks."""
+        if p.stage == 1 and _hvd().poll(p.handle):
+            self.advance(p)
+
     def advance(self, p: Pending) -> None:
         """Stage 2: reduce my chunk from everybody's payloads, re-quantise, start the allgather."""
+        if p.stage != 1:
+            return
         hvd = _hvd()
         received, _ = hvd.synchronize(p.handle)
         payloads = wire.split_payloads(received)
@@ -176,6 +219,7 @@ class ScatterReduceExchange:
                 raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
                                    "ranks disagree on the tensor's shape")
             flat[b:e].copy_(chunk)
+        p.finished = True
 
 
 def choose_exchange(compression: Any, op: Any, process_set: Any):

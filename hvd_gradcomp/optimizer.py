@@ -93,6 +93,13 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._delay[p] -= 1
         if self._delay[p] == 0 and not self._is_small(p):
             self._start(p, self._compressed)
+            self._progress()
+
+    def _progress(self) -> None:
+        """Decode the exchanges already done while backward goes on, instead of all at synchronize()."""
+        for q, (exchange, pending) in self._pending.items():
+            if not pending.finished:
+                exchange.progress(pending, q.grad)
 
     def _is_small(self, p: torch.Tensor) -> bool:
         return (not p.is_floating_point()) or p.numel() < self.min_compress_numel
@@ -117,9 +124,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self._start(p, self._compressed)
         fused = self._start_fused(small)
         for exchange, pending in self._pending.values():
-            exchange.advance(pending)
+            if not pending.finished:
+                exchange.advance(pending)
         for p, (exchange, pending) in self._pending.items():
-            exchange.finish(pending, p.grad)
+            if not pending.finished:
+                exchange.finish(pending, p.grad)
             # Counted once finished: the QSGD road adds its allgather's bytes in advance().
             self._record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
         self._finish_fused(fused)
