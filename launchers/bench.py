@@ -540,6 +540,8 @@ def _convergence_section(plan: Plan, conv: Dict[str, Any], rows: List[Dict[str, 
         if key in images:
             out += [f"![{key.replace('_', ' ')}]({images[key]})", ""]
     out += [f"- {CONVERGENCE_LABELS.get(k, k)}: failed: `{v.splitlines()[0]}`" for k, v in conv["failures"].items()]
+    if conv["failures"]:
+        out.append("")
     return out
 
 
