@@ -230,7 +230,23 @@ class GradientCompressor:
         raise NotImplementedError
 
 
-class QSGD(GradientCompressor):
+class _Quantiser:
+    """What QSGD and TopKQSGD share: bits, bucket size and the error-feedback scale."""
+
+    bits: int
+    bucket_size: int
+    error_feedback: bool
+
+    def _init_quantiser(self, bits: int, bucket_size: int) -> None:
+        self.bits = _check_bits(bits)
+        self.bucket_size = _check_bucket(bucket_size)
+
+    @property
+    def ef_scale(self) -> float:
+        return qsgd_ef_scale(self.bits, self.bucket_size) if self.error_feedback else 1.0
+
+
+class QSGD(_Quantiser, GradientCompressor):
     """QSGD (Alistarh et al., 2017): norm-scaled stochastic quantisation, unbiased.
 
     Per bucket of ``bucket_size`` values, each value is sent as a sign and a level in
@@ -249,12 +265,7 @@ class QSGD(GradientCompressor):
     def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
                  seed: Optional[int] = None) -> None:
         super().__init__(error_feedback, seed)
-        self.bits = _check_bits(bits)
-        self.bucket_size = _check_bucket(bucket_size)
-
-    @property
-    def ef_scale(self) -> float:
-        return qsgd_ef_scale(self.bits, self.bucket_size) if self.error_feedback else 1.0
+        self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
         return f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback})"
@@ -318,7 +329,7 @@ class TopK(GradientCompressor):
         return idx, wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
 
 
-class TopKQSGD(TopK):
+class TopKQSGD(_Quantiser, TopK):
     """TopK, then QSGD on the kept values: the headline setting is ratio 0.01 with 8 bits.
 
     >>> TopKQSGD()
@@ -330,12 +341,7 @@ class TopKQSGD(TopK):
     def __init__(self, ratio: float = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
                  error_feedback: bool = True, seed: Optional[int] = None) -> None:
         super().__init__(ratio, error_feedback, seed)
-        self.bits = _check_bits(bits)
-        self.bucket_size = _check_bucket(bucket_size)
-
-    @property
-    def ef_scale(self) -> float:
-        return qsgd_ef_scale(self.bits, self.bucket_size) if self.error_feedback else 1.0
+        self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
         return (f"TopKQSGD(ratio={self.ratio}, bits={self.bits}, bucket_size={self.bucket_size}, "
