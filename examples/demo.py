@@ -26,8 +26,10 @@ from typing import Any, Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 RUNS = (
+    # Momentum correction (DGC) as in hvdgc-bench's TopK rows: momentum applied before TopK, on each rank.
     ("TopKQSGD(1%, 8) + EF", "demo-topkqsgd", ["--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8",
-                                                "--error-feedback"]),
+                                                "--error-feedback", "--momentum-correction",
+                                                "--no-momentum-masking"]),
     ("uncompressed", "demo-none", ["--compression", "none"]),
 )
 
