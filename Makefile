@@ -18,7 +18,7 @@ demo: setup
 	@$(PY) examples/demo.py
 
 test: setup slurm-up
-	@$(VENV)/bin/pytest -ra tests
+	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp launchers examples
 
 bench: setup
 	@$(VENV)/bin/hvdgc-bench

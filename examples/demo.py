@@ -74,7 +74,7 @@ def summary_table(results: List[Dict[str, Any]]) -> str:
 
     >>> print(summary_table([{"label": "a", "final_train_loss": 2.0, "val_loss": 2.1, "val_accuracy": 0.3,
     ...     "samples_per_s": 900.0, "bytes_per_step": 3.4e6, "ratio": 1.0}]).splitlines()[2])
-    a                      2.0000         2.1000        0.300         900    3,400,000     1.0x
+    a                        2.0000         2.1000        0.300         900    3,400,000     1.0x
     """
     head = f"{'run':<20} {'train loss':>10} {'held-out loss':>14} {'accuracy':>12} {'samples/s':>11} " \
            f"{'bytes/step':>12} {'ratio':>8}"

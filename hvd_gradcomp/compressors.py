@@ -13,12 +13,12 @@ Three layers, from low to high:
 Example::
 
     >>> c = TopKQSGD(ratio=0.01, bits=8)
-    >>> g = torch.randn(10_000)
-    >>> payload = c.compress_named("fc.weight", g)     # 100 values, 8 bits each, + indices
+    >>> g = torch.randn(1_000_000)
+    >>> payload = c.compress_named("fc.weight", g)     # 10,000 values, 8 bits each, + indices
     >>> payload.numel() < g.numel() * 4 / 150
     True
     >>> c.decode(payload).shape
-    torch.Size([10000])
+    torch.Size([1000000])
 """
 from __future__ import annotations
 
