@@ -26,7 +26,7 @@ import math
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -34,7 +34,7 @@ from . import kernels, wire
 from .feedback import ResidualStore
 from .stats import ByteStats
 
-Sent = Union[Callable[[], torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+Sent = Union[kernels.QSGDDecoded, Tuple[torch.Tensor, torch.Tensor]]
 DEFAULT_BUCKET = 512
 
 
@@ -42,8 +42,8 @@ DEFAULT_BUCKET = 512
 class _Encoded:
     """What a compressor's ``_encode`` produced: header fields, sections and what was sent.
 
-    ``sent`` is either (indices, values) of a sparse payload or a callable that builds the
-    dense decoded tensor (only called when error feedback needs it).
+    ``sent`` is either (indices, values) of a sparse payload or the QSGD codes, subtracted
+    from the residual in one pass only when error feedback needs it.
     """
 
     k: int
@@ -87,11 +87,14 @@ class GradientCompressor:
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """The tensor a payload stands for, in its original shape and dtype."""
+        h = self._own_header(payload)
+        return self._decode(h, wire.SectionReader(payload, h)).view(h.shape)
+
+    def _own_header(self, payload: torch.Tensor) -> wire.Header:
         h = wire.read_header(payload)
         if h.kind != self.kind:
             raise wire.WireFormatError(f"{type(self).__name__} cannot decode a payload of kind {h.kind}")
-        flat = self._decode(h, wire.SectionReader(payload, h))
-        return flat.view(h.shape)
+        return h
 
     def decode_parts(self, payload: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
         """(indices, values) of a sparse payload, or (None, flat dense values) of a dense one.
@@ -102,9 +105,7 @@ class GradientCompressor:
         sparse = getattr(self, "_decode_sparse", None)
         if sparse is None:
             return None, self.decode(payload).reshape(-1)
-        h = wire.read_header(payload)
-        if h.kind != self.kind:
-            raise wire.WireFormatError(f"{type(self).__name__} cannot decode a payload of kind {h.kind}")
+        h = self._own_header(payload)
         return sparse(h, wire.SectionReader(payload, h))
 
     # ------------------------------------------------------------ error feedback
@@ -395,11 +396,9 @@ def _read_qsgd(reader: wire.SectionReader, n: int, bits: int, bucket: int, dtype
 
 
 def _subtract_sent(acc: torch.Tensor, sent: Sent) -> None:
-    """acc -= what the payload carries (dense callable or sparse (indices, values)), in place."""
+    """acc -= what the payload carries (dense QSGD codes or sparse (indices, values)), in place."""
     if isinstance(sent, kernels.QSGDDecoded):
         sent.subtract_from(acc)  # one fused pass, no dense decoded temporary
-    elif callable(sent):
-        acc -= sent().to(acc.dtype)
     else:
         idx, vals = sent
         acc[idx] -= vals.to(acc.dtype)

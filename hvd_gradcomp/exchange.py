@@ -64,7 +64,7 @@ class DenseExchange:
     def advance(self, p: Pending) -> None:
         pass
 
-    def progress(self, p: Pending, out: torch.Tensor) -> None:
+    def progress(self, p: Pending) -> None:
         """Nothing to do early: Horovod's allreduce runs in its background thread."""
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ class AllgatherExchange:
     def advance(self, p: Pending) -> None:
         pass
 
-    def progress(self, p: Pending, out: torch.Tensor) -> None:
+    def progress(self, p: Pending) -> None:
         """Decode now if the allgather is done, overlapping the rest of backward; never blocks.
 
         Decoded parts wait in ``p.extra``: ``p.grad`` keeps the local gradient until
@@ -185,7 +185,7 @@ class ScatterReduceExchange:
         sent = int(splits.sum()) - int(splits[self.process_set.rank()])
         return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sent, extra={"bounds": bounds})
 
-    def progress(self, p: Pending, out: torch.Tensor) -> None:
+    def progress(self, p: Pending) -> None:
         """Start stage 2 as soon as the alltoall is done (p.grad is untouched); never blocks."""
         if p.stage == 1 and _hvd().poll(p.handle):
             self.advance(p)

@@ -205,16 +205,13 @@ def qsgd_subtract(acc: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, b
 class QSGDDecoded:
     """What a QSGD payload carries, built only on demand (error feedback's ``sent``).
 
-    Calling it returns the dense decoded tensor; :meth:`subtract_from` updates a residual in one
-    fused pass instead of materialising that tensor first.
+    :meth:`subtract_from` updates a residual in one fused pass instead of materialising the
+    decoded tensor first.
     """
 
     def __init__(self, norms: torch.Tensor, codes: torch.Tensor, bits: int, bucket_size: int,
                  dtype: torch.dtype) -> None:
         self.norms, self.codes, self.bits, self.bucket_size, self.dtype = norms, codes, bits, bucket_size, dtype
-
-    def __call__(self) -> torch.Tensor:
-        return qsgd_decode(self.norms, self.codes, self.bits, self.bucket_size, self.dtype)
 
     def subtract_from(self, acc: torch.Tensor) -> None:
         qsgd_subtract(acc, self.norms, self.codes, self.bits, self.bucket_size, self.dtype)

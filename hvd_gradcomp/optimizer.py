@@ -45,9 +45,6 @@ class _GradCompOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  process_set, min_compress_numel):
         super(self.__class__, self).__init__(params)
-        import horovod.torch as hvd
-
-        self._hvd = hvd
         self.compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -60,7 +57,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
         self._delay: Dict[torch.Tensor, int] = {}
-        self._pending: Dict[torch.Tensor, Tuple[Any, Pending]] = {}
+        self._pending: Dict[torch.Tensor, Pending] = {}
         self._synchronized = False
         self._should_synchronize = True
         self.comm_stats = ByteStats()   # bytes this rank hands to Horovod, all steps
@@ -92,23 +89,22 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 "backward_passes_per_step to accumulate gradients locally, or call step() more often.")
         self._delay[p] -= 1
         if self._delay[p] == 0 and not self._is_small(p):
-            self._start(p, self._compressed)
+            self._start(p)
             self._progress()
 
     def _progress(self) -> None:
         """Decode the exchanges already done while backward goes on, instead of all at synchronize()."""
-        for q, (exchange, pending) in self._pending.items():
+        for pending in self._pending.values():
             if not pending.finished:
-                exchange.progress(pending, q.grad)
+                self._compressed.progress(pending)
 
     def _is_small(self, p: torch.Tensor) -> bool:
         return (not p.is_floating_point()) or p.numel() < self.min_compress_numel
 
-    def _start(self, p: torch.Tensor, exchange: Any) -> None:
+    def _start(self, p: torch.Tensor) -> None:
         if p.grad is None:  # unused on this rank: others may have a gradient, so send zeros
             p.grad = torch.zeros_like(p)
-        pending = exchange.start(self._parameter_names[p], p.grad)
-        self._pending[p] = (exchange, pending)
+        self._pending[p] = self._compressed.start(self._parameter_names[p], p.grad)
 
     # ------------------------------------------------------------ synchronize / step
     def synchronize(self) -> None:
@@ -121,14 +117,14 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             if self._is_small(p):
                 small.append(p)
             else:  # partial window (flush) or a parameter without gradient this step
-                self._start(p, self._compressed)
+                self._start(p)
         fused = self._start_fused(small)
-        for exchange, pending in self._pending.values():
+        for pending in self._pending.values():
             if not pending.finished:
-                exchange.advance(pending)
-        for p, (exchange, pending) in self._pending.items():
+                self._compressed.advance(pending)
+        for p, pending in self._pending.items():
             if not pending.finished:
-                exchange.finish(pending, p.grad)
+                self._compressed.finish(pending, p.grad)
             # Counted once finished: the QSGD road adds its allgather's bytes in advance().
             self._record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
         self._finish_fused(fused)
@@ -189,16 +185,6 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                                  "optimizer.step() or optimizer.synchronize(): the gradients in flight "
                                  "would be lost. Call step() (or synchronize()) first.")
         return super(self.__class__, self).zero_grad(set_to_none)
-
-    # ------------------------------------------------------------ checkpoints
-    def compression_state_dict(self) -> Dict[str, Any]:
-        """Compressor residuals and random state of this rank (save one file per rank)."""
-        state = getattr(self.compression, "state_dict", None)
-        return {"compressor": state() if callable(state) else None}
-
-    def load_compression_state_dict(self, state: Dict[str, Any]) -> None:
-        if state.get("compressor") is not None:
-            self.compression.load_state_dict(state["compressor"])
 
 
 def _name_parameters(param_groups: List[dict], named_parameters: Optional[Iterable]) -> Dict[torch.Tensor, str]:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import wire
+from .exchange import AllgatherExchange, Pending
 
 _HOROVOD_OPTIMIZER_FILE = "horovod/torch/optimizer.py"
 _FRAMES_TO_SEARCH = 5
@@ -42,12 +42,12 @@ class HorovodCall:
 
 
 @dataclass
-class PendingExchange:
-    handle: Any
-    op: Any
-    size: int
-    dtype: torch.dtype
-    shape: torch.Size
+class StockContext:
+    """decompress()'s context: the allgather in flight for one parameter."""
+
+    exchange: AllgatherExchange
+    pending: Pending
+    device: torch.device
 
 
 def find_horovod_call(tensor: torch.Tensor) -> Optional[HorovodCall]:
@@ -90,21 +90,15 @@ def _advice(why: str) -> str:
 
 
 def start_exchange(compressor: Any, call: HorovodCall, tensor: torch.Tensor):
-    """compress() inside Horovod: error feedback, then an async allgather of the payload."""
-    import horovod.torch as hvd
-
-    payload = compressor.compress_named(call.name, tensor)
-    handle = hvd.allgather_async(payload, name=f"hvdgc.stock.{call.name}", process_set=call.process_set)
-    pending = PendingExchange(handle, call.op, call.process_set.size(), tensor.dtype, tensor.shape)
-    return tensor.new_empty(0), pending
+    """compress() inside Horovod: error feedback and an async allgather of the payload, on the
+    same road as hvd_gradcomp.DistributedOptimizer's sparse exchanges."""
+    exchange = AllgatherExchange(compressor, call.op, call.process_set)
+    ctx = StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
+    return tensor.new_empty(0), ctx
 
 
-def finish_exchange(compressor: Any, pending: PendingExchange) -> torch.Tensor:
+def finish_exchange(compressor: Any, ctx: StockContext) -> torch.Tensor:
     """decompress() inside Horovod: the average (or sum) of every rank's decoded payload."""
-    import horovod.torch as hvd
-
-    from .exchange import reduce_payloads
-
-    gathered = hvd.synchronize(pending.handle)
-    return reduce_payloads(compressor, wire.split_payloads(gathered), pending.op, pending.size,
-                           pending.dtype).view(pending.shape)
+    out = torch.empty(ctx.pending.shape, dtype=ctx.pending.dtype, device=ctx.device)
+    ctx.exchange.finish(ctx.pending, out)
+    return out

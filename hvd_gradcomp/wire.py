@@ -331,10 +331,6 @@ def delta_index_bytes(indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     return widths.to(torch.uint8), out[:nbytes].to(torch.uint8)
 
 
-def delta_index_size(k: int, widths: torch.Tensor) -> int:
-    return padded(widths.numel()) + padded(int(widths.to(torch.int64).sum()) * (INDEX_BLOCK // 8))
-
-
 def decode_delta_indices(widths: torch.Tensor, data: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of :func:`delta_index_bytes`: the k sorted indices (one gather per byte span)."""
     offsets, w = _block_layout(widths)
