@@ -101,23 +101,46 @@ class GradientAccumulator:
         """Optimizer state, compressor residuals and random state, and the window counters.
 
         Residuals differ between ranks: save one file per rank, e.g.
-        ``torch.save(acc.state_dict(), f"ckpt-rank{hvd.rank()}.pt")``.
+        ``torch.save(acc.state_dict(), f"ckpt-rank{hvd.rank()}.pt")``. Only between windows
+        (after a step or ``flush()``): gradients accumulated mid-window are not part of it.
         """
+        if self.pending:
+            raise ValueError(_MID_WINDOW)
         return {"optimizer": self.optimizer.state_dict(), "compression": _compression_state(self.optimizer),
                 "pending": self.pending, "optimizer_steps": self.optimizer_steps, "steps": self.steps}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Everything is checked before anything changes; a
+        ``ValueError`` says what differs and what to do. ``state["compression"] = None``
+        loads the rest and restarts error feedback from zero."""
+        if not isinstance(state, dict):
+            raise ValueError(f"expected the dict GradientAccumulator.state_dict() returns, got {type(state).__name__}")
+        missing = [k for k in ("optimizer", "compression", "pending", "optimizer_steps", "steps") if k not in state]
+        if missing:
+            raise ValueError(f"checkpoint lacks {missing}: not a GradientAccumulator.state_dict(). Nothing was changed.")
         if state["steps"] != self.steps:
-            raise ValueError(f"checkpoint was taken with steps={state['steps']}, this accumulator has {self.steps}")
+            raise ValueError(f"checkpoint was taken with steps={state['steps']}, this accumulator has "
+                             f"steps={self.steps}: build the optimizer and accumulator with {state['steps']}. "
+                             "Nothing was changed.")
         if state["pending"]:
-            raise ValueError("checkpoint was taken in the middle of an accumulation window; "
-                             "save after a step (or after flush())")
-        self.optimizer.load_state_dict(state["optimizer"])
+            raise ValueError(_MID_WINDOW)
         comp = _compressor(self.optimizer)
-        if state["compression"] is not None and comp is not None:
+        if state["compression"] is not None:
+            if comp is None:
+                raise ValueError("checkpoint holds compressor state but this optimizer has no hvd_gradcomp "
+                                 "compressor: build it with the same compression, or set "
+                                 "state['compression'] = None. Nothing was changed.")
+            from .compressors import _check_compressor_state
+            _check_compressor_state(comp, state["compression"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["compression"] is not None:
             comp.load_state_dict(state["compression"])
-        self.pending = state["pending"]
-        self.optimizer_steps = state["optimizer_steps"]
+        self.pending = 0
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+
+_MID_WINDOW = ("checkpoints are taken between accumulation windows, not in the middle of one (the "
+               "gradients accumulated so far are not saved): save right after a step, or call flush() first")
 
 
 def _compressor(optimizer: Any) -> Any:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -74,20 +76,30 @@ class GradientCompressor:
         self.residuals = ResidualStore()
         self.stats = ByteStats()
         self._steps: Dict[str, int] = {}
+        self._owner: Optional[weakref.ref] = None
+        self._world: Optional[int] = None                  # ranks of the owner's process set
+        self._round = 0                                    # exchange steps ended (see end_round)
+        self._in_flight: set = set()                       # see exchange_opened
+        self._round_ok = True
+        self._undo_steps: Optional[Dict[str, int]] = None  # random streams at the round's start
 
     # ------------------------------------------------------------ wire level
     def encode(self, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
         """The payload for ``tensor`` (no error feedback): one 1-D ``torch.uint8`` tensor.
 
         Each call advances the random stream of ``name``, so repeated calls draw fresh noise.
+        A tensor holding NaN/Inf gives a payload flagged non-finite that decodes to NaN.
         """
         _check_input(tensor, name)
-        _check_finite(tensor, name)
+        if not _all_finite(tensor):
+            return self._nonfinite_payload(tensor.dtype, tuple(tensor.shape), name)
         return self._encode_flat(tensor.reshape(-1), tensor.dtype, tuple(tensor.shape), name)[0]
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """The tensor a payload stands for, in its original shape and dtype."""
         h = self._own_header(payload)
+        if h.flags & wire.FLAG_NONFINITE:
+            return torch.full(h.shape, float("nan"), dtype=h.dtype, device=payload.device)
         return self._decode(h, wire.SectionReader(payload, h)).view(h.shape)
 
     def _own_header(self, payload: torch.Tensor) -> wire.Header:
@@ -103,21 +115,24 @@ class GradientCompressor:
         instead of one dense decode per rank.
         """
         sparse = getattr(self, "_decode_sparse", None)
-        if sparse is None:
-            return None, self.decode(payload).reshape(-1)
         h = self._own_header(payload)
+        if sparse is None or h.flags & wire.FLAG_NONFINITE:
+            return None, self.decode(payload).reshape(-1)
         return sparse(h, wire.SectionReader(payload, h))
 
     # ------------------------------------------------------------ error feedback
     def compress_named(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Payload for the gradient of tensor ``name``, with error feedback when enabled.
 
-        Raises ``FloatingPointError`` (residual untouched) when ``grad`` holds NaN or Inf.
+        When ``grad`` holds NaN or Inf the payload is flagged non-finite (it decodes to NaN on
+        every rank) and neither the residual nor the random stream changes.
         """
         _check_input(grad, name)
         if not name:
             raise ValueError("compress_named needs a non-empty tensor name")
-        _check_finite(grad, name)
+        if not _all_finite(grad):
+            self.residuals.check_shape(name, grad)
+            return self._nonfinite_payload(grad.dtype, tuple(grad.shape), name)
         if not self.error_feedback:
             self.residuals.check_shape(name, grad)
             return self._encode_flat(grad.reshape(-1), grad.dtype, tuple(grad.shape), name)[0]
@@ -134,9 +149,12 @@ class GradientCompressor:
         ``bounds`` must cover the tensor and every chunk must be non-empty.
         """
         _check_input(grad, name)
-        _check_finite(grad, name)
         if bounds[0] != 0 or bounds[-1] != grad.numel() or any(b >= e for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"chunk bounds {bounds} do not split {grad.numel()} elements into non-empty chunks")
+        if not _all_finite(grad):
+            self.residuals.check_shape(name, grad)
+            return [self._nonfinite_payload(grad.dtype, (e - b,), f"{name}#{i}")
+                    for i, (b, e) in enumerate(zip(bounds, bounds[1:]))]
         if self.error_feedback:
             acc = self.residuals.compensate(name, grad)
         else:
@@ -158,14 +176,29 @@ class GradientCompressor:
                      name: str, contract: bool = False) -> Tuple[torch.Tensor, Sent]:
         enc = self._encode(flat, dtype, self._next_seed(name), contract)
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
-                             enc.bucket_size)
+                             enc.bucket_size, self._round)
         payload = wire.assemble(header, enc.sections, flat.device)
         self.stats.record(name, flat.numel() * dtype.itemsize, payload.numel())
         return payload, enc.sent
 
+    def _nonfinite_payload(self, dtype: torch.dtype, shape: Tuple[int, ...], name: str) -> torch.Tensor:
+        """A header-only payload flagged FLAG_NONFINITE (fields as a normal payload of this shape)."""
+        numel = math.prod(shape)
+        if self.kind == wire.KIND_QSGD:
+            k, mode = numel, wire.INDEX_NONE
+        else:
+            k, mode = kernels.num_selected(self.ratio, numel), wire.INDEX_DELTA
+        header = wire.Header(self.kind, dtype, getattr(self, "bits", 0), mode, shape, numel, k, 0,
+                             getattr(self, "bucket_size", 0), self._round, wire.FLAG_NONFINITE)
+        payload = wire.assemble(header, [], torch.device("cpu"))
+        self.stats.record(name, numel * dtype.itemsize, payload.numel())
+        return payload
+
     def _next_seed(self, name: str) -> int:
         """A 32-bit seed from (seed, stream, name, step): reproducible, distinct per call."""
         step = self._steps.get(name, 0)
+        if self._undo_steps is not None:
+            self._undo_steps.setdefault(name, step)
         self._steps[name] = step + 1
         return zlib.crc32(f"{self.seed}/{self.stream}/{name}/{step}".encode())
 
@@ -210,17 +243,113 @@ class GradientCompressor:
         buckets of fewer values get the (larger) factor of their size. See :func:`qsgd_ef_scale`."""
         return 1.0
 
+    # ------------------------------------------------------------ exchange steps
+    def bind(self, owner: Any, world_size: Optional[int] = None) -> None:
+        """Serve ``owner`` (one optimizer) only; called by the optimizers, not by users.
+
+        Residuals and random streams are keyed by parameter name, so two optimizers sharing
+        one compressor would mix their residuals. Binding also makes every exchange step a
+        transaction (see :meth:`end_round`).
+        """
+        current = self._owner() if self._owner is not None else None
+        if current is not None and current is not owner:
+            raise ValueError(
+                f"this {type(self).__name__} already compresses the gradients of another optimizer "
+                f"({type(current).__name__}); its residuals are keyed by parameter name and would be "
+                "mixed. Give each optimizer its own compressor (a new object, or copy.deepcopy(c) "
+                "before the first step), or call remove_hooks() on the old optimizer first.")
+        self._owner = weakref.ref(owner)
+        self._world = world_size
+        self.residuals.track_rounds(True)
+        if self._undo_steps is None:
+            self._undo_steps = {}
+
+    def unbind(self) -> None:
+        """Release the compressor from its optimizer (after ``remove_hooks()``)."""
+        self.end_round(True)
+        self._owner = None
+
+    @property
+    def exchange_step(self) -> int:
+        """Exchange steps ended so far (mod 2**24 it travels in each payload's header)."""
+        return self._round
+
+    def end_round(self, ok: bool) -> None:
+        """End one exchange step, on every rank alike.
+
+        ``ok=False`` (an averaged gradient of the step was NaN/Inf, so a loss scaler skips
+        it): residuals and random streams return to where the step began, as if it had
+        never run. Either way the step counter advances: the exchange did happen on every rank.
+        """
+        self.residuals.end_round(ok)
+        if not ok and self._undo_steps:
+            self._steps.update(self._undo_steps)
+        if self._undo_steps is not None:
+            self._undo_steps = {}
+        self._in_flight.clear()
+        self._round_ok = True
+        self._round += 1
+
+    def abandon_round(self) -> None:
+        """Undo an unfinished step and restart the step count (elastic reset, checkpoint load)."""
+        self.end_round(False)
+        self._round = 0
+
+    @property
+    def in_step(self) -> bool:
+        """Whether exchanges opened by :meth:`exchange_opened` are still in flight."""
+        return bool(self._in_flight)
+
+    def exchange_opened(self, name: str) -> None:
+        """Step bookkeeping where only single exchanges are seen (inside ``hvd.DistributedOptimizer``).
+
+        A name opened again while still in flight means its step was interrupted (an exception
+        went by, an elastic reset): that step is abandoned, see :meth:`abandon_round`.
+        """
+        if name in self._in_flight:
+            self.abandon_round()
+        self._in_flight.add(name)
+
+    def exchange_closed(self, name: str, finite: bool) -> None:
+        """The exchange of ``name`` finished; the last one of a step ends it (:meth:`end_round`).
+
+        Horovod starts every exchange of a step before it finishes the first, so "none left
+        in flight" marks the end of the step on every rank alike.
+        """
+        self._in_flight.discard(name)
+        self._round_ok = self._round_ok and finite
+        if not self._in_flight:
+            self.end_round(self._round_ok)
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals and random state: restoring it continues the exact same sequence."""
+        """Residuals and random state: restoring it continues the exact same sequence.
+
+        Also records what the residuals mean (compressor kind and settings, world size), which
+        :meth:`load_state_dict` checks.
+        """
         res = self.residuals.state_dict()
-        return {"seed": self.seed, "stream": self.stream, "steps": dict(self._steps),
-                "residuals": res["residuals"], "shapes": res["shapes"]}
+        return {"compressor": repr(self), "kind": type(self).__name__, "error_feedback": self.error_feedback,
+                "world_size": self._world, "seed": self.seed, "stream": self.stream,
+                "steps": dict(self._steps), "residuals": res["residuals"], "shapes": res["shapes"]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; checks everything before changing anything.
+
+        This rank's random stream is kept (each rank draws its own noise). A checkpoint of
+        another kind of compressor, another ``error_feedback`` or another world size raises
+        ``ValueError`` saying what differs; to restart error feedback from zero instead, load
+        the rest of the checkpoint without it (``state["compression"] = None`` for
+        :class:`~hvd_gradcomp.GradientAccumulator`).
+        """
+        _check_compressor_state(self, state)
+        if state.get("stream", self.stream) != self.stream:
+            warnings.warn(f"compressor state saved by the rank with stream {state['stream']} is loaded "
+                          f"on stream {self.stream}: residuals differ per rank, so each rank should load "
+                          "its own file (ckpt-rank{hvd.rank()}.pt). Keeping this rank's stream.")
+        self.abandon_round()
         self.seed = int(state["seed"])
-        self.stream = int(state["stream"])
-        self._steps = dict(state["steps"])
+        self._steps = {str(k): int(v) for k, v in state["steps"].items()}
         self.residuals.load_state_dict({"residuals": state["residuals"], "shapes": state.get("shapes", {})})
 
     # ------------------------------------------------------------ to implement
@@ -423,16 +552,47 @@ def _check_input(tensor: torch.Tensor, name: str) -> None:
                          "compress() passes such tensors through unchanged.")
 
 
-def _check_finite(tensor: torch.Tensor, name: str) -> None:
-    # One reduction instead of isfinite().all(): NaN and +-Inf both make the sum non-finite.
-    if not torch.isfinite(tensor.sum(dtype=torch.float32)):
-        bad = int((~torch.isfinite(tensor)).sum())
-        if not bad:  # large finite values whose sum overflowed
-            return
-        raise FloatingPointError(
-            f"gradient {name!r} has {bad} NaN/Inf values (of {tensor.numel()}); nothing was sent and its "
-            "error-feedback residual is unchanged. Lower the learning rate, use gradient clipping or "
-            "a loss scaler that skips such steps.")
+def _all_finite(tensor: torch.Tensor) -> bool:
+    # One reduction instead of isfinite().all(): NaN and +-Inf both make the sum non-finite;
+    # only when it is non-finite, tell NaN/Inf apart from large finite values whose sum overflowed.
+    if torch.isfinite(tensor.sum(dtype=torch.float32)):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
+def _check_compressor_state(comp: GradientCompressor, state: Any) -> None:
+    """Raise ValueError naming every way ``state`` cannot be loaded into ``comp``."""
+    if not isinstance(state, dict):
+        raise ValueError(f"compressor state must be the dict state_dict() returns, got {type(state).__name__}. "
+                         "Nothing was changed.")
+    missing = [k for k in ("seed", "steps", "residuals") if k not in state]
+    if missing:
+        raise ValueError(f"compressor state lacks {missing}: not a state_dict() of an hvd_gradcomp compressor. "
+                         "Nothing was changed.")
+    problems = []
+    kind = state.get("kind", type(comp).__name__)
+    if kind != type(comp).__name__:
+        problems.append(f"it was saved by {state.get('compressor', kind)}, this is {comp!r}")
+    if state.get("error_feedback", comp.error_feedback) != comp.error_feedback:
+        problems.append(f"error_feedback was {state['error_feedback']}, is {comp.error_feedback}")
+    saved_world = state.get("world_size")
+    if saved_world is not None and comp._world is not None and saved_world != comp._world:
+        problems.append(f"it was saved with {saved_world} ranks, this job has {comp._world} (residuals are "
+                        "per rank, and QSGD's per chunk of the ranks)")
+    residuals, shapes = state["residuals"], state.get("shapes", {})
+    if not isinstance(residuals, dict) or not all(isinstance(r, torch.Tensor) for r in residuals.values()):
+        problems.append("'residuals' is not a dict of tensors")
+    else:
+        bad = [n for n, r in residuals.items() if n in shapes and r.numel() != math.prod(shapes[n][0])]
+        if bad:
+            problems.append(f"residuals {bad} do not match their recorded shapes")
+    if not isinstance(state["steps"], dict) or not all(isinstance(v, int) for v in state["steps"].values()):
+        problems.append("'steps' is not a dict of ints")
+    if problems:
+        raise ValueError("cannot load this compressor state: " + "; ".join(problems) + ". Resume with the "
+                         "same compressor and number of ranks, or drop the compressor state (error feedback "
+                         "then restarts from zero: set state['compression'] = None before "
+                         "GradientAccumulator.load_state_dict). Nothing was changed.")
 
 
 def _check_bits(bits: Any) -> int:

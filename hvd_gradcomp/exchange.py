@@ -15,9 +15,14 @@ Three roads, chosen per tensor by :func:`choose_exchange`:
 Each exchange has two phases: ``start`` (at the gradient hook, overlapping backward) and
 ``finish`` (in ``synchronize``); the QSGD road has a middle phase ``advance`` that launches
 the allgather once the alltoall is done. ``bytes_sent`` counts the bytes handed to Horovod.
+
+Every payload carries its sender's exchange step; receivers compare them
+(:func:`check_steps`), so a rank that skipped or repeated a step stops the job with
+:class:`RankDivergenceError` naming it, instead of averaging gradients of different steps.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
@@ -41,6 +46,25 @@ class Pending:
     stage: int = 1
     finished: bool = False
     extra: dict = field(default_factory=dict)
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks exchanged gradients of different steps: one skipped or repeated a step."""
+
+
+def check_steps(compressor: GradientCompressor, name: str, payloads: List[torch.Tensor]) -> None:
+    """Raise :class:`RankDivergenceError` unless every payload (index = rank) is from this rank's step."""
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        return  # ranks that join an elastic job start at step 0; state.sync() realigns them
+    mine = compressor.exchange_step % wire.STEP_MODULUS
+    steps = [wire.read_header(pl).step for pl in payloads]
+    if any(s != mine for s in steps):
+        where = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
+        raise RankDivergenceError(
+            f"ranks exchanged different steps of {name!r} ({where}; this rank is at step {mine}): a rank "
+            "skipped or repeated a step (caught an exception and went on, skipped step() or called "
+            "synchronize() once more than the others). Every rank must run the same steps; stopping "
+            "instead of averaging gradients of different steps.")
 
 
 def _hvd():
@@ -72,6 +96,51 @@ class DenseExchange:
         p.finished = True
 
 
+class SparseExchange:
+    """Sparse gradients (``nn.Embedding(sparse=True)``): Horovod's own sparse allreduce (an
+    allgather of indices and values), uncompressed, as ``hvd.DistributedOptimizer`` does."""
+
+    def __init__(self, op: Any, process_set: Any) -> None:
+        self.op, self.process_set = op, process_set
+
+    def start(self, name: str, grad: torch.Tensor) -> Pending:
+        grad = grad.coalesce()
+        handle = _hvd().sparse_allreduce_async(grad, name=f"hvdgc.sparse.{name}", op=self.op,
+                                               process_set=self.process_set)
+        sent = grad.values().numel() * grad.element_size() + grad.indices().numel() * 8
+        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sent)
+
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        out.zero_().add_(p.handle())  # sparse tensors have no set_(): zero, then add (as Horovod)
+        p.finished = True
+
+
+class JoinNotSupportedError(RuntimeError):
+    """A rank called ``hvd.join()`` while others still exchange compressed gradients."""
+
+
+def check_no_joined_ranks(process_set: Any) -> None:
+    """Raise :class:`JoinNotSupportedError` if a rank of ``process_set`` is inside ``hvd.join()``.
+
+    Compressed payloads travel by allgather and alltoall, which Horovod cannot run while a
+    rank has joined (it crashes in its background thread). A joined rank adds zero to an
+    allreduce, so one allreduce of a 1 per rank counts the ranks still training: a few
+    bytes, once per step, before the step's first compressed exchange.
+    """
+    hvd = _hvd()
+    size = process_set.size()
+    if size == 1:
+        return
+    active = int(hvd.allreduce(torch.ones(1), op=hvd.Sum, name="hvdgc.active", process_set=process_set).item())
+    if active < size:
+        raise JoinNotSupportedError(
+            f"{size - active} of {size} ranks called hvd.join() while this rank still trains: compressed "
+            "gradients travel by allgather/alltoall, which Horovod does not support with joined ranks. "
+            "Give every rank the same number of batches (e.g. drop the last uneven batches, or stop all "
+            "ranks at the smallest count: hvd.allreduce(torch.tensor(len(loader)), op=hvd.Min)), or use "
+            "compression=None / hvd.Compression.fp16 with hvd.join().")
+
+
 class AllgatherExchange:
     """Sparse payloads: allgather, then every rank decodes all of them in rank order."""
 
@@ -97,7 +166,7 @@ class AllgatherExchange:
 
     def _decode(self, p: Pending) -> None:
         payloads = wire.split_payloads(_hvd().synchronize(p.handle))
-        p.extra["parts"] = decode_payloads(self.compressor, payloads, self.process_set.size())
+        p.extra["parts"] = decode_payloads(self.compressor, payloads, self.process_set.size(), p.name)
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
@@ -109,10 +178,12 @@ class AllgatherExchange:
 Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
-def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int) -> Parts:
+def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int,
+                    name: str = "") -> Parts:
     """Every rank's payload decoded, in rank order, as (indices or None, values)."""
     if len(payloads) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
+    check_steps(compressor, name, payloads)
     return [compressor.decode_parts(pl) for pl in payloads]
 
 
@@ -148,10 +219,10 @@ def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
 
 
 def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], op: Any, size: int,
-                    dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    dtype: torch.dtype, out: Optional[torch.Tensor] = None, name: str = "") -> torch.Tensor:
     """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
     numel = wire.read_header(payloads[0]).numel if payloads else 0
-    return sum_parts(decode_payloads(compressor, payloads, size), op, numel, dtype, out)
+    return sum_parts(decode_payloads(compressor, payloads, size, name), op, numel, dtype, out)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -197,7 +268,7 @@ class ScatterReduceExchange:
         hvd = _hvd()
         received, _ = hvd.synchronize(p.handle)
         payloads = wire.split_payloads(received)
-        mine = reduce_payloads(self.compressor, payloads, self.op, self.process_set.size(), p.dtype)
+        mine = reduce_payloads(self.compressor, payloads, self.op, self.process_set.size(), p.dtype, name=p.name)
         rank = self.process_set.rank()
         payload = self.compressor.compress_named(f"{p.name}#reduced{rank}", mine)
         p.handle = hvd.allgather_async(payload, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
@@ -212,6 +283,7 @@ class ScatterReduceExchange:
         bounds = p.extra["bounds"]
         if len(payloads) != len(bounds) - 1:
             raise RuntimeError(f"{p.name}: got {len(payloads)} chunks for {len(bounds) - 1} ranks")
+        check_steps(self.compressor, p.name, payloads)
         flat = out.view(-1)
         for payload, b, e in zip(payloads, bounds, bounds[1:]):
             chunk = self.compressor.decode(payload).reshape(-1)

@@ -32,6 +32,10 @@ class ResidualStore:
     def __init__(self) -> None:
         self._residuals: Dict[str, torch.Tensor] = {}
         self._shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        # Residuals as they were when the current exchange step began, kept only inside an
+        # optimizer (track_rounds): an overflow step is undone by putting them back. The
+        # residual tensors are never modified in place, so this holds references, not copies.
+        self._undo: Optional[Dict[str, Optional[torch.Tensor]]] = None
 
     def check_shape(self, name: str, tensor: torch.Tensor) -> None:
         """Raise if ``name`` was used before with another shape: residuals would mix."""
@@ -55,11 +59,35 @@ class ResidualStore:
         return torch.add(flat, res.to(flat.device), out=torch.empty_like(flat, dtype=residual_dtype(grad.dtype)))
 
     def commit(self, name: str, new_residual: torch.Tensor) -> None:
+        if self._undo is not None:
+            self._undo.setdefault(name, self._residuals.get(name))
         self._residuals[name] = new_residual
+
+    def track_rounds(self, on: bool) -> None:
+        """Keep what each exchange step replaced until :meth:`end_round` (costs, during a step,
+        the memory of the residuals it replaced)."""
+        if not on:
+            self._undo = None
+        elif self._undo is None:
+            self._undo = {}
+
+    def end_round(self, keep: bool) -> None:
+        """Keep the residuals this step committed, or (``keep=False``) put the old ones back."""
+        if self._undo is None:
+            return
+        if not keep:
+            for name, old in self._undo.items():
+                if old is None:
+                    self._residuals.pop(name, None)
+                else:
+                    self._residuals[name] = old
+        self._undo.clear()
 
     def clear(self) -> None:
         self._residuals.clear()
         self._shapes.clear()
+        if self._undo is not None:
+            self._undo.clear()
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals and the shape each name was used with (so the shape check survives a restart)."""
@@ -69,5 +97,7 @@ class ResidualStore:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._residuals = {name: r.detach().clone() for name, r in state["residuals"].items()}
+        if self._undo is not None:
+            self._undo.clear()
         self._shapes = {name: (tuple(shape), getattr(torch, dtype))
                         for name, (shape, dtype) in state["shapes"].items()}

@@ -27,13 +27,15 @@ Example::
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from .compressors import GradientCompressor
-from .exchange import DenseExchange, Pending, choose_exchange
+from .exchange import DenseExchange, Pending, SparseExchange, check_no_joined_ranks, choose_exchange
+from .stock import in_state_broadcast
 from .stats import ByteStats
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
@@ -43,28 +45,38 @@ class _GradCompOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 process_set, min_compress_numel):
+                 process_set, min_compress_numel, sparse_as_dense):
         super(self.__class__, self).__init__(params)
         self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.process_set = process_set
-        self.min_compress_numel = max(min_compress_numel, process_set.size())
+        # A rank outside the process set trains locally, as with Horovod: no hooks, no exchange.
+        self._included = process_set.included()
+        self.min_compress_numel = max(min_compress_numel, process_set.size() if self._included else 1)
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
-            compression.stream = process_set.rank()  # independent rounding noise on each rank
+            compression.bind(self, process_set.size() if self._included else None)
+            if self._included:
+                compression.stream = process_set.rank()  # independent rounding noise on each rank
         self._compressed = choose_exchange(compression, op, process_set)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
+        self._sparse = SparseExchange(op, process_set)
         self._delay: Dict[torch.Tensor, int] = {}
         self._pending: Dict[torch.Tensor, Pending] = {}
+        self._sparse_pending: Dict[torch.Tensor, Pending] = {}
+        self._densified: List[torch.Tensor] = []   # sparse gradients exchanged dense (sparse_as_dense)
         self._synchronized = False
         self._should_synchronize = True
         self.comm_stats = ByteStats()   # bytes this rank hands to Horovod, all steps
         self.last_step_bytes = 0        # ... in the last synchronize()
         self.comm_wait_s = 0.0          # time synchronize() spent waiting for the network
         self._step_bytes = 0
-        self._register_hooks()
+        self._hook_handles: List[Any] = []
+        if self._included:
+            self._register_hooks()
 
     # ------------------------------------------------------------ hooks
     def _register_hooks(self) -> None:
@@ -80,15 +92,18 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+        if isinstance(self.compression, GradientCompressor):
+            self.compression.unbind()
 
     def _hook(self, p: torch.Tensor) -> None:
-        if p in self._pending:
+        if p in self._pending or p in self._sparse_pending:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step "
                 f"({self.backward_passes_per_step}) times before step()/synchronize(). Increase "
                 "backward_passes_per_step to accumulate gradients locally, or call step() more often.")
+        self._synchronized = False
         self._delay[p] -= 1
-        if self._delay[p] == 0 and not self._is_small(p):
+        if self._delay[p] == 0 and (p.grad.is_sparse or not self._is_small(p)):
             self._start(p)
             self._progress()
 
@@ -104,20 +119,40 @@ class _GradCompOptimizer(torch.optim.Optimizer):
     def _start(self, p: torch.Tensor) -> None:
         if p.grad is None:  # unused on this rank: others may have a gradient, so send zeros
             p.grad = torch.zeros_like(p)
-        self._pending[p] = self._compressed.start(self._parameter_names[p], p.grad)
+        name = self._parameter_names[p]
+        if p.grad.is_sparse:
+            if not self.sparse_as_dense:  # already small: Horovod's sparse allreduce, uncompressed
+                self._sparse_pending[p] = self._sparse.start(name, p.grad)
+                return
+            p.grad = p.grad.to_dense()
+            self._densified.append(p)
+            if self._is_small(p):
+                return  # joins the fused allreduce of small tensors
+        if not self._pending and isinstance(self.compression, GradientCompressor):
+            check_no_joined_ranks(self.process_set)  # first compressed exchange of this step
+        self._pending[p] = self._compressed.start(name, p.grad)
 
     # ------------------------------------------------------------ synchronize / step
     def synchronize(self) -> None:
-        """Finish every exchange and write the averaged gradients into ``p.grad``."""
+        """Finish every exchange and write the averaged gradients into ``p.grad``.
+
+        When a rank's gradient held NaN/Inf, the averaged gradient is non-finite on every rank
+        (a loss scaler then skips the step everywhere) and the compressor's residuals and
+        random streams are put back as they were before this step.
+        """
+        if not self._included:
+            self._synchronized = True
+            return
         t0 = time.perf_counter()
         small = []
         for p in self._delay:
-            if p in self._pending:
+            if p in self._pending or p in self._sparse_pending:
                 continue
-            if self._is_small(p):
+            if self._is_small(p) and not (p.grad is not None and p.grad.is_sparse):
                 small.append(p)
             else:  # partial window (flush) or a parameter without gradient this step
                 self._start(p)
+        small += [p for p in self._densified if p not in self._pending and p not in small]
         fused = self._start_fused(small)
         for pending in self._pending.values():
             if not pending.finished:
@@ -128,12 +163,30 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             # Counted once finished: the QSGD road adds its allgather's bytes in advance().
             self._record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
         self._finish_fused(fused)
+        for p, pending in self._sparse_pending.items():
+            self._sparse.finish(pending, p.grad)
+            self._record(pending.name, pending.bytes_sent, pending.bytes_sent)
+        if isinstance(self.compression, GradientCompressor):
+            self.compression.end_round(self._all_finite([*self._pending, *self._sparse_pending,
+                                                         *(p for ps, _ in fused for p in ps)]))
+        for p in self._densified:  # the optimizer (SparseAdam, ...) expects the sparse layout back
+            p.grad = p.grad.to_sparse()
+        self._densified.clear()
         self._pending.clear()
+        self._sparse_pending.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         self.last_step_bytes, self._step_bytes = self._step_bytes, 0
         self.comm_wait_s += time.perf_counter() - t0
         self._synchronized = True
+
+    @staticmethod
+    def _all_finite(params: List[torch.Tensor]) -> bool:
+        """Whether every averaged gradient is finite: the same answer on every rank, since every
+        rank holds the same averages (one host sync for all of them)."""
+        finite = [torch.isfinite(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).all()
+                  for p in params]
+        return bool(torch.stack(finite).all()) if finite else True
 
     def _start_fused(self, params: List[torch.Tensor]) -> List[Tuple[List[torch.Tensor], Pending]]:
         """One allreduce per dtype for all small tensors: fewer, larger messages."""
@@ -174,13 +227,37 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._should_synchronize and not self._synchronized:
-            self.synchronize()
+        if in_state_broadcast():  # hvd.broadcast_optimizer_state creating state: local, no exchange
+            return super(self.__class__, self).step(closure)
+        if self._should_synchronize:
+            if self._synchronized:
+                # Horovod's warning. Horovod then exchanges again; here a second exchange would
+                # only re-compress gradients already averaged, so the step uses them as they are.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                              "after optimizer.synchronize(): the gradients already synchronized are "
+                              "used. Wrap step() in `with optimizer.skip_synchronize():` after an "
+                              "explicit synchronize().")
+            else:
+                self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Torch's ``load_state_dict``, after dropping exchanges left in flight (an elastic reset
+        interrupted a step) and undoing what they changed in the compressor, as Horovod does."""
+        super(self.__class__, self).load_state_dict(state_dict)
+        self._pending.clear()
+        self._sparse_pending.clear()
+        self._densified.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = False
+        self._should_synchronize = True
+        if isinstance(self.compression, GradientCompressor):
+            self.compression.abandon_round()
+
     def zero_grad(self, set_to_none: bool = True):
-        if self._pending:
+        if self._pending or self._sparse_pending:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(): the gradients in flight "
                                  "would be lost. Call step() (or synchronize()) first.")
@@ -219,7 +296,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     hvd-gradcomp compressor (QSGD, TopK, TopKQSGD), a Horovod compressor
     (``hvd.Compression.none`` / ``fp16``) or None. ``min_compress_numel``: tensors with
     fewer elements are exchanged uncompressed in one fused allreduce.
-    ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``; Adasum is rejected.
+    ``op`` is ``hvd.Average`` (default) or ``hvd.Sum``; Adasum is rejected. Sparse gradients
+    (``nn.Embedding(sparse=True)``) go through Horovod's sparse allreduce, uncompressed, or
+    dense and compressed with ``sparse_as_dense=True``, as with ``hvd.DistributedOptimizer``.
+    A ``process_set`` that excludes this rank makes it train locally, as with Horovod.
+    ``hvd.join()`` is not supported with hvd-gradcomp compressors (Horovod cannot allgather
+    with joined ranks): the first exchange after a rank joined raises
+    :class:`~hvd_gradcomp.exchange.JoinNotSupportedError` on the ranks still training.
 
     >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),      # doctest: +SKIP
     ...                            named_parameters=model.named_parameters(),
@@ -231,8 +314,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     if unsupported.get("groups") not in (None, 0) or unsupported.get("num_groups") not in (None, 0):
         raise ValueError("groups/num_groups are not supported: small tensors are fused automatically "
                          "(see min_compress_numel)")
-    if unsupported.get("sparse_as_dense"):
-        raise ValueError("sparse_as_dense is not supported: compressors need dense gradients")
+    sparse_as_dense = bool(unsupported.get("sparse_as_dense", False))
     unknown = set(unsupported) - {"groups", "num_groups", "sparse_as_dense"}
     if unknown:
         raise TypeError(f"DistributedOptimizer() got unexpected arguments {sorted(unknown)}")
@@ -251,4 +333,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     process_set = hvd.global_process_set if process_set is None else process_set
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_GradCompOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               process_set, min_compress_numel)
+               process_set, min_compress_numel, sparse_as_dense)

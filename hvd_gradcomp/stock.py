@@ -12,6 +12,9 @@ indices would be meaningless, so the payload takes another road:
 3. ``decompress`` waits for the allgather, decodes every rank's payload in rank order and
    averages (or sums): every rank computes the same bytes in the same order, so every rank
    ends with the same gradient.
+4. Horovod starts every exchange of a step before it finishes the first, so the decompress
+   that leaves none in flight ends the step: the compressor keeps what the step changed, or
+   undoes it when an averaged gradient was NaN/Inf (a loss scaler skips that step).
 
 Where the name cannot be found (Adasum, sparse gradients, a Horovod whose internals differ)
 it raises :class:`HorovodIntegrationError` at the first step instead of guessing.
@@ -24,9 +27,10 @@ from typing import Any, Optional
 
 import torch
 
-from .exchange import AllgatherExchange, Pending
+from .exchange import AllgatherExchange, Pending, check_no_joined_ranks
 
 _HOROVOD_OPTIMIZER_FILE = "horovod/torch/optimizer.py"
+_HOROVOD_FUNCTIONS_FILE = "horovod/torch/functions.py"
 _FRAMES_TO_SEARCH = 5
 
 
@@ -39,6 +43,7 @@ class HorovodCall:
     name: str
     op: Any
     process_set: Any
+    optimizer: Any
 
 
 @dataclass
@@ -63,6 +68,23 @@ def find_horovod_call(tensor: torch.Tensor) -> Optional[HorovodCall]:
     return None
 
 
+def in_state_broadcast() -> bool:
+    """True inside the ``step()`` that ``hvd.broadcast_optimizer_state`` runs to create the state
+    of an optimizer that has none (Horovod 0.28: only on ranks without state, so after a
+    rank-0-only resume on some ranks only). That step must stay local: an exchange there would
+    wait forever for the ranks that skip it, and count bytes no training step sent."""
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES_TO_SEARCH):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "broadcast_optimizer_state" and \
+                code.co_filename.replace("\\", "/").endswith(_HOROVOD_FUNCTIONS_FILE):
+            return True
+    return False
+
+
 def _call_from_frame(frame: Any, tensor: torch.Tensor) -> HorovodCall:
     import horovod.torch as hvd
 
@@ -76,12 +98,15 @@ def _call_from_frame(frame: Any, tensor: torch.Tensor) -> HorovodCall:
         raise HorovodIntegrationError("hvd_gradcomp compressors do not support op=hvd.Adasum (it "
                                       "reduces dense deltas); use op=hvd.Average or hvd.Sum")
     p = frame.f_locals.get("p")
+    if isinstance(p, torch.Tensor) and p.grad is not None and p.grad.is_sparse and \
+            getattr(opt, "sparse_as_dense", False) and not tensor.is_sparse and tensor.shape == p.shape:
+        return HorovodCall(names[p], opt.op, opt.process_set, opt)  # sparse_as_dense: p.grad.to_dense()
     if not (isinstance(p, torch.Tensor) and p.grad is tensor):
         p = next((q for q in names if q.grad is tensor), None)
     if p is None:
         raise HorovodIntegrationError(_advice("the tensor handed to compress() is not any parameter's "
-                                              ".grad (sparse_as_dense=True or a modified optimizer?)"))
-    return HorovodCall(names[p], opt.op, opt.process_set)
+                                              ".grad (a modified optimizer?)"))
+    return HorovodCall(names[p], opt.op, opt.process_set, opt)
 
 
 def _advice(why: str) -> str:
@@ -92,6 +117,10 @@ def _advice(why: str) -> str:
 def start_exchange(compressor: Any, call: HorovodCall, tensor: torch.Tensor):
     """compress() inside Horovod: error feedback and an async allgather of the payload, on the
     same road as hvd_gradcomp.DistributedOptimizer's sparse exchanges."""
+    compressor.bind(call.optimizer, call.process_set.size())
+    if not compressor.in_step:  # the step's first exchange
+        check_no_joined_ranks(call.process_set)
+    compressor.exchange_opened(call.name)
     exchange = AllgatherExchange(compressor, call.op, call.process_set)
     ctx = StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
     return tensor.new_empty(0), ctx
@@ -101,4 +130,5 @@ def finish_exchange(compressor: Any, ctx: StockContext) -> torch.Tensor:
     """decompress() inside Horovod: the average (or sum) of every rank's decoded payload."""
     out = torch.empty(ctx.pending.shape, dtype=ctx.pending.dtype, device=ctx.device)
     ctx.exchange.finish(ctx.pending, out)
+    compressor.exchange_closed(ctx.pending.name, bool(torch.isfinite(out).all()))
     return out
