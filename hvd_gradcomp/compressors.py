@@ -88,18 +88,14 @@ class GradientCompressor:
         """The payload for ``tensor`` (no error feedback): one 1-D ``torch.uint8`` tensor.
 
         Each call advances the random stream of ``name``, so repeated calls draw fresh noise.
-        A tensor holding NaN/Inf gives a payload flagged non-finite that decodes to NaN.
         """
         _check_input(tensor, name)
-        if not _all_finite(tensor):
-            return self._nonfinite_payload(tensor.dtype, tuple(tensor.shape), name)
+        _check_finite(tensor, name)
         return self._encode_flat(tensor.reshape(-1), tensor.dtype, tuple(tensor.shape), name)[0]
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """The tensor a payload stands for, in its original shape and dtype."""
         h = self._own_header(payload)
-        if h.flags & wire.FLAG_NONFINITE:
-            return torch.full(h.shape, float("nan"), dtype=h.dtype, device=payload.device)
         return self._decode(h, wire.SectionReader(payload, h)).view(h.shape)
 
     def _own_header(self, payload: torch.Tensor) -> wire.Header:
@@ -115,24 +111,22 @@ class GradientCompressor:
         instead of one dense decode per rank.
         """
         sparse = getattr(self, "_decode_sparse", None)
-        h = self._own_header(payload)
-        if sparse is None or h.flags & wire.FLAG_NONFINITE:
+        if sparse is None:
             return None, self.decode(payload).reshape(-1)
+        h = self._own_header(payload)
         return sparse(h, wire.SectionReader(payload, h))
 
     # ------------------------------------------------------------ error feedback
     def compress_named(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Payload for the gradient of tensor ``name``, with error feedback when enabled.
 
-        When ``grad`` holds NaN or Inf the payload is flagged non-finite (it decodes to NaN on
-        every rank) and neither the residual nor the random stream changes.
+        Raises ``FloatingPointError`` (residual and random stream untouched) when ``grad`` holds
+        NaN or Inf; the exchanges turn that into a non-finite average on every rank.
         """
         _check_input(grad, name)
         if not name:
             raise ValueError("compress_named needs a non-empty tensor name")
-        if not _all_finite(grad):
-            self.residuals.check_shape(name, grad)
-            return self._nonfinite_payload(grad.dtype, tuple(grad.shape), name)
+        _check_finite(grad, name)
         if not self.error_feedback:
             self.residuals.check_shape(name, grad)
             return self._encode_flat(grad.reshape(-1), grad.dtype, tuple(grad.shape), name)[0]
@@ -149,12 +143,9 @@ class GradientCompressor:
         ``bounds`` must cover the tensor and every chunk must be non-empty.
         """
         _check_input(grad, name)
+        _check_finite(grad, name)
         if bounds[0] != 0 or bounds[-1] != grad.numel() or any(b >= e for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"chunk bounds {bounds} do not split {grad.numel()} elements into non-empty chunks")
-        if not _all_finite(grad):
-            self.residuals.check_shape(name, grad)
-            return [self._nonfinite_payload(grad.dtype, (e - b,), f"{name}#{i}")
-                    for i, (b, e) in enumerate(zip(bounds, bounds[1:]))]
         if self.error_feedback:
             acc = self.residuals.compensate(name, grad)
         else:
@@ -176,23 +167,10 @@ class GradientCompressor:
                      name: str, contract: bool = False) -> Tuple[torch.Tensor, Sent]:
         enc = self._encode(flat, dtype, self._next_seed(name), contract)
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
-                             enc.bucket_size, self._round)
+                             enc.bucket_size)
         payload = wire.assemble(header, enc.sections, flat.device)
         self.stats.record(name, flat.numel() * dtype.itemsize, payload.numel())
         return payload, enc.sent
-
-    def _nonfinite_payload(self, dtype: torch.dtype, shape: Tuple[int, ...], name: str) -> torch.Tensor:
-        """A header-only payload flagged FLAG_NONFINITE (fields as a normal payload of this shape)."""
-        numel = math.prod(shape)
-        if self.kind == wire.KIND_QSGD:
-            k, mode = numel, wire.INDEX_NONE
-        else:
-            k, mode = kernels.num_selected(self.ratio, numel), wire.INDEX_DELTA
-        header = wire.Header(self.kind, dtype, getattr(self, "bits", 0), mode, shape, numel, k, 0,
-                             getattr(self, "bucket_size", 0), self._round, wire.FLAG_NONFINITE)
-        payload = wire.assemble(header, [], torch.device("cpu"))
-        self.stats.record(name, numel * dtype.itemsize, payload.numel())
-        return payload
 
     def _next_seed(self, name: str) -> int:
         """A 32-bit seed from (seed, stream, name, step): reproducible, distinct per call."""
@@ -244,7 +222,7 @@ class GradientCompressor:
         return 1.0
 
     # ------------------------------------------------------------ exchange steps
-    def bind(self, owner: Any, world_size: Optional[int] = None) -> None:
+    def attach(self, owner: Any, world_size: Optional[int] = None) -> None:
         """Serve ``owner`` (one optimizer) only; called by the optimizers, not by users.
 
         Residuals and random streams are keyed by parameter name, so two optimizers sharing
@@ -264,7 +242,7 @@ class GradientCompressor:
         if self._undo_steps is None:
             self._undo_steps = {}
 
-    def unbind(self) -> None:
+    def detach(self) -> None:
         """Release the compressor from its optimizer (after ``remove_hooks()``)."""
         self.end_round(True)
         self._owner = None
@@ -552,12 +530,16 @@ def _check_input(tensor: torch.Tensor, name: str) -> None:
                          "compress() passes such tensors through unchanged.")
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    # One reduction instead of isfinite().all(): NaN and +-Inf both make the sum non-finite;
-    # only when it is non-finite, tell NaN/Inf apart from large finite values whose sum overflowed.
-    if torch.isfinite(tensor.sum(dtype=torch.float32)):
-        return True
-    return bool(torch.isfinite(tensor).all())
+def _check_finite(tensor: torch.Tensor, name: str) -> None:
+    # One reduction instead of isfinite().all(): NaN and +-Inf both make the sum non-finite.
+    if not torch.isfinite(tensor.sum(dtype=torch.float32)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        if not bad:  # large finite values whose sum overflowed
+            return
+        raise FloatingPointError(
+            f"gradient {name!r} has {bad} NaN/Inf values (of {tensor.numel()}); nothing was sent and its "
+            "error-feedback residual is unchanged. Lower the learning rate, use gradient clipping or "
+            "a loss scaler that skips such steps.")
 
 
 def _check_compressor_state(comp: GradientCompressor, state: Any) -> None:

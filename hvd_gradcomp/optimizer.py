@@ -57,7 +57,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.min_compress_numel = max(min_compress_numel, process_set.size() if self._included else 1)
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
-            compression.bind(self, process_set.size() if self._included else None)
+            compression.attach(self, process_set.size() if self._included else None)
             if self._included:
                 compression.stream = process_set.rank()  # independent rounding noise on each rank
         self._compressed = choose_exchange(compression, op, process_set)
@@ -93,7 +93,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             h.remove()
         self._hook_handles = []
         if isinstance(self.compression, GradientCompressor):
-            self.compression.unbind()
+            self.compression.detach()
 
     def _hook(self, p: torch.Tensor) -> None:
         if p in self._pending or p in self._sparse_pending:

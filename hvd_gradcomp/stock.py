@@ -117,7 +117,7 @@ def _advice(why: str) -> str:
 def start_exchange(compressor: Any, call: HorovodCall, tensor: torch.Tensor):
     """compress() inside Horovod: error feedback and an async allgather of the payload, on the
     same road as hvd_gradcomp.DistributedOptimizer's sparse exchanges."""
-    compressor.bind(call.optimizer, call.process_set.size())
+    compressor.attach(call.optimizer, call.process_set.size())
     if not compressor.in_step:  # the step's first exchange
         check_no_joined_ranks(call.process_set)
     compressor.exchange_opened(call.name)

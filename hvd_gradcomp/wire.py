@@ -14,15 +14,9 @@ A payload is one contiguous ``torch.uint8`` tensor, self-describing, 8-byte alig
         k                   8 B   values sent (numel for QSGD)
         total_bytes         8 B   length of the whole payload, padding included
         bucket_size         4 B   QSGD bucket size (0 when unused)
-        step                3 B   the sender's exchange step, mod 2**24 (see STEP_MODULUS)
-        flags               1 B   FLAG_NONFINITE: the input held NaN/Inf; no sections follow
+        reserved            4 B
     shape                   8 B per dimension
     sections                each padded to 8 bytes (see compressors.py for their order)
-
-``step`` lets a receiver check that every rank is at the same step (a rank that skipped or
-repeated one is named, see :mod:`hvd_gradcomp.exchange`). A payload flagged
-``FLAG_NONFINITE`` stands for a tensor that held NaN or Inf: it decodes to NaN everywhere, so
-every rank sees the overflow (and a loss scaler skips the step on every rank).
 
 Because every payload carries ``total_bytes``, payloads gathered from several ranks can be
 split apart by walking headers (:func:`split_payloads`) with no extra collective.
@@ -47,8 +41,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NDIM = 64
 INDEX_BLOCK = 64  # deltas per block: 64 * width bits is always a whole number of bytes
 ALIGN = 8
-STEP_MODULUS = 1 << 24
-FLAG_NONFINITE = 1
 
 _HEADER = struct.Struct("<2sBBBBBBqqqII")
 HEADER_BYTES = _HEADER.size  # 40
@@ -69,8 +61,6 @@ class Header:
     k: int
     total_bytes: int
     bucket_size: int
-    step: int = 0
-    flags: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -88,8 +78,7 @@ def header_bytes(h: Header) -> bytes:
     if h.dtype not in DTYPES:
         raise WireFormatError(f"dtype {h.dtype} cannot be encoded; supported: {DTYPES}")
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, h.kind, DTYPES.index(h.dtype), h.bits, h.index_mode,
-                        len(h.shape), h.numel, h.k, h.total_bytes, h.bucket_size,
-                        (h.step % STEP_MODULUS) | (h.flags << 24))
+                        len(h.shape), h.numel, h.k, h.total_bytes, h.bucket_size, 0)
     return head + struct.pack(f"<{len(h.shape)}q", *h.shape)
 
 
@@ -101,7 +90,7 @@ def read_header(payload: torch.Tensor) -> Header:
     if payload.numel() < HEADER_BYTES:
         raise WireFormatError(f"payload of {payload.numel()} bytes is shorter than the {HEADER_BYTES}-byte header")
     raw = payload[:HEADER_BYTES].cpu().numpy().tobytes()
-    magic, version, kind, dtype, bits, mode, ndim, numel, k, total, bucket, step_flags = _HEADER.unpack(raw)
+    magic, version, kind, dtype, bits, mode, ndim, numel, k, total, bucket, _ = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise WireFormatError(f"not an hvd-gradcomp payload (magic {magic!r})")
     if version != FORMAT_VERSION:
@@ -119,11 +108,7 @@ def read_header(payload: torch.Tensor) -> Header:
     if not padded(HEADER_BYTES + 8 * ndim) <= total <= payload.numel():
         raise WireFormatError(f"corrupt or truncated payload: {total} bytes declared, {payload.numel()} present")
     _check_fields(kind, bits, mode, numel, k, bucket)
-    flags = step_flags >> 24
-    if flags & ~FLAG_NONFINITE:
-        raise WireFormatError(f"corrupt payload: unknown flags {flags:#x}")
-    return Header(kind, DTYPES[dtype], bits, mode, tuple(shape), numel, k, total, bucket,
-                  step_flags % STEP_MODULUS, flags)
+    return Header(kind, DTYPES[dtype], bits, mode, tuple(shape), numel, k, total, bucket)
 
 
 def _check_fields(kind: int, bits: int, mode: int, numel: int, k: int, bucket: int) -> None:
