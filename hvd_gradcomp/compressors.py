@@ -33,6 +33,7 @@ import torch
 from . import kernels, wire
 from .feedback import ResidualStore
 from .stats import ByteStats
+from .settings import check_bits, check_bucket_size, check_ratio
 
 Sent = Union[kernels.QSGDDecoded, Tuple[torch.Tensor, torch.Tensor]]
 DEFAULT_BUCKET = 512
@@ -204,8 +205,8 @@ class _Quantiser:
     error_feedback: bool
 
     def _init_quantiser(self, bits: int, bucket_size: int) -> None:
-        self.bits = _check_bits(bits)
-        self.bucket_size = _check_bucket(bucket_size)
+        self.bits = check_bits(bits)
+        self.bucket_size = check_bucket_size(bucket_size)
 
     @property
     def ef_scale(self) -> float:
@@ -272,7 +273,7 @@ class TopK(GradientCompressor):
 
     def __init__(self, ratio: float = 0.01, error_feedback: bool = True, seed: Optional[int] = None) -> None:
         super().__init__(error_feedback, seed)
-        self.ratio = _check_ratio(ratio)
+        self.ratio = check_ratio(ratio)
 
     def __repr__(self) -> str:
         return f"TopK(ratio={self.ratio}, error_feedback={self.error_feedback})"
@@ -398,24 +399,6 @@ def _check_finite(tensor: torch.Tensor, name: str) -> None:
             f"gradient {name!r} has {bad} NaN/Inf values (of {tensor.numel()}); nothing was sent and its "
             "error-feedback residual is unchanged. Lower the learning rate, use gradient clipping or "
             "a loss scaler that skips such steps.")
-
-
-def _check_bits(bits: Any) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-        raise ValueError(f"bits must be an int from 2 to 8 (1 sign bit + level bits), got {bits!r}")
-    return bits
-
-
-def _check_ratio(ratio: Any) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
-        raise ValueError(f"ratio must be a number in (0, 1] (the share of entries sent), got {ratio!r}")
-    return float(ratio)
-
-
-def _check_bucket(bucket_size: Any) -> int:
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-        raise ValueError(f"bucket_size must be an int >= 1 (values per QSGD norm), got {bucket_size!r}")
-    return bucket_size
 
 
 def payload_size(compressor: GradientCompressor, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,

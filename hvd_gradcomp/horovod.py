@@ -29,12 +29,13 @@ Example::
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from . import compressors
+from . import compressors, settings
 from .compressors import GradientCompressor, _compressible
 from .exchange import AllgatherExchange, Pending
 
@@ -66,6 +67,10 @@ class HorovodIntegrationError(RuntimeError):
     """The compressor cannot run correctly inside this Horovod call; the message says what to change."""
 
 
+class UnreadSettingsWarning(UserWarning):
+    """``HVDGC_*`` settings are set, but the script built something else without reading them."""
+
+
 @dataclass
 class HorovodCall:
     """What compress() learned from Horovod's call: the parameter name, reduction and process set."""
@@ -95,6 +100,48 @@ def bind_noise_stream(compressor: GradientCompressor) -> None:
     hvd = sys.modules.get("horovod.torch")   # never import Horovod for a compressor used without it
     if hvd is not None and hvd.is_initialized():
         compressor.stream = hvd.rank()
+
+
+# ---------------------------------------------------------------- settings nobody read
+_settings_checked = False
+
+
+def describe(compression: Any) -> Dict[str, Any]:
+    """The :class:`~hvd_gradcomp.config.CompressionConfig` fields a compression object stands for
+    (empty for one this library does not know).
+
+    >>> describe(TopKQSGD(ratio=0.05, bits=4, seed=1))
+    {'compression': 'topk-qsgd', 'error_feedback': True, 'seed': 1, 'ratio': 0.05, 'bits': 4}
+    >>> describe(None)
+    {'compression': 'none'}
+    """
+    if compression is None:
+        return {"compression": "none"}
+    if isinstance(compression, GradientCompressor):
+        kind = next(k for cls, k in ((compressors.TopKQSGD, "topk-qsgd"), (compressors.TopK, "topk"),
+                                     (compressors.QSGD, "qsgd"), (GradientCompressor, "")) if isinstance(compression, cls))
+        fields = {"compression": kind, "error_feedback": compression.error_feedback, "seed": compression.seed}
+        fields.update({k: getattr(compression, k) for k in ("ratio", "bits") if hasattr(compression, k)})
+        return fields if kind else {}
+    hvd = sys.modules.get("horovod.torch")
+    known = {} if hvd is None else {hvd.Compression.none: "none", hvd.Compression.fp16: "fp16"}
+    return {"compression": known[compression]} if compression in known else {}
+
+
+def warn_unread_settings(compression: Any, accumulate: Optional[int] = None, what: str = "an optimizer") -> None:
+    """Once per process, on rank 0: warn when ``HVDGC_*`` settings are set but what the script
+    built ignores them (see :func:`hvd_gradcomp.settings.unread_settings_message`)."""
+    global _settings_checked
+    hvd = sys.modules.get("horovod.torch")
+    if _settings_checked or hvd is None or not hvd.is_initialized():
+        return
+    _settings_checked = True
+    built = describe(compression)
+    if accumulate is not None:
+        built["accumulate"] = accumulate
+    message = settings.unread_settings_message(built, what=what) if hvd.rank() == 0 else None
+    if message:
+        warnings.warn(message, UnreadSettingsWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------- names
@@ -186,6 +233,7 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
         return compressor.compress_named(name, tensor), _LOCAL
     call = find_horovod_call(tensor, names)
     if call is not None:
+        warn_unread_settings(compressor, what=f"hvd.DistributedOptimizer(compression={compressor!r})")
         exchange = AllgatherExchange(compressor, call.op, call.process_set)
         return tensor.new_empty(0), StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
     if compressor.error_feedback:

@@ -34,7 +34,7 @@ import torch
 
 from .compressors import GradientCompressor
 from .exchange import DenseExchange, Pending, choose_exchange
-from .horovod import bind_noise_stream
+from .horovod import bind_noise_stream, warn_unread_settings
 from .stats import ByteStats
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
@@ -54,6 +54,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
             bind_noise_stream(compression)  # independent rounding noise on each rank
+        warn_unread_settings(compression, backward_passes_per_step,
+                             f"DistributedOptimizer(compression={compression!r}, "
+                             f"backward_passes_per_step={backward_passes_per_step})")
         self._compressed = choose_exchange(compression, op, process_set)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
