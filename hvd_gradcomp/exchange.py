@@ -16,15 +16,23 @@ Each exchange has two phases: ``start`` (at the gradient hook, overlapping backw
 ``finish`` (in ``synchronize``); the QSGD road has a middle phase ``advance`` that launches
 the allgather once the alltoall is done. ``bytes_sent`` counts the bytes handed to Horovod.
 
-Every payload carries its sender's exchange step; receivers compare them
-(:func:`check_steps`), so a rank that skipped or repeated a step stops the job with
-:class:`RankDivergenceError` naming it, instead of averaging gradients of different steps.
+Every payload travels behind a 16-byte envelope (:func:`seal`, not part of the codec's wire
+format) carrying what the exchange needs besides the codec's bytes:
+
+* the sender's exchange step: receivers compare them (:func:`check_steps`), so a rank that
+  skipped or repeated part of a step stops the job with :class:`RankDivergenceError`
+  naming every rank's step, instead of averaging gradients of different steps;
+* a non-finite flag: a gradient holding NaN/Inf (a loss scaler's overflow step) is sent as
+  an envelope without payload that decodes to NaN, so the average is non-finite on *every*
+  rank and every rank's scaler skips the same step (the codec raised FloatingPointError
+  before touching the residual or the random stream).
 """
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -48,16 +56,73 @@ class Pending:
     extra: dict = field(default_factory=dict)
 
 
+# ---------------------------------------------------------------- envelope
+_ENVELOPE = struct.Struct("<2sBBIQ")   # magic, version, flags, step mod 2**32, payload bytes
+ENVELOPE_BYTES = _ENVELOPE.size       # 16: payloads behind it stay 8-byte aligned
+_MAGIC, _VERSION, FLAG_NONFINITE = b"HX", 1, 1
+
+
+@dataclass
+class Envelope:
+    """One rank's contribution as received: its step and its payload (None: NaN/Inf input)."""
+
+    step: int
+    payload: Optional[torch.Tensor]
+    device: torch.device = torch.device("cpu")
+
+    def nan(self, numel: int) -> torch.Tensor:
+        """What a non-finite contribution decodes to."""
+        return torch.full((numel,), float("nan"), device=self.device)
+
+
+def seal(payload: Optional[torch.Tensor], step: int, device: torch.device) -> torch.Tensor:
+    """Envelope + payload, one uint8 tensor; ``payload=None`` sends the non-finite flag alone.
+
+    >>> [e.step for e in unseal(torch.cat([seal(torch.ones(8, dtype=torch.uint8), 3, "cpu"),
+    ...                                    seal(None, 3, "cpu")]))]
+    [3, 3]
+    """
+    size = 0 if payload is None else payload.numel()
+    head = _ENVELOPE.pack(_MAGIC, _VERSION, FLAG_NONFINITE if payload is None else 0, step % (1 << 32), size)
+    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)
+    return head_t if payload is None else torch.cat([head_t, payload])
+
+
+def unseal(blob: torch.Tensor) -> List[Envelope]:
+    """Split concatenated sealed payloads (an allgather's or alltoall's output), in rank order."""
+    out, pos, n = [], 0, blob.numel()
+    while pos < n:
+        if n - pos < ENVELOPE_BYTES:
+            raise wire.WireFormatError(f"truncated exchange: {n - pos} bytes left where a {ENVELOPE_BYTES}-byte "
+                                       "envelope was expected")
+        magic, version, flags, step, size = _ENVELOPE.unpack(blob[pos:pos + ENVELOPE_BYTES].cpu().numpy().tobytes())
+        if magic != _MAGIC or version != _VERSION or flags & ~FLAG_NONFINITE or size > n - pos - ENVELOPE_BYTES:
+            raise wire.WireFormatError(f"corrupt exchange envelope at byte {pos}: run the same hvd-gradcomp "
+                                       "version on every rank")
+        start = pos + ENVELOPE_BYTES
+        out.append(Envelope(step, None if flags & FLAG_NONFINITE else blob[start:start + size], blob.device))
+        pos = start + size
+    return out
+
+
+def encode_or_flag(encode: Callable[[], Any]) -> Any:
+    """``encode()``, or None when the gradient held NaN/Inf (the codec then changed nothing)."""
+    try:
+        return encode()
+    except FloatingPointError:
+        return None
+
+
 class RankDivergenceError(RuntimeError):
     """Ranks exchanged gradients of different steps: one skipped or repeated a step."""
 
 
-def check_steps(compressor: GradientCompressor, name: str, payloads: List[torch.Tensor]) -> None:
-    """Raise :class:`RankDivergenceError` unless every payload (index = rank) is from this rank's step."""
+def check_steps(compressor: GradientCompressor, name: str, envelopes: List[Envelope]) -> None:
+    """Raise :class:`RankDivergenceError` unless every envelope (index = rank) is from this rank's step."""
     if os.environ.get("HOROVOD_ELASTIC") == "1":
         return  # ranks that join an elastic job start at step 0; state.sync() realigns them
-    mine = compressor.exchange_step % wire.STEP_MODULUS
-    steps = [wire.read_header(pl).step for pl in payloads]
+    mine = compressor.exchange_step % (1 << 32)
+    steps = [e.step for e in envelopes]
     if any(s != mine for s in steps):
         where = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
         raise RankDivergenceError(
@@ -148,9 +213,10 @@ class AllgatherExchange:
         self.compressor, self.op, self.process_set = compressor, op, process_set
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
-        payload = self.compressor.compress_named(name, grad)
-        handle = _hvd().allgather_async(payload, name=f"hvdgc.ag.{name}", process_set=self.process_set)
-        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=payload.numel())
+        payload = encode_or_flag(lambda: self.compressor.compress_named(name, grad))
+        sealed = seal(payload, self.compressor.exchange_step, grad.device)
+        handle = _hvd().allgather_async(sealed, name=f"hvdgc.ag.{name}", process_set=self.process_set)
+        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel())
 
     def advance(self, p: Pending) -> None:
         pass
@@ -165,8 +231,9 @@ class AllgatherExchange:
             self._decode(p)
 
     def _decode(self, p: Pending) -> None:
-        payloads = wire.split_payloads(_hvd().synchronize(p.handle))
-        p.extra["parts"] = decode_payloads(self.compressor, payloads, self.process_set.size(), p.name)
+        envelopes = unseal(_hvd().synchronize(p.handle))
+        p.extra["parts"] = decode_payloads(self.compressor, envelopes, self.process_set.size(), p.name,
+                                           _numel(p.shape))
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
@@ -178,13 +245,21 @@ class AllgatherExchange:
 Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
-def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int,
-                    name: str = "") -> Parts:
-    """Every rank's payload decoded, in rank order, as (indices or None, values)."""
-    if len(payloads) != size:
-        raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
-    check_steps(compressor, name, payloads)
-    return [compressor.decode_parts(pl) for pl in payloads]
+def decode_payloads(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str,
+                    numel: int) -> Parts:
+    """Every rank's payload decoded, in rank order, as (indices or None, values); a rank whose
+    input was non-finite contributes NaN everywhere."""
+    if len(envelopes) != size:
+        raise RuntimeError(f"expected {size} payloads, got {len(envelopes)}: ranks disagree on this exchange")
+    check_steps(compressor, name, envelopes)
+    return [(None, e.nan(numel)) if e.payload is None else compressor.decode_parts(e.payload) for e in envelopes]
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
@@ -218,11 +293,10 @@ def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
-def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], op: Any, size: int,
-                    dtype: torch.dtype, out: Optional[torch.Tensor] = None, name: str = "") -> torch.Tensor:
+def reduce_payloads(compressor: GradientCompressor, envelopes: List[Envelope], op: Any, size: int,
+                    dtype: torch.dtype, name: str, numel: int) -> torch.Tensor:
     """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
-    numel = wire.read_header(payloads[0]).numel if payloads else 0
-    return sum_parts(decode_payloads(compressor, payloads, size, name), op, numel, dtype, out)
+    return sum_parts(decode_payloads(compressor, envelopes, size, name, numel), op, numel, dtype)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -247,9 +321,10 @@ class ScatterReduceExchange:
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         size = self.process_set.size()
         bounds = chunk_bounds(grad.numel(), size)
-        payloads = self.compressor.compress_chunks(name, grad, bounds)
-        splits = torch.tensor([pl.numel() for pl in payloads], dtype=torch.int32)
-        handle = _hvd().alltoall_async(torch.cat(payloads), splits=splits, name=f"hvdgc.a2a.{name}",
+        payloads = encode_or_flag(lambda: self.compressor.compress_chunks(name, grad, bounds)) or [None] * size
+        sealed = [seal(pl, self.compressor.exchange_step, grad.device) for pl in payloads]
+        splits = torch.tensor([s.numel() for s in sealed], dtype=torch.int32)
+        handle = _hvd().alltoall_async(torch.cat(sealed), splits=splits, name=f"hvdgc.a2a.{name}",
                                        process_set=self.process_set)
         # The chunk this rank keeps never leaves it: count only what goes to the others, so
         # that alltoall + allgather together send exactly one payload's worth per rank.
@@ -267,26 +342,26 @@ class ScatterReduceExchange:
             return
         hvd = _hvd()
         received, _ = hvd.synchronize(p.handle)
-        payloads = wire.split_payloads(received)
-        mine = reduce_payloads(self.compressor, payloads, self.op, self.process_set.size(), p.dtype, name=p.name)
-        rank = self.process_set.rank()
-        payload = self.compressor.compress_named(f"{p.name}#reduced{rank}", mine)
-        p.handle = hvd.allgather_async(payload, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
-        p.bytes_sent += payload.numel()
+        rank, bounds = self.process_set.rank(), p.extra["bounds"]
+        mine = reduce_payloads(self.compressor, unseal(received), self.op, self.process_set.size(), p.dtype,
+                               p.name, bounds[rank + 1] - bounds[rank])
+        payload = encode_or_flag(lambda: self.compressor.compress_named(f"{p.name}#reduced{rank}", mine))
+        sealed = seal(payload, self.compressor.exchange_step, mine.device)
+        p.handle = hvd.allgather_async(sealed, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
+        p.bytes_sent += sealed.numel()
         p.stage = 2
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if p.stage == 1:
             self.advance(p)
-        gathered = _hvd().synchronize(p.handle)
-        payloads = wire.split_payloads(gathered)
+        envelopes = unseal(_hvd().synchronize(p.handle))
         bounds = p.extra["bounds"]
-        if len(payloads) != len(bounds) - 1:
-            raise RuntimeError(f"{p.name}: got {len(payloads)} chunks for {len(bounds) - 1} ranks")
-        check_steps(self.compressor, p.name, payloads)
+        if len(envelopes) != len(bounds) - 1:
+            raise RuntimeError(f"{p.name}: got {len(envelopes)} chunks for {len(bounds) - 1} ranks")
+        check_steps(self.compressor, p.name, envelopes)
         flat = out.view(-1)
-        for payload, b, e in zip(payloads, bounds, bounds[1:]):
-            chunk = self.compressor.decode(payload).reshape(-1)
+        for env, b, e in zip(envelopes, bounds, bounds[1:]):
+            chunk = env.nan(e - b) if env.payload is None else self.compressor.decode(env.payload).reshape(-1)
             if chunk.numel() != e - b:
                 raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
                                    "ranks disagree on the tensor's shape")

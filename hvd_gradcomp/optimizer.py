@@ -35,7 +35,7 @@ import torch
 
 from .compressors import GradientCompressor
 from .exchange import DenseExchange, Pending, SparseExchange, check_no_joined_ranks, choose_exchange
-from .stock import in_state_broadcast
+from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from .stats import ByteStats
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
@@ -58,8 +58,10 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
             compression.attach(self, process_set.size() if self._included else None)
-            if self._included:
-                compression.stream = process_set.rank()  # independent rounding noise on each rank
+            bind_noise_stream(compression)  # independent rounding noise on each rank
+        warn_unread_settings(compression, backward_passes_per_step,
+                             f"DistributedOptimizer(compression={compression!r}, "
+                             f"backward_passes_per_step={backward_passes_per_step})")
         self._compressed = choose_exchange(compression, op, process_set)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
