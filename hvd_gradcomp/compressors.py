@@ -192,7 +192,7 @@ class GradientCompressor:
         """Serve ``owner`` (one optimizer) only; called by the optimizers, not by users.
 
         Residuals and random streams are keyed by parameter name, so two optimizers sharing
-        one compressor would mix their residuals. Binding also makes every exchange step a
+        one compressor would mix their residuals. Attaching also makes every exchange step a
         transaction (see :meth:`end_round`).
         """
         current = self._owner() if self._owner is not None else None
@@ -215,7 +215,7 @@ class GradientCompressor:
 
     @property
     def exchange_step(self) -> int:
-        """Exchange steps ended so far (mod 2**24 it travels in each payload's header)."""
+        """Exchange steps ended so far (it travels in each payload's envelope, see exchange.py)."""
         return self._round
 
     def end_round(self, ok: bool) -> None:
@@ -287,7 +287,7 @@ class GradientCompressor:
         :class:`~hvd_gradcomp.GradientAccumulator`).
         """
         _check_compressor_state(self, state)
-        if state.get("stream", self.stream) != self.stream:
+        if self._owner is not None and state.get("stream", self.stream) != self.stream:
             warnings.warn(f"compressor state saved by the rank with stream {state['stream']} is loaded "
                           f"on stream {self.stream}: residuals differ per rank, so each rank should load "
                           "its own file (ckpt-rank{hvd.rank()}.pt). Keeping this rank's stream.")

@@ -23,6 +23,16 @@ Example::
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     loss.backward(); opt.step()
     print(opt.comm_stats.summary())     # bytes handed to Horovod, and the ratio
+
+With a loss scaler, Horovod's pattern (an overflow on any rank is a NaN average on every
+rank; the compressor then undoes the step, see :meth:`_GradCompOptimizer.synchronize`)::
+
+    scaler.scale(loss).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
 """
 from __future__ import annotations
 
