@@ -54,12 +54,12 @@ def test_issue11_case1_fp16_topk_error_feedback_never_decodes_inf():
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_issue11_case1_qsgd_half_values_near_3000_decode_finite(bits, dtype):
-    """QSGD(bits=2) on fp16 values ~3000 decoded 106 of 4096 entries to inf (norm 192,000 > 65504).
+    """QSGD(bits=2) on fp16 values ~3000 decoded 106 of 4096 entries to inf (bucket norms past 65504).
 
     The decoded values must be finite and still unbiased: the mean of many draws is within
     5 sigma (+ dtype rounding) of the input.
     """
-    x = (3000 + torch.randn(4096, generator=gen(1))).to(dtype)
+    x = (3000 + torch.randn(1024, generator=gen(1))).to(dtype)  # bucket norms ~68,000 > 65504
     c = QSGD(bits=bits, error_feedback=False, seed=3)
     draws = torch.stack([c.decode(c.encode(x)).double() for _ in range(200)])
     assert torch.isfinite(draws).all()
