@@ -429,7 +429,7 @@ def test_issue11_case9_sparse_gradients_pass_through_compress_and_get_a_clear_er
 @pytest.mark.parametrize("cls", [QSGD, TopKQSGD])
 def test_issue11_case9_bucket_size_bounded_at_construction(cls):
     """bucket_size=2**33 was accepted, then struct.error in encode: the header holds 32 bits."""
-    with pytest.raises(ValueError, match=r"bucket_size.*2\*\*32 - 1"):
+    with pytest.raises(ValueError, match=r"bucket_size.*1\.\.2\*\*32 - 1"):
         cls(bucket_size=2 ** 33)
     c = cls(bucket_size=2 ** 32 - 1, seed=0)
     x = torch.randn(10, generator=gen(8))
