@@ -145,7 +145,8 @@ class DenseExchange:
         self.compression = compression if compression is not None else _hvd().Compression.none
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
-        tensor, ctx = self.compression.compress(grad)
+        # Horovod's collectives take contiguous tensors only (a channels_last gradient is not).
+        tensor, ctx = self.compression.compress(grad.contiguous())
         handle = _hvd().allreduce_async(tensor, name=f"hvdgc.dense.{name}", op=self.op,
                                         process_set=self.process_set)
         return Pending(name, grad.shape, grad.dtype, handle, ctx, tensor.numel() * tensor.element_size())
@@ -233,7 +234,7 @@ class AllgatherExchange:
     def _decode(self, p: Pending) -> None:
         envelopes = unseal(_hvd().synchronize(p.handle))
         p.extra["parts"] = decode_payloads(self.compressor, envelopes, self.process_set.size(), p.name,
-                                           _numel(p.shape))
+                                           p.shape.numel())
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
@@ -248,18 +249,17 @@ Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 def decode_payloads(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str,
                     numel: int) -> Parts:
     """Every rank's payload decoded, in rank order, as (indices or None, values); a rank whose
-    input was non-finite contributes NaN everywhere."""
+    input was non-finite contributes NaN everywhere. Each payload must stand for ``numel`` elements.
+    """
     if len(envelopes) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(envelopes)}: ranks disagree on this exchange")
     check_steps(compressor, name, envelopes)
+    for rank, e in enumerate(envelopes):
+        got = numel if e.payload is None else wire.read_header(e.payload).numel
+        if got != numel:
+            raise wire.WireFormatError(f"the payload of rank {rank} holds {got} elements, {numel} expected: "
+                                       "ranks disagree on the tensor's shape")
     return [(None, e.nan(numel)) if e.payload is None else compressor.decode_parts(e.payload) for e in envelopes]
-
-
-def _numel(shape: Tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
@@ -359,13 +359,17 @@ class ScatterReduceExchange:
         if len(envelopes) != len(bounds) - 1:
             raise RuntimeError(f"{p.name}: got {len(envelopes)} chunks for {len(bounds) - 1} ranks")
         check_steps(self.compressor, p.name, envelopes)
-        flat = out.view(-1)
+        # A channels_last (or otherwise strided) gradient cannot be viewed flat: fill a flat
+        # buffer in the tensor's logical order and copy it over.
+        flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
         for env, b, e in zip(envelopes, bounds, bounds[1:]):
             chunk = env.nan(e - b) if env.payload is None else self.compressor.decode(env.payload).reshape(-1)
             if chunk.numel() != e - b:
                 raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
                                    "ranks disagree on the tensor's shape")
             flat[b:e].copy_(chunk)
+        if not out.is_contiguous():
+            out.copy_(flat.view(out.shape))
         p.finished = True
 
 
