@@ -21,6 +21,9 @@ def __getattr__(name):
     if name == "DistributedOptimizer":
         from .optimizer import DistributedOptimizer
         return DistributedOptimizer
+    if name == "ddp":  # the DDP communication hook: torch.distributed only, no Horovod
+        from . import ddp
+        return ddp
     if name == "GradientAccumulator":
         from .accumulate import GradientAccumulator
         return GradientAccumulator
