@@ -22,8 +22,8 @@ def __getattr__(name):
         from .optimizer import DistributedOptimizer
         return DistributedOptimizer
     if name == "ddp":  # the DDP communication hook: torch.distributed only, no Horovod
-        from . import ddp
-        return ddp
+        import importlib
+        return importlib.import_module(".ddp", __name__)
     if name == "GradientAccumulator":
         from .accumulate import GradientAccumulator
         return GradientAccumulator

@@ -62,6 +62,11 @@ DENSE_DTYPES = (torch.float16, torch.bfloat16)
 STATE_VERSION = 1
 _DEFAULT_COMPRESSION = TopKQSGD(ratio=0.01, bits=8)
 _CLAIMED: "weakref.WeakSet[GradientCompressor]" = weakref.WeakSet()
+# Process groups a hook uses stay referenced here. Callbacks run on the groups' worker threads;
+# if one of them dropped the last reference (the user let go of model and state while a
+# callback was unwinding), the group would be destroyed from its own worker thread, which
+# aborts the process ("Resource deadlock avoided").
+_KEEP_ALIVE: List[Any] = []
 
 Future = torch.futures.Future
 # all_gather_into_tensor was renamed all_gather_single (torch 2.10); both gather equal-sized tensors.
@@ -152,6 +157,7 @@ class GradCompState:
             compression.stream = self.rank  # independent rounding noise on every rank
             ranks = dist.get_process_group_ranks(self.process_group)
             self._second = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group))
+            _KEEP_ALIVE.extend([self.process_group, self._second])
         self.iter = 0
         self.comm_stats = ByteStats()   # bytes this rank hands to the collectives, all exchanges
         self.nonfinite_exchanges = 0    # buckets that carried NaN/Inf on some rank

@@ -183,3 +183,58 @@ def test_compression_from_env_maps_the_settings():
     assert ddp.compression_from_env({"HVDGC_COMPRESSION": "fp16"}) is torch.float16
     c = ddp.compression_from_env({"HVDGC_COMPRESSION": "topk-qsgd", "HVDGC_RATIO": "0.02", "HVDGC_SEED": "3"})
     assert (type(c).__name__, c.ratio, c.bits, c.seed) == ("TopKQSGD", 0.02, 8, 3)
+
+
+# ---------------------------------------------------------------- launcher and example
+def test_torchrun_command_is_exact():
+    from launchers.command import LaunchSpec, build_command
+
+    argv, env = build_command(LaunchSpec(command=("train_ddp.py", "--steps", "3"), np=2, launcher="torchrun",
+                                         python="/py", env={"HVDGC_COMPRESSION": "qsgd"}))
+    assert argv == ["torchrun", "--standalone", "--nproc-per-node", "2", "--no-python", "/py", "train_ddp.py",
+                    "--steps", "3"]
+    assert env == {"HVDGC_COMPRESSION": "qsgd"}
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"backend": "gloo"}, "the script picks the backend"),
+    ({"hosts": (("a", 2), ("b", 2)), "hosts_origin": "-H a:2,b:2"}, "this machine only"),
+    ({"hostfile": "h"}, "--hostfile does not apply"),
+    ({"start_timeout": 5}, "--start-timeout is a horovodrun option")])
+def test_torchrun_rejects_horovod_only_options(kwargs, words):
+    from launchers.command import LaunchError, LaunchSpec, build_command
+
+    with pytest.raises(LaunchError, match=words):
+        build_command(LaunchSpec(command=("t.py",), launcher="torchrun", **kwargs))
+
+
+def test_cli_torchrun_flag(monkeypatch):
+    from click.testing import CliRunner
+    from launchers import cli
+
+    monkeypatch.setattr(cli, "_find_tool", lambda name: f"/opt/bin/{name}")
+    monkeypatch.chdir(ROOT)
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    script = "examples/train_ddp.py"
+    res = CliRunner().invoke(cli.main, ["--dry-run", "--torchrun", "-np", "2", "--compression", "qsgd", script])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[-1] == (f"/opt/bin/torchrun --standalone --nproc-per-node 2 --no-python "
+                                          f"{sys.executable} {script}")
+    assert "export HVDGC_COMPRESSION=qsgd" in res.output
+    res = CliRunner().invoke(cli.main, ["--dry-run", "--torchrun", "--launcher", "mpirun", script])
+    assert res.exit_code != 0 and "--torchrun contradicts --launcher mpirun" in res.output
+
+
+def test_hvdgc_launch_torchrun_runs_the_ddp_example(tmp_path):
+    out = tmp_path / "summary.json"
+    argv = [sys.executable, "-m", "launchers.cli", "--torchrun", "-np", "2", "--compression", "topk-qsgd",
+            "--accumulate", "2", str(ROOT / "examples" / "train_ddp.py"), "--data", "digits", "--steps", "12",
+            "--micro-batch", "16", "--log-every", "4", "--out", str(out)]
+    res = launch(argv, 180, rank_env())
+    assert res.returncode == 0, res.stdout
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 12 and summary["ranks"] == 2
+    assert summary["compression"].startswith("TopKQSGD(ratio=0.01")
+    assert summary["ratio"] > 20 and 0 < summary["bytes_per_step"] < 85_002 * 4 / 20
+    assert summary["val_loss"] < 2.3  # below chance level (ln 10 = 2.30) after 12 steps
