@@ -238,3 +238,15 @@ def test_hvdgc_launch_torchrun_runs_the_ddp_example(tmp_path):
     assert summary["compression"].startswith("TopKQSGD(ratio=0.01")
     assert summary["ratio"] > 20 and 0 < summary["bytes_per_step"] < 85_002 * 4 / 20
     assert summary["val_loss"] < 2.3  # below chance level (ln 10 = 2.30) after 12 steps
+
+
+def test_ddp_module_imports_no_horovod():
+    """At run time: the hook, its settings and the codecs load without Horovod."""
+    import subprocess
+
+    code = ("import sys, hvd_gradcomp as gc\nfrom hvd_gradcomp import ddp\n"
+            "ddp.compression_from_env({'HVDGC_COMPRESSION': 'topk-qsgd'}); gc.TopKQSGD(); gc.QSGD()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'horovod'))")
+    out = subprocess.run([sys.executable, "-c", code], env=rank_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
