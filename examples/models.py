@@ -5,6 +5,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from typing import List
+
 from data import VOCAB
 
 
@@ -28,3 +30,23 @@ class CharMLP(nn.Module):
 def digits_mlp() -> nn.Module:
     """64 pixels -> 256 -> 256 -> 10 classes."""
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def layer_plan(params: float, width: int) -> int:
+    """How many ``width x width`` Linear layers (with bias) come closest to ``params``, at least 1.
+
+    >>> layer_plan(25e6, 2048)
+    6
+    """
+    per_layer = width * width + width
+    return max(1, round(params / per_layer))
+
+
+def build_model(params: float, width: int, classes: int = 1000) -> nn.Module:
+    """``depth`` square Linear+ReLU layers, then a classifier head of ``classes`` outputs."""
+    depth = layer_plan(params, width)
+    layers: List[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
