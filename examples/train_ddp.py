@@ -47,6 +47,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--context", type=int, default=32, help="text: characters the model sees")
     p.add_argument("--text-bytes", type=int, default=datasets.DEFAULT_TEXT_BYTES)
     p.add_argument("--start-compress-iter", type=int, default=0, help="uncompressed exchanges first (warm-up)")
+    p.add_argument("--powersgd-rank", type=int, default=0,
+                   help="instead of our hook, torch's PowerSGD hook of this rank, starting after 10%% of --steps "
+                        "(its docs' advice; at least 2)")
     p.add_argument("--backend", default=None, help="torch.distributed backend [default: nccl on GPU, else gloo]")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default=None, help="JSON summary written by rank 0")
@@ -97,6 +100,30 @@ def batches(args: argparse.Namespace, seed: int) -> Tuple[torch.nn.Module, Itera
     return CharMLP(args.context), text_stream(), vx, vy
 
 
+class _PowerSGDBytes:
+    """torch's PowerSGD hook, with ``last_step_bytes`` / ``comm_stats.ratio`` read from its own counters."""
+
+    def __init__(self, model: DDP, rank: int, start: int) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self.state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start)
+        model.register_comm_hook(self.state, powerSGD_hook.powerSGD_hook)
+        self.comm_stats = self
+        self._seen = 0
+        self._raw = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    @property
+    def ratio(self) -> float:
+        return self.state.compression_stats()[0]
+
+    @property
+    def last_step_bytes(self) -> int:
+        """Bytes of the steps since the last call (read once per step): P and Q, or plain allreduce."""
+        after = self.state.compression_stats()[2]
+        sent, self._seen = (after - self._seen) * 4, after
+        return sent or self._raw
+
+
 @torch.no_grad()
 def held_out_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
@@ -114,15 +141,23 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     net, vx, vy = net.to(device), vx.to(device), vy.to(device)
-    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    # torch's PowerSGD hook waits inside Gloo's callback threads; with several buckets it hung on
+    # CPU (see benchmarks/bench_ddp.py), so under Gloo it gets a single bucket.
+    one_bucket = args.powersgd_rank and dist.get_backend() == "gloo"
+    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=1e5 if one_bucket else 25)
     compression = gc_ddp.compression_from_env(cfg.to_env())
-    state = gc_ddp.register(model, compression=compression, start_compress_iter=args.start_compress_iter)
+    if args.powersgd_rank:
+        compression = f"PowerSGD(rank={args.powersgd_rank})"
+        state = _PowerSGDBytes(model, args.powersgd_rank, start=max(2, args.steps // 10))
+    else:
+        state = gc_ddp.register(model, compression=compression, start_compress_iter=args.start_compress_iter)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     acc = gc_ddp.GradientAccumulator(model, opt, steps=cfg.accumulate, micro_batch=args.micro_batch)
     rank0 = dist.get_rank() == 0
     if rank0:
         print(f"DDP x {dist.get_world_size()} ({dist.get_backend()}): {sum(p.numel() for p in net.parameters()):,} "
-              f"params, compression={compression!r}, accumulate={cfg.accumulate}", flush=True)
+              f"params, compression={compression}, accumulate={cfg.accumulate}", flush=True)
     start, losses, sent = time.perf_counter(), [], []
     while acc.optimizer_steps < args.steps:
         x, y = (t.to(device) for t in next(stream))
@@ -135,8 +170,8 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
         sent.append(state.last_step_bytes)
         if rank0 and acc.optimizer_steps % args.log_every == 0:
             print(f"step {acc.optimizer_steps}: loss {sum(losses[-cfg.accumulate:]) / cfg.accumulate:.4f}, "
-                  f"{state.last_step_bytes:,} B/step sent, ratio {state.comm_stats.ratio:.1f}x", flush=True)
-    summary = {"compression": repr(compression), "steps": acc.optimizer_steps, "ranks": dist.get_world_size(),
+                  f"{sent[-1]:,} B/step sent, ratio {state.comm_stats.ratio:.1f}x", flush=True)
+    summary = {"compression": compression if isinstance(compression, str) else repr(compression), "steps": acc.optimizer_steps, "ranks": dist.get_world_size(),
                "wall_s": time.perf_counter() - start, "val_loss": held_out_loss(model.module, vx, vy),
                "train_loss_last": losses[-1], "bytes_per_step": sum(sent) / len(sent),
                "ratio": state.comm_stats.ratio}
