@@ -164,7 +164,7 @@ def test_killed_rank_ends_the_job_nonzero_in_bounded_time():
     t0 = time.monotonic()
     res = run_job([{"fn": "die", "after": 3}], timeout=120, expect_fail=True)
     assert res.returncode != 0, res.stdout
-    assert time.monotonic() - t0 < 120
+    assert time.monotonic() - t0 < 60, res.stdout  # ~13 s here: Gloo sees the reset, torchrun stops the rest
 
 
 def test_register_outside_distributed_is_a_clear_error():
