@@ -380,7 +380,7 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
         def decode() -> None:
             per_rank = [_split(gathered[r * cap:r * cap + counts[r]], len(plan.compressed)) for r in range(world)]
             for j, s in enumerate(plan.compressed):
-                parts = decode_payloads(comp, [per_rank[r][j] for r in range(world)], world)
+                parts = decode_payloads(comp, [per_rank[r][j] for r in range(world)], world, s.numel)
                 sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
 
         return work.get_future(), decode
