@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 import torch.distributed as dist
 
-from . import wire
+from . import settings, wire
 from .compressors import QSGD, GradientCompressor, TopKQSGD, payload_size
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sum_parts
 from .stats import ByteStats
@@ -474,6 +474,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
     if compression is _DEFAULT_COMPRESSION:
         compression = copy.deepcopy(_DEFAULT_COMPRESSION)
     group = process_group if process_group is not None else ddp_model.process_group
+    _warn_unread_settings(compression, dist.get_rank(group) if dist.is_initialized() else 0)
     state = GradCompState(group, compression, named_parameters=ddp_model.module.named_parameters(),
                           start_compress_iter=start_compress_iter, min_compress_numel=min_compress_numel)
     ddp_model.register_comm_hook(state, gradcomp_hook)
@@ -495,6 +496,37 @@ def compression_from_env(env: Optional[Dict[str, str]] = None) -> Any:
 
     cfg = from_env(env)
     return torch.float16 if cfg.compression == "fp16" else cfg.make_compressor()
+
+
+_settings_checked = False
+
+
+def _warn_unread_settings(compression: Any, rank: int) -> None:
+    """Once, on rank 0: HVDGC_* settings the script neither read nor matched (see the settings module)."""
+    global _settings_checked
+    if _settings_checked or rank != 0:
+        return
+    _settings_checked = True
+    message = unread_settings_message(compression)
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def unread_settings_message(compression: Any, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """What :func:`register` warns when ``hvdgc-launch`` set ``HVDGC_*`` but the script built something else.
+
+    >>> print(unread_settings_message(None, {"HVDGC_COMPRESSION": "qsgd"}))  # doctest: +ELLIPSIS
+    HVDGC_COMPRESSION=qsgd is set (hvdgc-launch sets them), but this script built hvd_gradcomp.ddp.register(...
+    >>> unread_settings_message(TopKQSGD(ratio=0.05), {"HVDGC_COMPRESSION": "topk-qsgd", "HVDGC_RATIO": "0.05"})
+    """
+    if compression is None or compression in DENSE_DTYPES:
+        built: Dict[str, Any] = {"compression": "none" if compression is None else "fp16"}
+    else:
+        kind = "topk-qsgd" if isinstance(compression, TopKQSGD) else \
+            "qsgd" if isinstance(compression, QSGD) else "topk"
+        built = {"compression": kind, "error_feedback": compression.error_feedback, "seed": compression.seed}
+        built.update({k: getattr(compression, k) for k in ("ratio", "bits") if hasattr(compression, k)})
+    return settings.unread_settings_message(built, env, f"hvd_gradcomp.ddp.register(compression={compression!r})")
 
 
 # ---------------------------------------------------------------- accumulation
