@@ -30,8 +30,9 @@ BUCKET_MB = 0.01  # ~2,600 float32 per bucket: several buckets, so ordering acro
 class Net(nn.Module):
     """Weights above min_compress_numel (compressed), biases and a small head below it (dense)."""
 
-    def __init__(self, unused_branch: bool = False) -> None:
+    def __init__(self, unused_branch: bool = False, spare_on: int = -1) -> None:
         super().__init__()
+        self.spare_on = spare_on  # the rank whose forward uses the spare layer (-1: none)
         self.fc1 = nn.Linear(32, 64)
         self.fc2 = nn.Linear(64, 64)
         self.fc3 = nn.Linear(64, 48)
@@ -41,7 +42,16 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.fc1(x))
         h = torch.relu(self.fc2(h))
+        if self.spare is not None and self.spare_on == _rank():
+            h = h + self.spare(h)
         return self.head(torch.relu(self.fc3(h)))
+
+
+_as_rank = [None]  # the reference computes other ranks' gradients locally
+
+
+def _rank() -> int:
+    return _as_rank[0] if _as_rank[0] is not None else dist.get_rank()
 
 
 def make_compression(kind: str, **kw: Any) -> Any:
@@ -210,6 +220,8 @@ def ddp_options(kind: str, **kw: Any) -> Dict[str, Any]:
         "unused": lambda: DDP(net(unused_branch=True), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True),
         "frozen": lambda: DDP(_frozen(net()), bucket_cap_mb=BUCKET_MB),
         "static": lambda: DDP(net(), bucket_cap_mb=BUCKET_MB, static_graph=True),
+        "unused_on_one_rank": lambda: DDP(net(unused_branch=True, spare_on=0), bucket_cap_mb=BUCKET_MB,
+                                          find_unused_parameters=True),
     }.items():
         model = build()
         state = gc_ddp.register(model, compression=make_compression(kind, **kw))
@@ -218,14 +230,16 @@ def ddp_options(kind: str, **kw: Any) -> Dict[str, Any]:
             model.zero_grad()
             loss_of(model, *batch(rank, step)).backward()
             g = flat_grads(model.module)
-            ref_model = net(unused_branch=label == "unused")
+            ref_model = net(unused_branch=label.startswith("unused"), spare_on=0 if label == "unused_on_one_rank" else -1)
             if label == "frozen":
                 _frozen(ref_model)
             total = None
             for r in range(world):
                 ref_model.zero_grad()
+                _as_rank[0] = r
                 loss_of(ref_model, *batch(r, step)).backward()
-                rg = flat_grads(ref_model)
+                _as_rank[0] = None
+                rg = _grads_like(ref_model, model.module)
                 total = rg if total is None else total + rg
             rels.append(rel(g, total / world))
         out[label] = {"rels": rels, "grad": g.tolist(), "exchanges": state.iter,
@@ -233,6 +247,12 @@ def ddp_options(kind: str, **kw: Any) -> Dict[str, Any]:
                       "spare_grad": (None if model.module.spare is None or model.module.spare.weight.grad is None
                                      else float(model.module.spare.weight.grad.abs().sum()))}
     return out
+
+
+def _grads_like(ref: nn.Module, model: nn.Module) -> torch.Tensor:
+    """ref's gradients for the parameters that have one in ``model`` (zeros where ref has none)."""
+    return torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1)
+                      for p, q in zip(model.parameters(), ref.parameters()) if p.grad is not None])
 
 
 def _frozen(m: Net) -> Net:

@@ -135,7 +135,7 @@ def test_checkpoint_resume_is_bit_identical(battery, sid):
     assert r0["params"] == r1["params"]
 
 
-@pytest.mark.parametrize("label", ["unused", "frozen", "static"])
+@pytest.mark.parametrize("label", ["unused", "unused_on_one_rank", "frozen", "static"])
 def test_unused_frozen_and_static_graph(battery, label):
     for sid, tol in (("options-none", 1e-6), ("options-topk-all", 1e-6), ("options-qsgd8", 0.15)):
         r0, r1 = battery[sid]
@@ -143,6 +143,8 @@ def test_unused_frozen_and_static_graph(battery, label):
         assert max(r0[label]["rels"]) <= tol, (sid, r0[label]["rels"])
         assert r0[label]["exchanges"] == 3
     assert battery["options-none"][0]["frozen"]["frozen_grad_none"] is True
+    # used on rank 0 only: rank 1 still receives the averaged gradient of the spare layer
+    assert battery["options-qsgd8"][1]["unused_on_one_rank"]["spare_grad"] > 0
 
 
 @pytest.mark.parametrize("sid", ["nonfinite-topkqsgd", "nonfinite-qsgd"])
