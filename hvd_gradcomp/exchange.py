@@ -233,51 +233,68 @@ class AllgatherExchange:
 
     def _decode(self, p: Pending) -> None:
         envelopes = unseal(_hvd().synchronize(p.handle))
-        p.extra["parts"] = decode_payloads(self.compressor, envelopes, self.process_set.size(), p.name,
-                                           p.shape.numel())
+        p.extra["parts"] = decode_envelopes(self.compressor, envelopes, self.process_set.size(), p.name,
+                                            p.shape.numel())
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
             self._decode(p)
-        sum_parts(p.extra.pop("parts"), self.op, out.numel(), p.dtype, out=out)
+        sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
         p.finished = True
 
 
 Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
-def decode_payloads(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str,
-                    numel: int) -> Parts:
-    """Every rank's payload decoded, in rank order, as (indices or None, values); a rank whose
-    input was non-finite contributes NaN everywhere. Each payload must stand for ``numel`` elements.
+def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int,
+                    numel: Optional[int] = None) -> Parts:
+    """Every rank's payload decoded, in rank order, as (indices or None, values).
+
+    With ``numel``, each payload must stand for a tensor of that many elements.
     """
+    if len(payloads) != size:
+        raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
+    if numel is not None:
+        for rank, pl in enumerate(payloads):
+            got = wire.read_header(pl).numel
+            if got != numel:
+                raise wire.WireFormatError(f"the payload of rank {rank} holds {got} elements, {numel} expected: "
+                                           "ranks disagree on the tensor's shape")
+    return [compressor.decode_parts(pl) for pl in payloads]
+
+
+def decode_envelopes(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str,
+                     numel: int) -> Parts:
+    """:func:`decode_payloads` of sealed payloads: steps checked first, and a rank whose input
+    was non-finite contributes NaN everywhere."""
     if len(envelopes) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(envelopes)}: ranks disagree on this exchange")
     check_steps(compressor, name, envelopes)
-    for rank, e in enumerate(envelopes):
-        got = numel if e.payload is None else wire.read_header(e.payload).numel
-        if got != numel:
-            raise wire.WireFormatError(f"the payload of rank {rank} holds {got} elements, {numel} expected: "
-                                       "ranks disagree on the tensor's shape")
-    return [(None, e.nan(numel)) if e.payload is None else compressor.decode_parts(e.payload) for e in envelopes]
+    sent = [e.payload for e in envelopes if e.payload is not None]
+    decoded = iter(decode_payloads(compressor, sent, len(sent), numel))
+    return [(None, e.nan(numel)) if e.payload is None else next(decoded) for e in envelopes]
 
 
-def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
+def is_average(op: Any) -> bool:
+    """True for ``hvd.Average``, False for ``hvd.Sum``; anything else is refused."""
+    hvd = _hvd()
+    if op == hvd.Average:
+        return True
+    if op == hvd.Sum:
+        return False
+    raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
+
+
+def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The average (or sum) of decoded parts.
+    """The average (``average=True``) or sum of decoded parts; no collective, any backend.
 
     Every rank runs the same additions in the same order on the same bytes, so every rank
     gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
     added straight into one zeroed buffer; with ``out`` (contiguous, of the accumulation
     dtype) the result is written there.
     """
-    hvd = _hvd()
-    if op == hvd.Average:
-        scale = 1.0 / len(parts)
-    elif op == hvd.Sum:
-        scale = 1.0
-    else:
-        raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
+    scale = 1.0 / len(parts) if average else 1.0
     acc_dtype = residual_dtype(dtype)
     direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
     acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
@@ -293,10 +310,11 @@ def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
-def reduce_payloads(compressor: GradientCompressor, envelopes: List[Envelope], op: Any, size: int,
-                    dtype: torch.dtype, name: str, numel: int) -> torch.Tensor:
+def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], average: bool, size: int,
+                    dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
-    return sum_parts(decode_payloads(compressor, envelopes, size, name, numel), op, numel, dtype)
+    numel = wire.read_header(payloads[0]).numel if payloads else 0
+    return sum_parts(decode_payloads(compressor, payloads, size, numel), average, numel, dtype, out)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -343,8 +361,9 @@ class ScatterReduceExchange:
         hvd = _hvd()
         received, _ = hvd.synchronize(p.handle)
         rank, bounds = self.process_set.rank(), p.extra["bounds"]
-        mine = reduce_payloads(self.compressor, unseal(received), self.op, self.process_set.size(), p.dtype,
-                               p.name, bounds[rank + 1] - bounds[rank])
+        numel = bounds[rank + 1] - bounds[rank]
+        parts = decode_envelopes(self.compressor, unseal(received), self.process_set.size(), p.name, numel)
+        mine = sum_parts(parts, is_average(self.op), numel, p.dtype)
         payload = encode_or_flag(lambda: self.compressor.compress_named(f"{p.name}#reduced{rank}", mine))
         sealed = seal(payload, self.compressor.exchange_step, mine.device)
         p.handle = hvd.allgather_async(sealed, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
