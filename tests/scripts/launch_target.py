@@ -7,6 +7,9 @@ compressor the ``HVDGC_*`` variables name when the hvd_gradcomp compressors impo
 prints ``done rank=R steps=N loss=L params=P``; P is identical on every rank when the
 gradients really were averaged.
 
+Each rank also prints ``rank=R host=H netns=NS`` (host name and network namespace), so
+multi-host tests can check where each rank ran.
+
 Options for the tests (read leniently; everything stays in args=[...]):
 ``--steps N``, ``--sleep S`` (print ``pid=`` and sleep, for Ctrl-C), ``--exit-code K``
 with ``--fail-rank R`` (rank R exits with K).
@@ -14,6 +17,7 @@ with ``--fail-rank R`` (rank R exits with K).
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 
@@ -62,6 +66,15 @@ def _train(cfg, steps: int) -> tuple:
     return float(loss.detach()), params
 
 
+def _netns() -> str:
+    """The name of this process's network namespace (as ``ip netns`` names it), or ``-``."""
+    try:
+        mine = os.stat("/proc/self/ns/net").st_ino
+        return next((n for n in sorted(os.listdir("/run/netns")) if os.stat(f"/run/netns/{n}").st_ino == mine), "-")
+    except OSError:
+        return "-"
+
+
 def main() -> int:
     opts = _options()
     hvd.init()
@@ -69,6 +82,7 @@ def main() -> int:
     print(f"rank={hvd.rank()} size={hvd.size()} compression={cfg.compression} ratio={cfg.ratio} "
           f"bits={cfg.bits} accumulate={cfg.accumulate} error_feedback={int(cfg.error_feedback)} "
           f"args={json.dumps(sys.argv[1:])}", flush=True)
+    print(f"rank={hvd.rank()} host={socket.gethostname()} netns={_netns()}", flush=True)
     if opts.sleep:
         print(f"rank={hvd.rank()} pid={os.getpid()}", flush=True)
         time.sleep(opts.sleep)
