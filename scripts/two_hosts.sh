@@ -42,10 +42,17 @@ die() {
 usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 
 # Run a command as host NAME: its network namespace (and /etc/netns/NAME mounts) plus a
-# fresh UTS namespace named after it, so that `hostname` says NAME.
+# fresh UTS namespace named after it, so that `hostname` says NAME. `ip netns exec`
+# remounts /sys for the namespace, which hides /sys/fs/cgroup; the machine's cgroup
+# mounts are made again inside (slurmd refuses to start without them).
 on() {
   local name="$1"; shift
-  ip netns exec "$name" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$name" "$@"
+  local cgroups; cgroups="$(awk '$2 ~ "^/sys/fs/cgroup" {print $3, $4, $2}' /proc/self/mounts)"
+  ip netns exec "$name" unshare --uts /bin/sh -c '
+    printf "%s\n" "$1" | while read -r type opts dir; do
+      [ -n "$type" ] && mkdir -p "$dir" 2>/dev/null; [ -n "$type" ] && mount -t "$type" -o "$opts" "$type" "$dir" 2>/dev/null
+    done
+    hostname "$0" && shift && exec "$@"' "$name" "$cgroups" "$@"
 }
 
 ensure_packages() {
