@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -32,6 +33,7 @@ from .command import FORWARDED_ENV, LAUNCHERS, LOG_LEVELS, Host, LaunchError, La
     parse_hostfile_text, parse_hosts, resolve_np
 from .slurm import BatchJob, allocation_from_env, render_sbatch, submit
 from .slurm import launcher_args as launcher_args_argv
+from .watch import JobWatch, is_local, rank_hosts
 
 _TOOL_HINTS = {
     "horovodrun": "install Horovod (bash scripts/setup.sh, or pip install horovod) or use --launcher mpirun",
@@ -179,13 +181,17 @@ def _print_command(argv: List[str], env: Mapping[str, str], unset: Sequence[str]
     click.echo(shlex.join(argv), err=err)
 
 
-def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = ()) -> int:
+def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watch: Optional[JobWatch] = None,
+        kill_after: float = 10.0) -> int:
     """Run argv (no shell) with ``env`` added and ``unset`` removed; forward SIGINT/SIGTERM.
 
     Returns the job's exit code (128+N when it died of signal N). A third signal kills the
     group outright, for a launcher that hangs while shutting down. The job runs in its own
     process group and gets SIGTERM from the kernel if this process dies, whatever kills it
     (even SIGKILL, which no handler sees), so no job outlives its launcher.
+
+    With a ``watch`` the job's output is relayed through it, and a host it reports lost ends
+    the job (SIGTERM, then SIGKILL after ``kill_after`` s); a failed job ends with its summary.
     """
     received: List[int] = []
     children: List[subprocess.Popen] = []
@@ -195,20 +201,45 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = ()) -> i
         for child in children:
             _signal_group(child.pid, signal.SIGKILL if len(received) >= 3 else signum)
 
+    def end_job(host: str) -> None:
+        click.echo(watch.lost_message(host), err=True)
+        for child in children:
+            _signal_group(child.pid, signal.SIGTERM)
+            timer = threading.Timer(kill_after, _signal_group, (child.pid, signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
+
     child_env = {k: v for k, v in os.environ.items() if k not in unset}
     child_env.update(env)
+    pipes = [os.pipe(), os.pipe()] if watch else []
+    sys.stdout.flush()
+    sys.stderr.flush()
     # Handlers go in before the child starts, so a Ctrl-C in between cannot orphan it.
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         children.append(subprocess.Popen(argv, env=child_env, start_new_session=True,
+                                         stdout=pipes[0][1] if pipes else None,
+                                         stderr=pipes[1][1] if pipes else None,
                                          preexec_fn=_die_with_parent(os.getpid())))
         for signum in received:
             _signal_group(children[0].pid, signum)
+        if watch:
+            for (read_end, write_end), target in zip(pipes, (1, 2)):
+                os.close(write_end)
+                watch.relay(read_end, target)
+            watch.start_watchdog(end_job)
         code = children[0].wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return code if code >= 0 else 128 - code
+    code = code if code >= 0 else 128 - code
+    if watch:
+        watch.stop()
+        code = code or (1 if watch.lost else 0)
+        summary = watch.summary(code)
+        if summary:
+            click.echo(summary, err=True)
+    return code
 
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -269,6 +300,8 @@ def _self_command() -> List[str]:
               help="Horovod timeline file (horovodrun --timeline-filename, else HOROVOD_TIMELINE).")
 @click.option("-x", "--env", "env_vars", multiple=True, metavar="NAME[=VALUE]",
               help="Set NAME=VALUE on every rank, or export this shell's NAME to every rank; repeatable.")
+@click.option("--lost-host-timeout", type=click.FloatRange(min=0), default=20, show_default=True, metavar="S",
+              help="End the job when a remote host has not answered on its ssh port for S seconds (0: never).")
 @click.option("--verbose", is_flag=True, help="Print the command and make the launcher verbose.")
 @click.option("--launcher", type=click.Choice(LAUNCHERS), default="horovodrun", show_default=True,
               help="What starts the ranks; srun (--mpi=pmix) only inside a Slurm allocation.")
@@ -304,7 +337,7 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
         if opts["sbatch"]:
             _sbatch(command, launcher_args, env, owned, opts)
             return
-        argv, added = _plan(command, launcher_args, env, owned, opts, os.environ)
+        argv, added, spec = _plan(command, launcher_args, env, owned, opts, os.environ)
     except LaunchError as err:
         raise click.UsageError(str(err)) from None
     unset = [name for name in owned if name in os.environ and name not in added]
@@ -315,7 +348,7 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
     if opts["verbose"]:
         _print_command(argv, added, unset, inherited, err=True)
     try:
-        ctx.exit(run(argv, added, unset))
+        ctx.exit(run(argv, added, unset, _watch(spec, float(opts["lost_host_timeout"]))))
     except OSError as err:
         raise click.ClickException(f"cannot start {argv[0]}: {err.strerror}") from None
 
@@ -362,8 +395,17 @@ def _plan(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[st
             raise LaunchError("--launcher srun runs inside a Slurm allocation (salloc/sbatch) and takes no -H; "
                               "use --sbatch to write one, or --launcher horovodrun")
     np = opts["np"] if opts["np"] is not None else slurm_ntasks
-    argv, added = build_command(_spec(command, launcher_args, env, owned, opts, environ, hosts, origin, np))
-    return [_find_tool(launcher), *argv[1:]], added
+    spec = _spec(command, launcher_args, env, owned, opts, environ, hosts, origin, np)
+    argv, added = build_command(spec)
+    return [_find_tool(launcher), *argv[1:]], added, spec
+
+
+def _watch(spec: LaunchSpec, lost_host_timeout: float) -> JobWatch:
+    """What watches this job: which rank runs where, and which hosts to probe (ssh launchers only)."""
+    np = resolve_np(spec.np, spec.hosts)
+    hosts = spec.hosts or (("localhost", np),)
+    remote = [] if spec.launcher == "srun" else [name for name, _ in hosts if not is_local(name)]
+    return JobWatch(rank_hosts(hosts, np), remote, spec.ssh_port or 22, lost_host_timeout)
 
 
 def _sbatch(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[str, str], owned: Sequence[str],
@@ -390,7 +432,9 @@ def _sbatch(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[
         ("-p", opts["ssh_port"]), ("--start-timeout", opts["start_timeout"]),
         ("--network-interface", opts["network_interface"]), ("--tcp", opts["tcp"]),
         ("--log-level", opts["log_level"]), ("--timeline-filename", opts["timeline_filename"]),
-        *(("-x", item) for item in opts["env_vars"]), ("--verbose", opts["verbose"]),
+        *(("-x", item) for item in opts["env_vars"]),
+        ("--lost-host-timeout", None if opts["lost_host_timeout"] == 20 else opts["lost_host_timeout"]),
+        ("--verbose", opts["verbose"]),
         ("--compression", opts["compression"]), ("--ratio", opts["ratio"]), ("--bits", opts["bits"]),
         ("--accumulate", opts["accumulate"]), ("--no-error-feedback", not opts["error_feedback"]),
         ("--seed", opts["seed"])])
