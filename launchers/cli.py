@@ -14,7 +14,6 @@ The compression settings reach every rank as ``HVDGC_*`` environment variables t
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import re
 import shlex
@@ -24,15 +23,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import click
 
+from hvd_gradcomp import config  # the settings module only: importing it loads no torch
 from .command import FORWARDED_ENV, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec, build_command, \
     parse_hostfile_text, parse_hosts, resolve_np
 from .slurm import BatchJob, allocation_from_env, render_sbatch, submit
-from .slurm import launcher_args as launcher_args_argv
 from .watch import JobWatch, is_local, rank_hosts
 
 _TOOL_HINTS = {
@@ -41,26 +39,6 @@ _TOOL_HINTS = {
     "srun": "srun comes with Slurm; run inside salloc/sbatch on a Slurm cluster",
     "sbatch": "sbatch comes with Slurm; write the script with --sbatch-file and submit it on the cluster",
 }
-
-
-def _config_module() -> ModuleType:
-    """``hvd_gradcomp.config`` without running ``hvd_gradcomp/__init__.py``.
-
-    The package imports torch and Horovod; the launcher needs neither, starts faster
-    without them, and keeps working where they are broken (the ranks will say so).
-    """
-    loaded = sys.modules.get("hvd_gradcomp.config")
-    if loaded is not None:
-        return loaded
-    package = importlib.util.find_spec("hvd_gradcomp")
-    if package is None or not package.submodule_search_locations:
-        raise click.ClickException("cannot find the hvd_gradcomp package; pip install -e . in the repository")
-    path = Path(list(package.submodule_search_locations)[0]) / "config.py"
-    spec = importlib.util.spec_from_file_location("_hvdgc_config", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def _find_tool(name: str) -> str:
@@ -135,7 +113,6 @@ def _compression_env(compression: str, ratio: float, bits: int, accumulate: int,
     Owned names that these settings leave unset (``HVDGC_SEED`` without ``--seed``) are
     removed from the job's environment, so a stale value in the shell cannot reach the ranks.
     """
-    config = _config_module()
     try:
         cfg = config.CompressionConfig(compression=compression, ratio=ratio, bits=bits, accumulate=accumulate,
                                        error_feedback=error_feedback, seed=seed)
@@ -335,7 +312,7 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
                                   opts["error_feedback"], opts["seed"])
     try:
         if opts["sbatch"]:
-            _sbatch(command, launcher_args, env, owned, opts)
+            _sbatch(ctx, command, launcher_args, env, owned, opts)
             return
         argv, added, spec = _plan(command, launcher_args, env, owned, opts, os.environ)
     except LaunchError as err:
@@ -354,6 +331,8 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
 
 
 _SBATCH_ONLY = ("nodes", "ntasks_per_node", "time_limit", "partition", "job_name", "output", "sbatch_file", "submit")
+# Options of this call that the batch script's own hvdgc-launch must not repeat.
+_NOT_RELAUNCHED = ("sbatch", "dry_run", "hosts", "hostfile", *_SBATCH_ONLY)
 
 
 def _check_sbatch_only(ctx: click.Context) -> None:
@@ -408,8 +387,28 @@ def _watch(spec: LaunchSpec, lost_host_timeout: float) -> JobWatch:
     return JobWatch(rank_hosts(hosts, np), remote, spec.ssh_port or 22, lost_host_timeout)
 
 
-def _sbatch(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[str, str], owned: Sequence[str],
-            opts: Mapping[str, object]) -> None:
+def _relaunch_args(ctx: click.Context) -> List[str]:
+    """The options given on this command line that the batch script's hvdgc-launch repeats,
+    rebuilt from the parsed values (a new option is forwarded without being listed here)."""
+    args: List[str] = []
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name in _NOT_RELAUNCHED \
+                or ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
+            continue
+        value = ctx.params[param.name]
+        if param.is_flag and param.secondary_opts:      # --gloo/--mpi, --error-feedback/--no-error-feedback
+            args.append(param.opts[0] if value else param.secondary_opts[0])
+        elif param.is_flag:
+            args += [param.opts[0]] if value else []
+        elif param.multiple:                            # -x A=1 -x B
+            args += [item for one in value for item in (param.opts[0], str(one))]
+        elif value is not None:
+            args += [param.opts[0], str(value)]
+    return args
+
+
+def _sbatch(ctx: click.Context, command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[str, str],
+            owned: Sequence[str], opts: Mapping[str, object]) -> None:
     """Write (and maybe submit) a batch script that runs this launch inside the allocation.
 
     The launch is validated here as it will run there (same checks as a direct launch, on
@@ -426,18 +425,7 @@ def _sbatch(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[
     # Node names are Slurm's to choose; any names validate the same way.
     planned = tuple((f"node{i}", per_node) for i in range(1, nodes + 1))
     build_command(_spec(command, launcher_args, env, owned, opts, os.environ, planned, origin, opts["np"]))
-    inner = _self_command() + launcher_args_argv([
-        ("-np", opts["np"]), ("--launcher", opts["launcher"]), ("--gloo", opts["gloo"] is True),
-        ("--mpi", opts["gloo"] is False),
-        ("-p", opts["ssh_port"]), ("--start-timeout", opts["start_timeout"]),
-        ("--network-interface", opts["network_interface"]), ("--tcp", opts["tcp"]),
-        ("--log-level", opts["log_level"]), ("--timeline-filename", opts["timeline_filename"]),
-        *(("-x", item) for item in opts["env_vars"]),
-        ("--lost-host-timeout", None if opts["lost_host_timeout"] == 20 else opts["lost_host_timeout"]),
-        ("--verbose", opts["verbose"]),
-        ("--compression", opts["compression"]), ("--ratio", opts["ratio"]), ("--bits", opts["bits"]),
-        ("--accumulate", opts["accumulate"]), ("--no-error-feedback", not opts["error_feedback"]),
-        ("--seed", opts["seed"])])
+    inner = _self_command() + _relaunch_args(ctx)
     if launcher_args:
         inner += ["--", *launcher_args, "--"]
     inner += list(command)

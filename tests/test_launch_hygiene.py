@@ -272,6 +272,5 @@ def test_item14_sbatch_carries_mapped_and_passed_through_options(invoke, monkeyp
     assert res.exit_code == 0, res.output
     line = [ln for ln in res.output.splitlines() if ln.startswith("hvdgc-launch ")][0]
     assert shlex.split(line) == [
-        "hvdgc-launch", "--launcher", "mpirun", "--network-interface", "eth0", "--tcp", "-x", "A=1",
-        "--compression", "none", "--ratio", "0.01", "--bits", "8", "--accumulate", "1",
+        "hvdgc-launch", "--network-interface", "eth0", "--tcp", "-x", "A=1", "--launcher", "mpirun",
         "--", "--mca", "btl_tcp_links", "2", "--", TARGET, "--steps", "1"]
