@@ -6,8 +6,8 @@ rank. :class:`JobWatch` therefore
 
 - relays the job's stdout and stderr unchanged while reading them for the failure lines of
   horovodrun and Open MPI, so the final message can say which rank on which host failed;
-- probes each remote host's ssh port every ``interval`` seconds and, when one has not
-  answered for ``timeout`` seconds, says so and ends the job (``on_lost``).
+- probes each remote host's ssh port every ``interval`` seconds and, when one that answered
+  before has not answered for ``timeout`` seconds, says so and ends the job (``on_lost``).
 
 Example::
 
@@ -132,12 +132,15 @@ class JobWatch:
             return
 
         def watch() -> None:
-            last_seen = {host: time.monotonic() for host in self.remote}
+            # Only a host that has answered is watched: one reached some other way (an ssh
+            # alias, a jump host) must not be declared lost because this probe cannot see it.
+            last_seen: dict = {}
             while not self._stop.wait(self.interval):
                 for host in self.remote:
                     if answers(host, self.port, timeout=min(3.0, self.timeout)):
                         last_seen[host] = time.monotonic()
-                    elif time.monotonic() - last_seen[host] >= self.timeout and not self._stop.is_set():
+                    elif host in last_seen and time.monotonic() - last_seen[host] >= self.timeout \
+                            and not self._stop.is_set():
                         self.lost = host
                         on_lost(host)
                         return

@@ -274,3 +274,38 @@ def test_item14_sbatch_carries_mapped_and_passed_through_options(invoke, monkeyp
     assert shlex.split(line) == [
         "hvdgc-launch", "--network-interface", "eth0", "--tcp", "-x", "A=1", "--launcher", "mpirun",
         "--", "--mca", "btl_tcp_links", "2", "--", TARGET, "--steps", "1"]
+
+
+# ---------------------------------------------------------------- the job watch (no Horovod)
+def test_watch_names_the_host_of_the_first_failed_rank():
+    from launchers.watch import JobWatch, rank_hosts
+    watch = JobWatch(rank_hosts([("a", 2), ("b", 2)], 4))
+    watch.scan(b"Process 3 exit with status code 255.")
+    watch.scan(b"Process name: 2")
+    watch.scan(b"Process name: 0")  # only the first report counts
+    assert watch.summary(1) == "hvdgc-launch: the job failed (exit code 1); first failure reported: rank 2 on host b"
+    assert watch.summary(0) is None
+    mpi = JobWatch(["a", "b"])
+    mpi.scan(b"mpirun noticed that process rank 1 with PID 0 on node b exited on signal 9 (Killed).")
+    assert mpi.summary(137).endswith("first failure reported: rank 1 on host b")
+
+
+def test_watch_ends_the_job_when_a_host_that_answered_stops_answering():
+    import socket
+    from launchers.watch import JobWatch
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    lost: List[str] = []
+    watch = JobWatch(["x"], remote=["127.0.0.1", "no-such-host.invalid"], port=port, timeout=1.0, interval=0.2)
+    watch.start_watchdog(lost.append)
+    time.sleep(0.7)
+    assert lost == []  # answering; the unresolvable host never answered, so it is not watched
+    server.close()
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.1)
+    watch.stop()
+    assert lost == ["127.0.0.1"]
+    assert watch.summary(143) == "hvdgc-launch: the job failed (exit code 143) after losing host 127.0.0.1"
