@@ -56,7 +56,8 @@ class DenseExchange:
         self.compression = compression if compression is not None else _hvd().Compression.none
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
-        tensor, ctx = self.compression.compress(grad)
+        # Horovod's collectives take contiguous tensors only (a channels_last gradient is not).
+        tensor, ctx = self.compression.compress(grad.contiguous())
         handle = _hvd().allreduce_async(tensor, name=f"hvdgc.dense.{name}", op=self.op,
                                         process_set=self.process_set)
         return Pending(name, grad.shape, grad.dtype, handle, ctx, tensor.numel() * tensor.element_size())
@@ -97,7 +98,7 @@ class AllgatherExchange:
 
     def _decode(self, p: Pending) -> None:
         payloads = wire.split_payloads(_hvd().synchronize(p.handle))
-        p.extra["parts"] = decode_payloads(self.compressor, payloads, self.process_set.size())
+        p.extra["parts"] = decode_payloads(self.compressor, payloads, self.process_set.size(), p.shape.numel())
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
@@ -109,10 +110,20 @@ class AllgatherExchange:
 Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
-def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int) -> Parts:
-    """Every rank's payload decoded, in rank order, as (indices or None, values)."""
+def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int,
+                    numel: Optional[int] = None) -> Parts:
+    """Every rank's payload decoded, in rank order, as (indices or None, values).
+
+    With ``numel``, each payload must stand for a tensor of that many elements.
+    """
     if len(payloads) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
+    if numel is not None:
+        for rank, pl in enumerate(payloads):
+            got = wire.read_header(pl).numel
+            if got != numel:
+                raise wire.WireFormatError(f"the payload of rank {rank} holds {got} elements, {numel} expected: "
+                                           "ranks disagree on the tensor's shape")
     return [compressor.decode_parts(pl) for pl in payloads]
 
 
@@ -151,7 +162,7 @@ def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor]
                     dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
     numel = wire.read_header(payloads[0]).numel if payloads else 0
-    return sum_parts(decode_payloads(compressor, payloads, size), op, numel, dtype, out)
+    return sum_parts(decode_payloads(compressor, payloads, size, numel), op, numel, dtype, out)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -212,13 +223,17 @@ class ScatterReduceExchange:
         bounds = p.extra["bounds"]
         if len(payloads) != len(bounds) - 1:
             raise RuntimeError(f"{p.name}: got {len(payloads)} chunks for {len(bounds) - 1} ranks")
-        flat = out.view(-1)
+        # A channels_last (or otherwise strided) gradient cannot be viewed flat: fill a flat
+        # buffer in the tensor's logical order and copy it over.
+        flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
         for payload, b, e in zip(payloads, bounds, bounds[1:]):
             chunk = self.compressor.decode(payload).reshape(-1)
             if chunk.numel() != e - b:
                 raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
                                    "ranks disagree on the tensor's shape")
             flat[b:e].copy_(chunk)
+        if not out.is_contiguous():
+            out.copy_(flat.view(out.shape))
         p.finished = True
 
 
