@@ -4,6 +4,9 @@
    network namespace whose loopback is limited by ``tc tbf`` to each ``--rates`` value:
    uncompressed Horovod, Horovod fp16, QSGD 8-bit, QSGD 4-bit, TopK 1%, TopKQSGD(1%, 8).
    Reports step time, the share spent in ``synchronize()``, bytes per step and speedups.
+   With ``--two-hosts`` the two ranks run on the two hosts of ``scripts/two_hosts.sh`` instead
+   (network namespaces hvdgc-a and hvdgc-b joined by a veth link limited per direction, as
+   between two machines); each table says which way it ran.
 2. Convergence: ``examples/train.py`` with the same steps and seed, uncompressed, fp16,
    each compressor with error feedback, and TopKQSGD without; final loss and accuracy.
 
@@ -16,6 +19,7 @@ Examples::
     hvdgc-bench                        # everything (~20 minutes on 2 CPU cores)
     hvdgc-bench --quick                # a small smoke run (< 3 minutes), written under runs/bench-quick
     hvdgc-bench --rates 1gbit --skip-convergence
+    hvdgc-bench --two-hosts --skip-convergence   # speed rows across the two-host link
     hvdgc-bench --dry-run              # print the commands, run nothing
 """
 from __future__ import annotations
@@ -38,6 +42,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import click
+
+from .two_hosts import horovodrun_across, two_hosts, up_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -102,6 +108,7 @@ class Plan:
     job_timeout: float
     compile_mode: str
     extra: Dict[str, Any] = field(default_factory=dict)
+    two_hosts: bool = False  # speed rows: one rank per host of scripts/two_hosts.sh, across its veth link
 
 
 # ---------------------------------------------------------------- pure command builders
@@ -246,16 +253,38 @@ def _netns_unavailable() -> Optional[str]:
     return None
 
 
+# How the speed rows of one table ran: the link their traffic crossed.
+LINK_MODES = {
+    "two-hosts": "two hosts: one rank in each of two network namespaces, across a veth link rate-limited per "
+                 "direction",
+    "loopback": "one namespace: both ranks on one rate-limited loopback, shared by both directions",
+    "unthrottled": "unthrottled: the host's loopback, no rate limit",
+}
+
+
+@contextmanager
+def speed_link(plan: Plan, rate: str, say: Any) -> Iterator[Tuple[Any, str]]:
+    """``(wrap, mode)`` for the speed jobs at ``rate``: ``wrap(program)`` is the command to run."""
+    if plan.two_hosts:
+        with two_hosts(rate, say) as ok:
+            if ok:
+                yield horovodrun_across, "two-hosts"
+                return
+        say("falling back to one rate-limited namespace")
+    with rate_limited_netns(rate, say) as ns:
+        yield (lambda program: in_netns(ns, horovodrun(program))), ("loopback" if ns else "unthrottled")
+
+
 def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
-    """Every speed setting at every rate: {rate: {"throttled": bool, "results": {key: json}}}."""
+    """Every speed setting at every rate: {rate: {"throttled": bool, "mode": str, "results": {key: json}}}."""
     out: Dict[str, Any] = {}
     for rate in plan.rates:
-        with rate_limited_netns(rate, say) as ns:
+        with speed_link(plan, rate, say) as (wrap, mode):
             results, failures = {}, {}
             for setting in plan.speed:
                 bar.set_description(f"speed {rate} {setting.label}")
                 path = plan.runs_dir / "speed" / f"{rate}-{setting.key}.json"
-                argv = in_netns(ns, horovodrun(speed_program(plan, setting, path)))
+                argv = wrap(speed_program(plan, setting, path))
                 try:
                     run_job(argv, rank_env(plan.compile_mode), plan.job_timeout, path.with_suffix(".log"))
                     results[setting.key] = json.loads(path.read_text())
@@ -264,7 +293,7 @@ def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
                     failures[setting.key] = str(exc)
                     say(f"{rate} {setting.label}: FAILED {exc}")
                 bar.update(1)
-            out[rate] = {"throttled": ns is not None, "results": results, "failures": failures}
+            out[rate] = {"throttled": mode != "unthrottled", "mode": mode, "results": results, "failures": failures}
     return out
 
 
@@ -494,6 +523,12 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
     else:
         link = ("**Unthrottled**: the network namespace could not be created (see the command's output), so "
                 "the ranks talked over the host's loopback and the rate labels below do not apply.")
+    if any(block.get("mode") == "two-hosts" for block in speed.values()):
+        link = ("Tables titled *two hosts* ran as `bash scripts/two_hosts.sh exec hvdgc-a horovodrun -np 2 "
+                "-H hvdgc-a:1,hvdgc-b:1 --network-interface hvdgc0 --gloo ...` (`hvdgc-bench --two-hosts`): one "
+                "rank in each of two network namespaces joined by a veth pair, each end limited by `tc qdisc "
+                f"replace dev hvdgc0 root tbf rate RATE burst {TBF['burst']} latency {TBF['latency']}`, so each "
+                "direction has its own link, as between two machines. " + link)
     return [
         f"- {link}",
         f"- Speed: `examples/synthetic_benchmark.py --params {plan.params:g} --batch-size {plan.batch_size} "
@@ -525,7 +560,8 @@ def _speed_section(plan: Plan, speed: Dict[str, Any], images: Dict[str, str]) ->
     if "step_time" in images:
         out += [f"![step time per setting]({images['step_time']})", ""]
     for rate, block in speed.items():
-        title = rate if block["throttled"] else f"{rate} requested, ran unthrottled"
+        mode = block.get("mode", "loopback" if block["throttled"] else "unthrottled")
+        title = f"{rate}, {LINK_MODES[mode]}" if mode != "unthrottled" else f"{rate} requested, ran unthrottled"
         out += [f"### {title}", "", render_speed_table(speed_rows(block["results"], plan.speed)), ""]
         out += [f"- {SPEED_LABELS.get(k, k)}: failed: `{v.splitlines()[0]}`" for k, v in block["failures"].items()]
     return out
@@ -622,7 +658,8 @@ def _smooth(values: List[float], window: int = 10) -> List[float]:
 # ---------------------------------------------------------------- the command
 def build_plan(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int],
                warmup: Optional[int], steps: Optional[int], seed: int, skip_speed: bool,
-               skip_convergence: bool, docs_dir: Optional[str], job_timeout: float, compile_mode: str) -> Plan:
+               skip_convergence: bool, docs_dir: Optional[str], job_timeout: float, compile_mode: str,
+               two_hosts: bool = False) -> Plan:
     """Options -> :class:`Plan` (``--quick`` picks small defaults, explicit options win).
 
     >>> p = build_plan(True, None, None, None, None, None, 0, False, False, None, 300, "auto")
@@ -636,18 +673,24 @@ def build_plan(quick: bool, rates: Optional[str], params: Optional[float], iters
                 params=params or (5e6 if quick else 25e6), warmup=warmup if warmup is not None else (1 if quick else 3),
                 iters=iters or (3 if quick else 10), batch_size=4, steps=steps or (40 if quick else 400), seed=seed,
                 docs_dir=docs, runs_dir=ROOT / "runs" / ("bench-quick" if quick else "bench"),
-                job_timeout=job_timeout, compile_mode=compile_mode)
+                job_timeout=job_timeout, compile_mode=compile_mode, two_hosts=two_hosts)
 
 
 def planned_commands(plan: Plan) -> List[str]:
     """Every command the plan runs, as shell-quoted lines (``--dry-run``)."""
     lines = []
     for rate in plan.rates:
-        lines += [shlex.join(c) for c in netns_setup_commands("NS", rate)]
+        if plan.two_hosts:
+            lines.append(shlex.join(up_command(rate)))
+        else:
+            lines += [shlex.join(c) for c in netns_setup_commands("NS", rate)]
         for s in plan.speed:
             path = plan.runs_dir / "speed" / f"{rate}-{s.key}.json"
-            lines.append(shlex.join(in_netns("NS", horovodrun(speed_program(plan, s, path)))))
-        lines.append(shlex.join(netns_teardown_command("NS")))
+            program = speed_program(plan, s, path)
+            cmd = horovodrun_across(program) if plan.two_hosts else in_netns("NS", horovodrun(program))
+            lines.append(shlex.join(cmd))
+        lines.append(shlex.join(["bash", "scripts/two_hosts.sh", "down"] if plan.two_hosts
+                                else netns_teardown_command("NS")))
     for s in plan.convergence:
         lines.append(shlex.join(in_netns("NS", horovodrun(train_program(plan, s, plan.runs_dir / "convergence")))))
     return lines
@@ -674,18 +717,21 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
               help="seconds before one 2-rank job is killed")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "0", "1"]), default="auto", show_default=True,
               help="HVDGC_COMPILE for the ranks (torch.compile of the large-tensor kernels)")
+@click.option("--two-hosts", is_flag=True,
+              help="speed rows with one rank on each host of scripts/two_hosts.sh (network namespaces hvdgc-a and "
+                   "hvdgc-b), across their veth link limited to each rate per direction; needs root")
 @click.option("--dry-run", is_flag=True, help="print the commands and exit")
 @click.option("--render-only", is_flag=True,
               help="rewrite BENCHMARKS.md and the plots from DOCS_DIR/data/bench.json without running anything")
 def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int], warmup: Optional[int],
          steps: Optional[int], seed: int, skip_speed: bool, skip_convergence: bool, docs_dir: Optional[str],
-         job_timeout: float, compile_mode: str, dry_run: bool, render_only: bool) -> None:
+         job_timeout: float, compile_mode: str, two_hosts: bool, dry_run: bool, render_only: bool) -> None:
     """Entry point of ``hvdgc-bench``."""
     if skip_speed and skip_convergence:
         raise click.UsageError("--skip-speed and --skip-convergence together leave nothing to run")
     try:
         plan = build_plan(quick, rates, params, iters, warmup, steps, seed, skip_speed, skip_convergence, docs_dir,
-                          job_timeout, compile_mode)
+                          job_timeout, compile_mode, two_hosts)
     except click.BadParameter as exc:
         raise click.UsageError(f"--rates: {exc.message}") from None
     if dry_run:
