@@ -17,7 +17,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
