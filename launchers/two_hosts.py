@@ -10,7 +10,6 @@ a program with one rank on each, launched from ``hvdgc-a`` over ssh::
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -43,15 +42,13 @@ def horovodrun_across(program: Sequence[str], bin_dir: Path = Path(sys.executabl
 
 def up_command(rate: str) -> List[str]:
     """The shell line that brings the hosts up at ``rate`` (for ``--dry-run`` listings)."""
-    return ["env", f"HVDGC_LINK_RATE={rate}", "HVDGC_TWO_HOSTS_SLURM=0", "bash", str(SCRIPT), "up"]
+    return ["bash", str(SCRIPT), "up", "--rate", rate, "--no-slurm"]
 
 
 @contextmanager
 def two_hosts(rate: str, say: Any) -> Iterator[bool]:
     """The two hosts up with a ``rate`` link for the block (always taken down after); False if they cannot be."""
-    env = {**os.environ, "HVDGC_LINK_RATE": rate, "HVDGC_TWO_HOSTS_SLURM": "0"}
-    up = subprocess.run(["bash", str(SCRIPT), "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True, timeout=600)
+    up = subprocess.run(up_command(rate), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     try:
         if up.returncode != 0:
             say(f"cannot bring up the two hosts at {rate} ({up.stdout.strip().splitlines()[-1:]})")

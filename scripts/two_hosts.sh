@@ -3,7 +3,7 @@
 # joined by a veth pair rate-limited with tc tbf (1 Gbit/s per direction by default), each
 # with its own sshd on port 22 and its own host name.
 #
-#   bash scripts/two_hosts.sh up               # idempotent; also starts a two-node Slurm
+#   bash scripts/two_hosts.sh up [--rate 1gbit] [--no-slurm]  # idempotent; also starts a two-node Slurm
 #   bash scripts/two_hosts.sh exec hvdgc-a CMD  # run CMD "on" host hvdgc-a
 #   bash scripts/two_hosts.sh status
 #   bash scripts/two_hosts.sh down             # kills every process in both namespaces
@@ -18,14 +18,16 @@
 # StrictHostKeyChecking=no. The file system is shared, so the same Python environment
 # works on both hosts.
 #
-# Environment: HVDGC_LINK_RATE (tc rate, default 1gbit), HVDGC_TWO_HOSTS_SLURM=0 to skip
-# Slurm. Root only. On failure it prints why and exits non-zero.
+# --rate sets the link's tc rate per direction (default 1gbit; `up` again with another rate
+# changes it in place); --no-slurm skips the two-node Slurm. Root only. On failure it prints
+# why and exits non-zero.
 set -euo pipefail
 
 HOSTS=(hvdgc-a hvdgc-b)
 ADDRS=(10.99.14.1 10.99.14.2)   # private, only ever inside the two namespaces
 IFACE=hvdgc0                    # same name on both hosts, like eth0 on a real cluster
-RATE="${HVDGC_LINK_RATE:-1gbit}"
+RATE=1gbit
+SLURM=1
 STATE=/var/lib/hvdgc-two-hosts  # client key, authorized_keys
 RUNDIR=/run/hvdgc-two-hosts     # pid files, logs
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -183,7 +185,7 @@ up() {
   ensure_sshd
   check_ssh
   log "hosts ${HOSTS[*]} up (${ADDRS[*]} on $IFACE, $RATE per direction); ssh works both ways"
-  if [ "${HVDGC_TWO_HOSTS_SLURM:-1}" != 0 ]; then
+  if [ "$SLURM" = 1 ]; then
     bash "$HERE/slurm_up.sh" --two-hosts
   fi
 }
@@ -220,7 +222,16 @@ status() {
 }
 
 case "${1:-}" in
-  up) up ;;
+  up)
+    shift
+    while [ $# -gt 0 ]; do
+      case "$1" in
+        --rate) [ $# -ge 2 ] || usage; RATE="$2"; shift 2 ;;
+        --no-slurm) SLURM=0; shift ;;
+        *) usage ;;
+      esac
+    done
+    up ;;
   down) [ "$(id -u)" -eq 0 ] || die "run as root"; down ;;
   status) status ;;
   exec) shift; [ $# -ge 2 ] || usage; on "$@" ;;

@@ -232,8 +232,7 @@ def test_bench_two_hosts_plan_and_report_name_the_mode(tmp_path):
     plan = bench.build_plan(True, "1gbit", None, None, None, None, 0, False, True, str(tmp_path), 300, "0",
                             two_hosts=True)
     lines = bench.planned_commands(plan)
-    assert lines[0].endswith("HVDGC_LINK_RATE=1gbit HVDGC_TWO_HOSTS_SLURM=0 bash "
-                             f"{ROOT}/scripts/two_hosts.sh up")
+    assert lines[0] == f"bash {ROOT}/scripts/two_hosts.sh up --rate 1gbit --no-slurm"
     assert all(" exec hvdgc-a " in ln and " -H hvdgc-a:1,hvdgc-b:1 --gloo --network-interface hvdgc0 " in ln
                for ln in lines[1:-1]), lines
     block = {"throttled": True, "results": {}, "failures": {}}
