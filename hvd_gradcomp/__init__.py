@@ -5,6 +5,7 @@
 >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
 ...                                compression=TopKQSGD(ratio=0.01, bits=8))  # doctest: +SKIP
 """
+from .auto import Auto
 from .compressors import QSGD, GradientCompressor, TopK, TopKQSGD
 from .feedback import ResidualStore
 from .stats import ByteStats
@@ -12,7 +13,7 @@ from .wire import WireFormatError
 
 __version__ = "0.1.0"
 
-__all__ = ["QSGD", "TopK", "TopKQSGD", "GradientCompressor", "ResidualStore", "ByteStats",
+__all__ = ["Auto", "QSGD", "TopK", "TopKQSGD", "GradientCompressor", "ResidualStore", "ByteStats",
            "WireFormatError", "DistributedOptimizer", "GradientAccumulator", "__version__"]
 
 

@@ -223,7 +223,11 @@ class ScatterReduceExchange:
 
 
 def choose_exchange(compression: Any, op: Any, process_set: Any):
-    """The exchange for a compression setting (None / Horovod compressor / ours)."""
+    """The exchange for a compression setting (None / Horovod compressor / ours / a policy such
+    as :class:`hvd_gradcomp.Auto`, which builds its own with ``make_exchange``)."""
+    make = getattr(compression, "make_exchange", None)
+    if make is not None:
+        return make(op, process_set)
     if isinstance(compression, QSGD):
         return ScatterReduceExchange(compression, op, process_set)
     if isinstance(compression, GradientCompressor):
