@@ -41,6 +41,7 @@ SETTINGS = [("none", "ours", "dense", "uncompressed"), ("fp16", "ours", "fp16", 
 MODEL_RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 MIN_COMPRESS_NUMEL = 1024
 STEPS = 3
+WARMUP_AUTO = 5  # explore_steps=1 x 4 roads, then the decision
 
 
 def build_model():
@@ -90,7 +91,8 @@ def worker(out: str, wire: bool) -> None:
         opt = wrap(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
                    compression=comp, **extra)
         step = _stepper(model, opt)
-        step()  # warm-up: first-call costs, Horovod's response cache
+        for _ in range(WARMUP_AUTO if setting == "auto" else 1):
+            step()  # warm-up: first-call costs, Horovod's response cache; Auto: exploration
         hvd.allreduce(torch.zeros(1), name=f"barrier.a.{label}")
         tx0, handed0 = _lo_tx(), _handed(opt, comp, path)
         for _ in range(STEPS):
@@ -141,14 +143,18 @@ def run(np_: int, backend: str, netns: Optional[str]) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def make_netns() -> Optional[str]:
-    """A fresh namespace with only loopback (root only): its counter sees this job alone."""
+def make_netns(rate: Optional[str]) -> Optional[str]:
+    """A fresh namespace with only loopback (root only): its counter sees this job alone;
+    ``rate`` (tc units, e.g. 1gbit) limits it."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return None
     name = f"hvdgc-bytes-{uuid.uuid4().hex[:6]}"
     ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
     ok = ok and subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
                                capture_output=True).returncode == 0
+    if ok and rate:
+        ok = subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
+                             rate, "burst", "256kb", "latency", "50ms"], capture_output=True).returncode == 0
     if not ok:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         return None
@@ -236,7 +242,7 @@ def measured_table(results: Dict[int, dict], sizes: List[int]) -> str:
             vals += [_b(results[n]["rows"][i]["wire"]) for n in sizes]
         lines.append(f"| {r['road']} | {r['label']} | " + " | ".join(vals) + " |")
     auto = [(n, results[n]["rows"][-1].get("report")) for n in sizes]
-    lines += ["", "Auto's choices (after one exploration step per road):"]
+    lines += ["", "Auto's choices (Auto(explore_steps=1): one exploration step per road, then the decision):"]
     lines += [f"- {n} ranks: {rep['summary']}" for n, rep in auto if rep]
     return "\n".join(lines)
 
@@ -245,6 +251,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="2,4,8")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
+    ap.add_argument("--rate", default=None, help="limit the namespace's loopback (tc units, e.g. 1gbit)")
     ap.add_argument("--model-only", action="store_true", help="only the modelled table (starts no ranks)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--wire", action="store_true", help=argparse.SUPPRESS)
@@ -256,7 +263,7 @@ def main() -> None:
         sizes = [int(s) for s in args.ranks.split(",")]
         results = {}
         for n in sizes:
-            netns = make_netns()
+            netns = make_netns(args.rate)
             print(f"running {n} ranks ({args.backend}{', own network namespace' if netns else ''})...",
                   file=sys.stderr, flush=True)
             try:

@@ -45,7 +45,7 @@ import torch
 
 from . import policy
 from .compressors import QSGD, TopKQSGD, _compressible, payload_size
-from .exchange import AllgatherExchange, DenseExchange, Pending, ScatterReduceExchange, chunk_bounds
+from .exchange import DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange, chunk_bounds
 from .feedback import residual_dtype
 from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE, Link, TensorCosts
 
@@ -378,7 +378,7 @@ class AutoExchange:
         self.exchanges = {DENSE: DenseExchange(op, process_set, hvd.Compression.none),
                           FP16: DenseExchange(op, process_set, hvd.Compression.fp16),
                           QSGD_AR: ScatterReduceExchange(auto.qsgd, op, process_set),
-                          SPARSE: AllgatherExchange(auto.sparse, op, process_set)}
+                          SPARSE: FusedAllgatherExchange(auto.sparse, op, process_set)}
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         road = self.auto.road_for(name)
@@ -401,9 +401,13 @@ class AutoExchange:
         self._timed(p, self.exchanges[p.extra["auto.road"]].progress)
 
     def advance(self, p: Pending) -> None:
-        if p.extra["auto.road"] == QSGD_AR and p.stage == 1:
-            p.extra["auto.wait"] += _wait(p)
-            self._timed(p, self.exchanges[QSGD_AR].advance)
+        road = p.extra["auto.road"]
+        if road == QSGD_AR:
+            if p.stage == 1:  # waits for the alltoall, then reduces and re-encodes: time them apart
+                p.extra["auto.wait"] += _wait(p)
+                self._timed(p, self.exchanges[QSGD_AR].advance)
+        else:
+            self._timed(p, self.exchanges[road].advance)  # the fused allgather leaves here if still open
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         road = p.extra["auto.road"]

@@ -15,7 +15,8 @@ _cache: Dict[str, Any] = {}
 def battery(backend: str):
     if backend not in _cache:
         _cache[backend] = run_ranks("auto:battery", backend=backend, timeout=300,
-                                    scenarios=[{"fn": "switching"}, {"fn": "switching", "stock": True}])
+                                    scenarios=[{"fn": "switching"}, {"fn": "switching", "stock": True},
+                                               {"fn": "fused"}])
     return _cache[backend]
 
 
@@ -52,3 +53,18 @@ def test_same_decisions_and_correct_gradients_across_switches(backend, which):
     # every road was measured during exploration, the link was probed
     assert all(len(v) == 3 for v in r0["codec_roads"].values())
     assert r0["bandwidth"] > 0 and r0["step"] == 8
+
+
+@pytest.mark.multirank
+def test_fused_sparse_allgathers(backend):
+    for rank_result in battery(backend):
+        one, many = rank_result[2][str(1 << 30)], rank_result[2][str(96 * 80 * 4)]
+        for r in (one, many):
+            # bit-identical to one allgather per tensor, and on every rank
+            assert all(r["equal_to_unfused"]) and all(r["ranks_equal"])
+            # each of the 2 ranks' 4 payloads: its header parsed once, from the index; none re-read
+            assert r["parse_header_calls"] == [8, 8, 8] and r["read_header_calls"] == [0, 0, 0]
+        # 4 compressed tensors: one allgather per step instead of 4; from step 2 on it leaves
+        # with the last hook, before synchronize()
+        assert one["groups"] == [1, 1, 1] and one["launched_before_sync"] == [False, True, True]
+        assert all(g >= 2 for g in many["groups"]) and many["launched_before_sync"][1:] == [True, True]
