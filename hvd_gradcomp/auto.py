@@ -45,7 +45,7 @@ import torch
 
 from . import policy
 from .compressors import QSGD, TopKQSGD, _compressible, payload_size
-from .exchange import DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange, chunk_bounds
+from .exchange import AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange, chunk_bounds
 from .feedback import residual_dtype
 from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE, Link, TensorCosts
 
@@ -90,6 +90,7 @@ class Auto:
         hysteresis: a tensor switches only if the new road is this fraction faster.
         probe_numel: float32 values of the bandwidth probe's allreduce.
         error_feedback, seed: as for the compressors.
+        named_parameters: for stock Horovod, as the compressors' (see :meth:`bind`).
 
     >>> Auto()
     Auto(roads=('sparse', 'qsgd', 'fp16', 'dense'), ratio=0.01, bits=8, qsgd_bits=8, interval=200)
@@ -98,7 +99,7 @@ class Auto:
     def __init__(self, ratio: float = 0.01, bits: int = 8, qsgd_bits: int = 8,
                  roads: Optional[Sequence[str]] = None, explore_steps: int = 2, interval: int = 200,
                  hysteresis: float = 0.1, probe_numel: int = 1 << 20, error_feedback: bool = True,
-                 seed: Optional[int] = None) -> None:
+                 seed: Optional[int] = None, named_parameters: Any = None) -> None:
         self.sparse = TopKQSGD(ratio=ratio, bits=bits, error_feedback=error_feedback, seed=seed)
         self.qsgd = QSGD(bits=qsgd_bits, error_feedback=error_feedback, seed=seed)
         self.roads = _check_roads(roads)
@@ -120,6 +121,9 @@ class Auto:
         self._samples: Dict[Tuple[str, str], Deque[float]] = {}
         self._payload: Dict[Tuple[str, str], float] = {}
         self._setup: Optional[_Setup] = None
+        self._names: Optional[Dict[torch.Tensor, str]] = None
+        if named_parameters is not None:
+            self.bind(named_parameters)
 
     def __repr__(self) -> str:
         return (f"Auto(roads={self.roads or OURS_ROADS}, ratio={self.sparse.ratio}, bits={self.sparse.bits}, "
@@ -253,14 +257,22 @@ class Auto:
         return flat.to(grad.dtype).view(grad.shape)
 
     # ------------------------------------------------------------ stock Horovod's protocol
+    def bind(self, named_parameters: Any) -> "Auto":
+        """Use these names for the gradients stock Horovod hands to compress() (as the
+        compressors' ``bind``); without it the names come from Horovod's optimizer. Returns self."""
+        from .horovod import name_map
+
+        self._names = name_map(named_parameters)
+        return self
+
     def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
-        """Inside stock ``hvd.DistributedOptimizer``: the tensor's road (see :mod:`hvd_gradcomp.stock`).
+        """Inside stock ``hvd.DistributedOptimizer``: the tensor's road (see :mod:`hvd_gradcomp.horovod`).
         Anywhere else (e.g. hvd_gradcomp's fused small tensors) the tensor passes unchanged."""
-        from . import stock
+        from . import horovod
 
         if not _compressible(tensor):
             return tensor, None
-        call = stock.find_horovod_call(tensor)
+        call = horovod.find_horovod_call(tensor, self._names)
         if call is None:
             return tensor, None
         self._configure("stock", call.op, call.process_set)
@@ -273,30 +285,30 @@ class Auto:
             out, inner = _hvd().Compression.fp16.compress(tensor)
             payload = out.numel() * out.element_size()
         else:
-            comp = self.sparse if road == SPARSE else self.qsgd
-            out, inner = stock.start_exchange(comp, call, tensor)
-            payload = inner.pending.bytes_sent
-        ctx = _StockCtx(call.name, road, inner, tensor.numel(), tensor.element_size(),
-                        time.perf_counter() - t0, payload)
+            exchange = AllgatherExchange(self.sparse if road == SPARSE else self.qsgd, call.op, call.process_set)
+            inner = (exchange, exchange.start(call.name, tensor))
+            out, payload = tensor.new_empty(0), inner[1].bytes_sent
+        ctx = _StockCtx(call.name, road, inner, tensor, time.perf_counter() - t0, payload)
         return out, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        from . import stock
-
+        """Inverse of :meth:`compress`: inside Horovod, the averaged (or summed) gradient."""
         if ctx is None:
             return tensor
         wait = 0.0
         if ctx.road in (SPARSE, QSGD_AG):
-            wait = _wait(ctx.inner.pending)
+            wait = _wait(ctx.inner[1])
         t0 = time.perf_counter()
         if ctx.road == DENSE:
             out = tensor
         elif ctx.road == FP16:
             out = _hvd().Compression.fp16.decompress(tensor, ctx.inner)
         else:
-            out = stock.finish_exchange(self.sparse if ctx.road == SPARSE else self.qsgd, ctx.inner)
-        self.record(ctx.name, ctx.road, ctx.numel, ctx.itemsize, ctx.codec_s + time.perf_counter() - t0, wait,
-                    ctx.payload)
+            exchange, pending = ctx.inner
+            out = torch.empty(pending.shape, dtype=pending.dtype, device=ctx.like.device)
+            exchange.finish(pending, out)
+        self.record(ctx.name, ctx.road, ctx.like.numel(), ctx.like.element_size(),
+                    ctx.codec_s + time.perf_counter() - t0, wait, ctx.payload)
         return out
 
     # ------------------------------------------------------------ report / checkpoints
@@ -339,11 +351,12 @@ class Auto:
 
 @dataclass
 class _StockCtx:
+    """decompress()'s context inside stock Horovod: the road and what is in flight on it."""
+
     name: str
     road: str
     inner: Any
-    numel: int
-    itemsize: int
+    like: torch.Tensor
     codec_s: float
     payload: float
 
