@@ -45,7 +45,8 @@ import torch
 
 from . import policy
 from .compressors import QSGD, TopKQSGD, _compressible, payload_size
-from .exchange import AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange, chunk_bounds
+from .exchange import (AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange,
+                       TimedExchange, chunk_bounds, wait_done)
 from .feedback import residual_dtype
 from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE, Link, TensorCosts
 
@@ -119,7 +120,6 @@ class Auto:
         self.last_wait_s: Dict[str, float] = {}
         self._counts: Dict[str, int] = {}
         self._samples: Dict[Tuple[str, str], Deque[float]] = {}
-        self._payload: Dict[Tuple[str, str], float] = {}
         self._setup: Optional[_Setup] = None
         self._names: Optional[Dict[torch.Tensor, str]] = None
         if named_parameters is not None:
@@ -163,6 +163,13 @@ class Auto:
             return self._setup.roads[(self.step - 1) // self.explore_steps]
         return self.decisions.get(name, DENSE)
 
+    @property
+    def measuring(self) -> bool:
+        """Exploring, or in the ``explore_steps`` steps before a re-decision: codec times then
+        count, and on GPU they are taken with the device synchronised."""
+        done = self.step - 1 - self.explore_steps * len(self._setup.roads)
+        return done < 0 or done % self.interval >= self.interval - self.explore_steps
+
     def _on_new_step(self) -> None:
         """All exchanges of the previous step are done on every rank: the link is idle."""
         done = self.step - 1 - self.explore_steps * len(self._setup.roads)
@@ -171,11 +178,14 @@ class Auto:
 
     # ------------------------------------------------------------ measure
     def record(self, name: str, road: str, numel: int, itemsize: int, codec_s: float, wait_s: float,
-               payload: float) -> None:
-        """One finished exchange: its codec seconds, its exposed wait, its payload bytes."""
-        self._samples.setdefault((name, road), deque(maxlen=SAMPLES)).append(codec_s)
-        self._payload[(name, road)] = payload
+               payload: float, measured: bool = True) -> None:
+        """One finished exchange: its codec seconds, its exposed wait, its payload bytes.
+        ``measured=False``: the codec time was taken without synchronising the device (GPU, not
+        measuring): only the wait and the payload count."""
         self.last_wait_s[name] = wait_s
+        if not measured:
+            return
+        self._samples.setdefault((name, road), deque(maxlen=SAMPLES)).append(codec_s)
         c = self.costs.setdefault(name, TensorCosts(numel, itemsize))
         c.codec_s[road] = min(self._samples[(name, road)])
         c.payload[road] = payload
@@ -297,7 +307,7 @@ class Auto:
             return tensor
         wait = 0.0
         if ctx.road in (SPARSE, QSGD_AG):
-            wait = _wait(ctx.inner[1])
+            wait = wait_done(ctx.inner[1].handle)
         t0 = time.perf_counter()
         if ctx.road == DENSE:
             out = tensor
@@ -361,15 +371,6 @@ class _StockCtx:
     payload: float
 
 
-def _wait(p: Pending) -> float:
-    """Block until ``p``'s collective is done without consuming its handle: the exposed wait."""
-    hvd = _hvd()
-    t0 = time.perf_counter()
-    while not hvd.poll(p.handle):
-        time.sleep(5e-5)
-    return time.perf_counter() - t0
-
-
 def _check_roads(roads: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:
     if roads is None:
         return None
@@ -383,50 +384,41 @@ def _check_roads(roads: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:
 
 class AutoExchange:
     """hvd_gradcomp.DistributedOptimizer's exchange for :class:`Auto`: routes each tensor to
-    its road's exchange, timing the codec (encode, decode) apart from the waits."""
+    its road's exchange, whose codec seconds are timed apart from the waits (:class:`TimedExchange`)."""
 
     def __init__(self, auto: Auto, op: Any, process_set: Any) -> None:
         hvd = _hvd()
         self.auto = auto
-        self.exchanges = {DENSE: DenseExchange(op, process_set, hvd.Compression.none),
-                          FP16: DenseExchange(op, process_set, hvd.Compression.fp16),
-                          QSGD_AR: ScatterReduceExchange(auto.qsgd, op, process_set),
-                          SPARSE: FusedAllgatherExchange(auto.sparse, op, process_set)}
+        self.exchanges = {road: TimedExchange(ex) for road, ex in (
+            (DENSE, DenseExchange(op, process_set, hvd.Compression.none)),
+            (FP16, DenseExchange(op, process_set, hvd.Compression.fp16)),
+            (QSGD_AR, ScatterReduceExchange(auto.qsgd, op, process_set)),
+            (SPARSE, FusedAllgatherExchange(auto.sparse, op, process_set)))}
+
+    codec_s = property(lambda self: sum(e.codec_s for e in self.exchanges.values()))
+    codec_sync_s = property(lambda self: sum(e.codec_sync_s for e in self.exchanges.values()))
+    wait_s = property(lambda self: sum(e.wait_s for e in self.exchanges.values()))
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         road = self.auto.road_for(name)
         grad = self.auto.flush_residuals(name, grad, road)
-        t0 = time.perf_counter()
+        self.exchanges[road].device_sync = self.auto.measuring
         p = self.exchanges[road].start(name, grad)
         payload = (payload_size(self.auto.qsgd, (grad.numel(),)) if road == QSGD_AR else
                    grad.numel() * (2 if road == FP16 else grad.element_size()) if road in (DENSE, FP16)
                    else p.bytes_sent)
-        p.extra.update({"auto.road": road, "auto.codec": time.perf_counter() - t0, "auto.wait": 0.0,
-                        "auto.payload": payload, "auto.itemsize": grad.element_size()})
+        p.extra.update({"auto.road": road, "auto.payload": payload, "auto.itemsize": grad.element_size()})
         return p
 
-    def _timed(self, p: Pending, fn: Any, *args: Any) -> None:
-        t0 = time.perf_counter()
-        fn(p, *args)
-        p.extra["auto.codec"] += time.perf_counter() - t0
-
     def progress(self, p: Pending) -> None:
-        self._timed(p, self.exchanges[p.extra["auto.road"]].progress)
+        self.exchanges[p.extra["auto.road"]].progress(p)
 
     def advance(self, p: Pending) -> None:
-        road = p.extra["auto.road"]
-        if road == QSGD_AR:
-            if p.stage == 1:  # waits for the alltoall, then reduces and re-encodes: time them apart
-                p.extra["auto.wait"] += _wait(p)
-                self._timed(p, self.exchanges[QSGD_AR].advance)
-        else:
-            self._timed(p, self.exchanges[road].advance)  # the fused allgather leaves here if still open
+        self.exchanges[p.extra["auto.road"]].advance(p)
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         road = p.extra["auto.road"]
-        self.advance(p)
-        if not (road == SPARSE and "parts" in p.extra):
-            p.extra["auto.wait"] += _wait(p)
-        self._timed(p, self.exchanges[road].finish, out)
-        self.auto.record(p.name, road, out.numel(), p.extra["auto.itemsize"], p.extra["auto.codec"],
-                         p.extra["auto.wait"], p.extra["auto.payload"])
+        self.exchanges[road].finish(p, out)
+        timed = self.exchanges[road].device_sync or out.device.type != "cuda"
+        self.auto.record(p.name, road, out.numel(), p.extra["auto.itemsize"], p.extra.get("codec_s", 0.0),
+                         p.extra.get("wait_s", 0.0), p.extra["auto.payload"], measured=timed)

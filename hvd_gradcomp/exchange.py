@@ -18,6 +18,7 @@ the allgather once the alltoall is done. ``bytes_sent`` counts the bytes handed 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
@@ -368,15 +369,84 @@ class FusedAllgatherExchange:
         p.finished = True
 
 
+def wait_done(handle: Any) -> float:
+    """Block until a Horovod handle is done without consuming it; returns the seconds waited."""
+    hvd = _hvd()
+    t0 = time.perf_counter()
+    while not hvd.poll(handle):
+        time.sleep(5e-5)
+    return time.perf_counter() - t0
+
+
+class TimedExchange:
+    """Any exchange, with its codec seconds (encode, decode, reduce) apart from its waits.
+
+    Totals: ``codec_s`` (all codec work), ``codec_sync_s`` (the part done inside
+    ``synchronize()``: advance/finish) and ``wait_s`` (time blocked on the network there).
+    Each pending also carries its own in ``p.extra["codec_s"]`` / ``["wait_s"]``.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.codec_s = self.codec_sync_s = self.wait_s = 0.0
+        # GPU kernels run asynchronously: timing them means synchronising the device, which
+        # costs overlap, so only when a caller needs the figures (gc.Auto, while it measures).
+        self.device_sync = False
+
+    def _clock(self, device: torch.device) -> float:
+        if self.device_sync and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def _timed(self, p: Pending, sync: bool, fn: Any, *args: Any) -> Any:
+        device = p.extra.get("device", torch.device("cpu"))
+        t0 = self._clock(device)
+        out = fn(*args)
+        dt = self._clock(device) - t0
+        p.extra["codec_s"] = p.extra.get("codec_s", 0.0) + dt
+        self.codec_s += dt
+        if sync:
+            self.codec_sync_s += dt
+        return out
+
+    def _wait(self, p: Pending) -> None:
+        dt = wait_done(p.handle)
+        p.extra["wait_s"] = p.extra.get("wait_s", 0.0) + dt
+        self.wait_s += dt
+
+    def start(self, name: str, grad: torch.Tensor) -> Pending:
+        t0 = self._clock(grad.device)
+        p = self.inner.start(name, grad)
+        p.extra["codec_s"] = self._clock(grad.device) - t0
+        p.extra["device"] = grad.device
+        self.codec_s += p.extra["codec_s"]
+        return p
+
+    def progress(self, p: Pending) -> None:
+        self._timed(p, False, self.inner.progress, p)
+
+    def advance(self, p: Pending) -> None:
+        if isinstance(self.inner, ScatterReduceExchange) and p.stage == 1:
+            self._wait(p)  # the alltoall, before the reduce
+        self._timed(p, True, self.inner.advance, p)  # launches a fused group still open
+
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        self.advance(p)
+        if p.handle is not None and "parts" not in p.extra:
+            self._wait(p)
+        self._timed(p, True, self.inner.finish, p, out)
+
+
 def choose_exchange(compression: Any, op: Any, process_set: Any):
     """The exchange for a compression setting (None / Horovod compressor / ours / a policy such
-    as :class:`hvd_gradcomp.Auto`, which builds its own with ``make_exchange``)."""
+    as :class:`hvd_gradcomp.Auto`, which builds its own with ``make_exchange``), timed: its
+    ``codec_s``, ``codec_sync_s`` and ``wait_s`` say where the exchange time went."""
     make = getattr(compression, "make_exchange", None)
     if make is not None:
-        return make(op, process_set)
+        return make(op, process_set)   # times itself (codec_s, codec_sync_s, wait_s)
     if isinstance(compression, QSGD):
-        return ScatterReduceExchange(compression, op, process_set)
+        return TimedExchange(ScatterReduceExchange(compression, op, process_set))
     if isinstance(compression, GradientCompressor):
-        return FusedAllgatherExchange(compression, op, process_set)
-    return DenseExchange(op, process_set, compression)
+        return TimedExchange(FusedAllgatherExchange(compression, op, process_set))
+    return TimedExchange(DenseExchange(op, process_set, compression))
 

@@ -68,3 +68,6 @@ def test_fused_sparse_allgathers(backend):
         # with the last hook, before synchronize()
         assert one["groups"] == [1, 1, 1] and one["launched_before_sync"] == [False, True, True]
         assert all(g >= 2 for g in many["groups"]) and many["launched_before_sync"][1:] == [True, True]
+        # codec time measured apart from waiting; what synchronize() did is part of its time
+        codec, codec_sync, wait, in_sync = one["timing"]
+        assert 0 < codec_sync <= codec and wait >= 0 and codec_sync + wait <= in_sync

@@ -83,7 +83,7 @@ def fused(steps: int = 3) -> Dict[str, Any]:
     """Fused sparse allgathers give bit-for-bit the gradients of one allgather per tensor, on
     every rank; the last group launches from the last hook; no payload header is read twice."""
     from hvd_gradcomp import wire
-    from hvd_gradcomp.exchange import AllgatherExchange
+    from hvd_gradcomp.exchange import AllgatherExchange, TimedExchange
 
     out: Dict[str, Any] = {}
     for fusion_bytes in (1 << 30, 96 * 80 * 4):   # one group per step; a group per ~1-2 tensors
@@ -91,8 +91,8 @@ def fused(steps: int = 3) -> Dict[str, Any]:
         opts = [gc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
                                         compression=gc.TopKQSGD(ratio=0.05, seed=3), min_compress_numel=400)
                 for m in models]
-        opts[0]._compressed.fusion_bytes = fusion_bytes
-        opts[1]._compressed = AllgatherExchange(opts[1].compression, opts[1].op, opts[1].process_set)
+        opts[0]._compressed.inner.fusion_bytes = fusion_bytes
+        opts[1]._compressed = TimedExchange(AllgatherExchange(opts[1].compression, opts[1].op, opts[1].process_set))
         res = {"equal_to_unfused": [], "ranks_equal": [], "groups": [], "launched_before_sync": [],
                "read_header_calls": [], "parse_header_calls": []}
         for step in range(steps):
@@ -125,6 +125,8 @@ def fused(steps: int = 3) -> Dict[str, Any]:
             for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
                 res["equal_to_unfused"].append(torch.equal(a.grad, b.grad))
                 res["ranks_equal"].append(all_ranks_equal(a.grad))
+        t = opts[0].exchange_timing
+        res["timing"] = [t.codec_s, t.codec_sync_s, t.wait_s, opts[0].comm_wait_s]
         for o in opts:
             o.remove_hooks()
         out[str(fusion_bytes)] = res
