@@ -348,15 +348,25 @@ class Auto:
                 "summary": f"step {self.step}: {state or 'no tensor yet'}; {link}"}
 
     def state_dict(self) -> Dict[str, Any]:
-        """Both compressors' residuals and random state, the step and the decisions."""
+        """Both compressors' residuals and random state, the step, the decisions and the measured
+        costs (residuals differ per rank: one file per rank, as for the compressors).
+
+        >>> a = Auto(); b = Auto(); b.load_state_dict(a.state_dict()); b.step
+        0
+        """
         return {"sparse": self.sparse.state_dict(), "qsgd": self.qsgd.state_dict(), "step": self.step,
-                "counts": dict(self._counts), "decisions": dict(self.decisions)}
+                "counts": dict(self._counts), "decisions": dict(self.decisions),
+                "costs": {n: {"numel": c.numel, "itemsize": c.itemsize, "payload": dict(c.payload),
+                              "codec_s": dict(c.codec_s)} for n, c in self.costs.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.sparse.load_state_dict(state["sparse"])
         self.qsgd.load_state_dict(state["qsgd"])
         self.step, self._counts = int(state["step"]), dict(state["counts"])
         self.decisions = dict(state["decisions"])
+        self.costs = {n: TensorCosts(c["numel"], c["itemsize"], c["payload"], c["codec_s"])
+                      for n, c in state.get("costs", {}).items()}
+        self._samples = {(n, r): deque([v], maxlen=SAMPLES) for n, c in self.costs.items() for r, v in c.codec_s.items()}
 
 
 @dataclass

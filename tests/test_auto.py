@@ -71,3 +71,65 @@ def test_fused_sparse_allgathers(backend):
         # codec time measured apart from waiting; what synchronize() did is part of its time
         codec, codec_sync, wait, in_sync = one["timing"]
         assert 0 < codec_sync <= codec and wait >= 0 and codec_sync + wait <= in_sync
+
+
+class _FakeSet:
+    """A process set of 2 ranks, this one rank 1 (flush_residuals needs only size/rank)."""
+
+    ranks = [0, 1]
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 1
+
+
+def _configured(op: str = "average") -> gc.Auto:
+    import horovod.torch as hvd
+
+    auto = gc.Auto()
+    auto._configure("ours", hvd.Average if op == "average" else hvd.Sum, _FakeSet())
+    return auto
+
+
+@pytest.mark.parametrize("op,scale", [("average", 2.0), ("sum", 1.0)])
+def test_residuals_follow_the_tensor_to_its_new_road(op, scale):
+    import torch
+
+    auto = _configured(op)
+    g = torch.arange(6, dtype=torch.float32).view(2, 3)
+    auto.sparse.residuals.commit("w", torch.full((6,), 0.5))
+    auto.qsgd.residuals.commit("w#reduced1", torch.tensor([1.0, 2.0, 3.0]))   # rank 1's chunk: [3, 6)
+    out = auto.flush_residuals("w", g, "dense")
+    expect = g.reshape(-1) + 0.5
+    expect[3:] += scale * torch.tensor([1.0, 2.0, 3.0])   # a residual of the average: x P under Average
+    assert torch.equal(out.reshape(-1), expect) and out.shape == g.shape
+    assert auto.sparse.residuals.residual("w") is None and auto.qsgd.residuals.residual("w#reduced1") is None
+    assert torch.equal(g, torch.arange(6, dtype=torch.float32).view(2, 3))   # the gradient is not modified
+    # a road keeps its own residual: nothing to flush, the same tensor comes back
+    auto.sparse.residuals.commit("w", torch.full((6,), 0.5))
+    assert auto.flush_residuals("w", g, "sparse") is g and auto.sparse.residuals.residual("w") is not None
+
+
+def test_state_dict_round_trip_keeps_decisions_costs_and_residuals():
+    import torch
+
+    auto = _configured()
+    auto.record("w", "dense", 1000, 4, 0.001, 0.0, 4000)
+    auto.record("w", "sparse", 1000, 4, 0.004, 0.0, 60)
+    auto.decisions["w"] = "sparse"
+    auto.sparse.residuals.commit("w", torch.ones(1000))
+    other = gc.Auto()
+    other.load_state_dict(auto.state_dict())
+    assert other.decisions == {"w": "sparse"} and other.costs["w"].codec_s == {"dense": 0.001, "sparse": 0.004}
+    assert other.costs["w"].payload["sparse"] == 60 and torch.equal(other.sparse.residuals.residual("w"), torch.ones(1000))
+
+
+def test_report_before_and_after_measurements():
+    auto = _configured()
+    assert auto.report()["summary"].startswith("step 0: exploring")
+    auto.record("w", "dense", 1000, 4, 0.001, 0.002, 4000)
+    rep = auto.report()
+    assert rep["tensors"]["w"]["codec_ms"] == {"dense": 1.0} and rep["tensors"]["w"]["wait_ms"] == 2.0
+    assert rep["link"] is None and "link not probed yet" in rep["summary"]
