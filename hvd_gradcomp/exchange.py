@@ -57,7 +57,8 @@ class DenseExchange:
         self.compression = compression if compression is not None else _hvd().Compression.none
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
-        tensor, ctx = self.compression.compress(grad)
+        # Horovod's collectives take contiguous tensors only (a channels_last gradient is not).
+        tensor, ctx = self.compression.compress(grad.contiguous())
         handle = _hvd().allreduce_async(tensor, name=f"hvdgc.dense.{name}", op=self.op,
                                         process_set=self.process_set)
         return Pending(name, grad.shape, grad.dtype, handle, ctx, tensor.numel() * tensor.element_size())
@@ -99,7 +100,7 @@ class AllgatherExchange:
     def _decode(self, p: Pending) -> None:
         split = wire.split_with_headers(_hvd().synchronize(p.handle))
         p.extra["parts"] = decode_payloads(self.compressor, [pl for pl, _ in split], self.process_set.size(),
-                                           [h for _, h in split])
+                                           p.shape.numel(), [h for _, h in split])
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
@@ -112,12 +113,21 @@ Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
 def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int,
-                    headers: Optional[List[wire.Header]] = None) -> Parts:
-    """Every rank's payload decoded, in rank order, as (indices or None, values); ``headers``:
-    the payloads' headers when already parsed (see :func:`wire.split_with_headers`)."""
+                    numel: Optional[int] = None, headers: Optional[List[wire.Header]] = None) -> Parts:
+    """Every rank's payload decoded, in rank order, as (indices or None, values).
+
+    With ``numel``, each payload must stand for a tensor of that many elements. ``headers``:
+    the payloads' headers when already parsed (see :func:`wire.split_with_headers`); each
+    read is a device-to-host copy on GPU, so none is read twice.
+    """
     if len(payloads) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
-    headers = headers if headers is not None else [None] * len(payloads)
+    headers = headers if headers is not None else [wire.read_header(pl) for pl in payloads]
+    if numel is not None:
+        for rank, h in enumerate(headers):
+            if h.numel != numel:
+                raise wire.WireFormatError(f"the payload of rank {rank} holds {h.numel} elements, {numel} expected: "
+                                           "ranks disagree on the tensor's shape")
     return [compressor.decode_parts(pl, h) for pl, h in zip(payloads, headers)]
 
 
@@ -158,7 +168,7 @@ def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor]
     """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
     headers = headers if headers is not None else [wire.read_header(pl) for pl in payloads]
     numel = headers[0].numel if headers else 0
-    return sum_parts(decode_payloads(compressor, payloads, size, headers), op, numel, dtype, out)
+    return sum_parts(decode_payloads(compressor, payloads, size, numel, headers), op, numel, dtype, out)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -220,13 +230,17 @@ class ScatterReduceExchange:
         bounds = p.extra["bounds"]
         if len(payloads) != len(bounds) - 1:
             raise RuntimeError(f"{p.name}: got {len(payloads)} chunks for {len(bounds) - 1} ranks")
-        flat = out.view(-1)
+        # A channels_last (or otherwise strided) gradient cannot be viewed flat: fill a flat
+        # buffer in the tensor's logical order and copy it over.
+        flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
         for (payload, h), b, e in zip(payloads, bounds, bounds[1:]):
             chunk = self.compressor.decode_parts(payload, h)[1]
             if chunk.numel() != e - b:
                 raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
                                    "ranks disagree on the tensor's shape")
             flat[b:e].copy_(chunk)
+        if not out.is_contiguous():
+            out.copy_(flat.view(out.shape))
         p.finished = True
 
 
