@@ -332,7 +332,7 @@ class FusedAllgatherExchange:
         """Decode the whole group as soon as its allgather is done; never blocks."""
         g = p.extra["group"]
         if g.handle is not None and not g.decoded and _hvd().poll(g.handle):
-            self._decode(g)
+            self._decode(g, p)
 
     def advance(self, p: Pending) -> None:
         """At synchronize(): launch the group still open; the step's tensor count is learnt."""
@@ -342,8 +342,12 @@ class FusedAllgatherExchange:
         if g.handle is None:
             self._launch(g)
 
-    def _decode(self, g: _Group) -> None:
+    def _decode(self, g: _Group, caller: Pending) -> None:
+        """Decode every member's payloads. The seconds spent on another member are charged to it
+        (``extra["codec_s"]``) and noted as ``extra["codec_elsewhere_s"]`` on ``caller``, so that
+        :class:`TimedExchange` charges each tensor its own decode."""
         blob = _hvd().synchronize(g.handle)
+        spent = [0.0] * len(g.members)
         size, n, prefix = self.process_set.size(), len(g.members), g.prefix_bytes()
         parts: List[Parts] = [[] for _ in range(n)]
         pos = 0
@@ -364,7 +368,9 @@ class FusedAllgatherExchange:
                 if h.shape != tuple(member.shape):
                     raise RuntimeError(f"{member.name}: rank {rank} sent a payload of shape {h.shape}, expected "
                                        f"{tuple(member.shape)}: ranks disagree on the tensors fused together")
+                t0 = time.perf_counter()
                 parts[i].append(self.compressor.decode_parts(blob[body:body + size_i], h))
+                spent[i] += time.perf_counter() - t0
                 head_pos, body = head_pos + head_i, body + size_i
             pos += index[3]
         if pos != blob.numel():
@@ -372,13 +378,16 @@ class FusedAllgatherExchange:
         g.decoded = True
         for i, member in enumerate(g.members):
             member.extra["parts"] = parts[i]
+            if member is not caller:
+                member.extra["codec_s"] = member.extra.get("codec_s", 0.0) + spent[i]
+                caller.extra["codec_elsewhere_s"] = caller.extra.get("codec_elsewhere_s", 0.0) + spent[i]
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         g = p.extra["group"]
         if g.handle is None:
             self.advance(p)
         if not g.decoded:
-            self._decode(g)
+            self._decode(g, p)
         sum_parts(p.extra.pop("parts"), self.op, out.numel(), p.dtype, out=out)
         p.finished = True
 
@@ -417,7 +426,7 @@ class TimedExchange:
         t0 = self._clock(device)
         out = fn(*args)
         dt = self._clock(device) - t0
-        p.extra["codec_s"] = p.extra.get("codec_s", 0.0) + dt
+        p.extra["codec_s"] = p.extra.get("codec_s", 0.0) + dt - p.extra.pop("codec_elsewhere_s", 0.0)
         self.codec_s += dt
         if sync:
             self.codec_sync_s += dt
