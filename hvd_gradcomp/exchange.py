@@ -105,7 +105,7 @@ class AllgatherExchange:
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
             self._decode(p)
-        sum_parts(p.extra.pop("parts"), self.op, out.numel(), p.dtype, out=out)
+        sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
         p.finished = True
 
 
@@ -131,22 +131,26 @@ def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor]
     return [compressor.decode_parts(pl, h) for pl, h in zip(payloads, headers)]
 
 
-def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
+def is_average(op: Any) -> bool:
+    """True for ``hvd.Average``, False for ``hvd.Sum``; anything else is refused."""
+    hvd = _hvd()
+    if op == hvd.Average:
+        return True
+    if op == hvd.Sum:
+        return False
+    raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
+
+
+def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The average (or sum) of decoded parts.
+    """The average (``average=True``) or sum of decoded parts; no collective, any backend.
 
     Every rank runs the same additions in the same order on the same bytes, so every rank
     gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
     added straight into one zeroed buffer; with ``out`` (contiguous, of the accumulation
     dtype) the result is written there.
     """
-    hvd = _hvd()
-    if op == hvd.Average:
-        scale = 1.0 / len(parts)
-    elif op == hvd.Sum:
-        scale = 1.0
-    else:
-        raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
+    scale = 1.0 / len(parts) if average else 1.0
     acc_dtype = residual_dtype(dtype)
     direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
     acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
@@ -162,13 +166,13 @@ def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
-def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], op: Any, size: int,
+def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], average: bool, size: int,
                     dtype: torch.dtype, out: Optional[torch.Tensor] = None,
                     headers: Optional[List[wire.Header]] = None) -> torch.Tensor:
     """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
     headers = headers if headers is not None else [wire.read_header(pl) for pl in payloads]
     numel = headers[0].numel if headers else 0
-    return sum_parts(decode_payloads(compressor, payloads, size, numel, headers), op, numel, dtype, out)
+    return sum_parts(decode_payloads(compressor, payloads, size, numel, headers), average, numel, dtype, out)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -214,8 +218,8 @@ class ScatterReduceExchange:
         hvd = _hvd()
         received, _ = hvd.synchronize(p.handle)
         split = wire.split_with_headers(received)
-        mine = reduce_payloads(self.compressor, [pl for pl, _ in split], self.op, self.process_set.size(), p.dtype,
-                               headers=[h for _, h in split])
+        mine = reduce_payloads(self.compressor, [pl for pl, _ in split], is_average(self.op), self.process_set.size(),
+                               p.dtype, headers=[h for _, h in split])
         rank = self.process_set.rank()
         payload = self.compressor.compress_named(f"{p.name}#reduced{rank}", mine)
         p.handle = hvd.allgather_async(payload, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
@@ -388,7 +392,7 @@ class FusedAllgatherExchange:
             self.advance(p)
         if not g.decoded:
             self._decode(g, p)
-        sum_parts(p.extra.pop("parts"), self.op, out.numel(), p.dtype, out=out)
+        sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
         p.finished = True
 
 
