@@ -4,9 +4,9 @@ Three roads, chosen per tensor by :func:`choose_exchange`:
 
 * :class:`DenseExchange`: Horovod's allreduce of the (optionally fp16-cast) tensor. Used
   with no compressor, with Horovod's own compressors, and for small tensors.
-* :class:`AllgatherExchange`: sparse payloads (TopK, TopKQSGD). Each rank allgathers its
-  payload; every rank decodes all payloads in rank order and averages, so all ranks end
-  with identical gradients.
+* :class:`FusedAllgatherExchange`: sparse payloads (TopK, TopKQSGD), several tensors' per
+  allgather (:class:`AllgatherExchange`: one each, the stock-Horovod road). Every rank
+  decodes all payloads in rank order and averages, so all ranks end with identical gradients.
 * :class:`ScatterReduceExchange`: QSGD's compressed allreduce. Each rank quantises its
   gradient in P chunks; an alltoall sends chunk i to rank i; rank i decodes and sums its
   chunk, re-quantises it (with its own error feedback), and an allgather returns every
@@ -26,11 +26,16 @@ format) carrying what the exchange needs besides the codec's bytes:
   an envelope without payload that decodes to NaN, so the average is non-finite on *every*
   rank and every rank's scaler skips the same step (the codec raised FloatingPointError
   before touching the residual or the random stream).
+
+The fused allgather road carries the same two fields in each rank's group index instead (one
+step per rank's part, one non-finite flag per tensor; see :class:`FusedAllgatherExchange`).
 """
 from __future__ import annotations
 
 import os
 import struct
+import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -117,12 +122,11 @@ class RankDivergenceError(RuntimeError):
     """Ranks exchanged gradients of different steps: one skipped or repeated a step."""
 
 
-def check_steps(compressor: GradientCompressor, name: str, envelopes: List[Envelope]) -> None:
-    """Raise :class:`RankDivergenceError` unless every envelope (index = rank) is from this rank's step."""
+def check_steps(compressor: GradientCompressor, name: str, steps: List[int]) -> None:
+    """Raise :class:`RankDivergenceError` unless every rank's step (index = rank) is this rank's step."""
     if os.environ.get("HOROVOD_ELASTIC") == "1":
         return  # ranks that join an elastic job start at step 0; state.sync() realigns them
     mine = compressor.exchange_step % (1 << 32)
-    steps = [e.step for e in envelopes]
     if any(s != mine for s in steps):
         where = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
         raise RankDivergenceError(
@@ -247,20 +251,22 @@ Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
 def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int,
-                    numel: Optional[int] = None) -> Parts:
+                    numel: Optional[int] = None, headers: Optional[List[wire.Header]] = None) -> Parts:
     """Every rank's payload decoded, in rank order, as (indices or None, values).
 
-    With ``numel``, each payload must stand for a tensor of that many elements.
+    With ``numel``, each payload must stand for a tensor of that many elements. ``headers``:
+    the payloads' headers when already parsed (see :func:`wire.split_with_headers`); each
+    read is a device-to-host copy on GPU, so none is read twice.
     """
     if len(payloads) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
+    headers = headers if headers is not None else [wire.read_header(pl) for pl in payloads]
     if numel is not None:
-        for rank, pl in enumerate(payloads):
-            got = wire.read_header(pl).numel
-            if got != numel:
-                raise wire.WireFormatError(f"the payload of rank {rank} holds {got} elements, {numel} expected: "
+        for rank, h in enumerate(headers):
+            if h.numel != numel:
+                raise wire.WireFormatError(f"the payload of rank {rank} holds {h.numel} elements, {numel} expected: "
                                            "ranks disagree on the tensor's shape")
-    return [compressor.decode_parts(pl) for pl in payloads]
+    return [compressor.decode_parts(pl, h) for pl, h in zip(payloads, headers)]
 
 
 def decode_envelopes(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str,
@@ -269,7 +275,7 @@ def decode_envelopes(compressor: GradientCompressor, envelopes: List[Envelope], 
     was non-finite contributes NaN everywhere."""
     if len(envelopes) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(envelopes)}: ranks disagree on this exchange")
-    check_steps(compressor, name, envelopes)
+    check_steps(compressor, name, [e.step for e in envelopes])
     sent = [e.payload for e in envelopes if e.payload is not None]
     decoded = iter(decode_payloads(compressor, sent, len(sent), numel))
     return [(None, e.nan(numel)) if e.payload is None else next(decoded) for e in envelopes]
@@ -311,10 +317,12 @@ def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
 
 
 def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], average: bool, size: int,
-                    dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+                    headers: Optional[List[wire.Header]] = None) -> torch.Tensor:
     """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
-    numel = wire.read_header(payloads[0]).numel if payloads else 0
-    return sum_parts(decode_payloads(compressor, payloads, size, numel), average, numel, dtype, out)
+    headers = headers if headers is not None else [wire.read_header(pl) for pl in payloads]
+    numel = headers[0].numel if headers else 0
+    return sum_parts(decode_payloads(compressor, payloads, size, numel, headers), average, numel, dtype, out)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -377,7 +385,7 @@ class ScatterReduceExchange:
         bounds = p.extra["bounds"]
         if len(envelopes) != len(bounds) - 1:
             raise RuntimeError(f"{p.name}: got {len(envelopes)} chunks for {len(bounds) - 1} ranks")
-        check_steps(self.compressor, p.name, envelopes)
+        check_steps(self.compressor, p.name, [e.step for e in envelopes])
         # A channels_last (or otherwise strided) gradient cannot be viewed flat: fill a flat
         # buffer in the tensor's logical order and copy it over.
         flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
@@ -392,11 +400,275 @@ class ScatterReduceExchange:
         p.finished = True
 
 
+FUSE_MAGIC = 0x47434655  # "GCFU"
+DEFAULT_FUSION_BYTES = 64 << 20  # raw gradient bytes per fused allgather, as Horovod's fusion buffer
+
+
+_FUSE_BASE = 5     # int64s before the per-member entries: magic, n, prefix bytes, part bytes, step
+_FUSE_MEMBER = 4   # int64s per member: payload bytes, header bytes, flags (FLAG_NONFINITE), crc32 of its name
+
+
+def _head_bytes(shape: torch.Size) -> int:
+    return wire.padded(wire.HEADER_BYTES + 8 * len(shape))
+
+
+def _name_id(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+class _Group:
+    """Sparse payloads that travel in one allgather, with the index that lets receivers split it.
+
+    The index plays the role of the envelope (:func:`seal`) for the whole group: it carries
+    the sender's exchange step once and a non-finite flag per member (a member whose gradient
+    held NaN/Inf sends no payload and a zeroed header slot, and decodes to NaN).
+    """
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.members: List[Pending] = []
+        self.payloads: List[Optional[torch.Tensor]] = []
+        self.raw_bytes = 0
+        self.handle: Any = None
+        self.decoded = False
+
+    def prefix_bytes(self) -> int:
+        """Size of each rank's prefix: known to every rank from the tensors' shapes alone."""
+        return 8 * (_FUSE_BASE + _FUSE_MEMBER * len(self.members)) + sum(_head_bytes(p.shape) for p in self.members)
+
+    def blob(self, step: int, device: torch.device) -> torch.Tensor:
+        """prefix (int64: magic, n, prefix bytes, part bytes, step, then (payload bytes, header
+        bytes, flags, name id) per member, then a copy of each payload's header) + the payloads."""
+        heads = [torch.zeros(_head_bytes(p.shape), dtype=torch.uint8, device=device) if pl is None
+                 else pl[:_head_bytes(p.shape)] for p, pl in zip(self.members, self.payloads)]
+        sent = [pl for pl in self.payloads if pl is not None]
+        prefix = self.prefix_bytes()
+        index = [FUSE_MAGIC, len(self.members), prefix, prefix + sum(pl.numel() for pl in sent), step % (1 << 32)]
+        for p, pl, h in zip(self.members, self.payloads, heads):
+            index += [0 if pl is None else pl.numel(), h.numel(), FLAG_NONFINITE if pl is None else 0, _name_id(p.name)]
+        index_bytes = torch.tensor(index, dtype=torch.int64).view(torch.uint8).to(device)
+        return torch.cat([index_bytes, *heads, *sent])
+
+
+class FusedAllgatherExchange:
+    """Sparse payloads fused into fewer, larger allgathers, as Horovod's tensor fusion does for
+    allreduce: each allgather pays Horovod's negotiation once for many tensors.
+
+    Payloads are encoded as each gradient is ready (the hook) and join the open group; the
+    group is launched once it holds ``fusion_bytes`` of raw gradient, or once it holds as many
+    tensors as the last step had (so the last group of backward does not wait for
+    ``synchronize()``), or at ``synchronize()``. These rules depend only on tensor sizes and
+    counts, the same on every rank; a rank whose group holds other tensors (a different
+    backward order) fails with an error naming them. Each rank's part of the allgather starts
+    with an index (sizes, the sender's exchange step, a non-finite flag per tensor and a copy of
+    every payload header: the group's envelope, see :class:`_Group`), read to the host in one
+    copy per rank: no header is read twice. Completed groups are decoded in ``progress()`` while
+    backward goes on; every rank decodes the same bytes in rank order, so gradients are
+    bit-identical everywhere.
+    """
+
+    def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any,
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES) -> None:
+        self.compressor, self.op, self.process_set = compressor, op, process_set
+        self.fusion_bytes = fusion_bytes
+        self._open: Optional[_Group] = None
+        self._groups_this_step = 0
+        self._started = 0
+        self._expected: Optional[int] = None
+
+    def start(self, name: str, grad: torch.Tensor) -> Pending:
+        payload = encode_or_flag(lambda: self.compressor.compress_named(name, grad))
+        if self._open is None:
+            self._open = _Group(self._groups_this_step)
+            self._groups_this_step += 1
+        g = self._open
+        p = Pending(name, grad.shape, grad.dtype, None, bytes_sent=0 if payload is None else payload.numel(),
+                    extra={"group": g, "device": grad.device})
+        g.members.append(p)
+        g.payloads.append(payload)
+        g.raw_bytes += grad.numel() * grad.element_size()
+        self._started += 1
+        if g.raw_bytes >= self.fusion_bytes or self._started == self._expected:
+            self._launch(g)
+        return p
+
+    def _launch(self, g: _Group) -> None:
+        # In name order, not arrival order: a tensor without gradient on some rank (a layer used
+        # on rank 0 only) arrives there at synchronize(), elsewhere during backward.
+        order = sorted(range(len(g.members)), key=lambda i: g.members[i].name)
+        g.members, g.payloads = [g.members[i] for i in order], [g.payloads[i] for i in order]
+        blob = g.blob(self.compressor.exchange_step, g.members[0].extra["device"])
+        g.members[0].bytes_sent += g.prefix_bytes()  # the index travels once per group
+        g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
+        for m in g.members:
+            m.handle = g.handle
+        g.payloads = []
+        if self._open is g:
+            self._open = None
+
+    def progress(self, p: Pending) -> None:
+        """Decode the whole group as soon as its allgather is done; never blocks."""
+        g = p.extra["group"]
+        if g.handle is not None and not g.decoded and _hvd().poll(g.handle):
+            self._decode(g, p)
+
+    def advance(self, p: Pending) -> None:
+        """At synchronize(): launch the group still open; the step's tensor count is learnt."""
+        if self._started:
+            self._expected, self._started, self._groups_this_step = self._started, 0, 0
+        g = p.extra["group"]
+        if g.handle is None:
+            self._launch(g)
+
+    def _decode(self, g: _Group, caller: Pending) -> None:
+        """Decode every member's payloads. The seconds spent on another member are charged to it
+        (``extra["codec_s"]``) and noted as ``extra["codec_elsewhere_s"]`` on ``caller``, so that
+        :class:`TimedExchange` charges each tensor its own decode."""
+        blob = _hvd().synchronize(g.handle)
+        names = [m.name for m in g.members]
+        n, prefix = len(g.members), g.prefix_bytes()
+        ranks = self._split_ranks(blob, names, prefix)
+        check_steps(self.compressor, ", ".join(names), [index[4] for _, _, index in ranks])
+        spent = [0.0] * n
+        parts: List[Parts] = [[] for _ in range(n)]
+        for rank, (pos, raw, index) in enumerate(ranks):
+            if index[1] != n or index[2] != prefix:
+                raise RuntimeError(f"fused allgather of {names}: rank {rank} sent a group of {index[1]} tensors "
+                                   f"(index {index[:3]}): ranks disagree on the tensors fused together (a "
+                                   "different backward order?)")
+            head_pos, body = 8 * (_FUSE_BASE + _FUSE_MEMBER * n), pos + prefix
+            for i, member in enumerate(g.members):
+                at = _FUSE_BASE + _FUSE_MEMBER * i
+                size_i, head_i, flags_i, id_i = index[at:at + _FUSE_MEMBER]
+                if id_i != _name_id(member.name):
+                    raise RuntimeError(f"fused allgather of {names}: rank {rank} sent another tensor where this rank "
+                                       f"has {member.name!r}: ranks disagree on the tensors fused together (a layer "
+                                       "used on some ranks only, whose gradient joins another fusion group there?)")
+                t0 = time.perf_counter()
+                if flags_i & FLAG_NONFINITE:
+                    parts[i].append((None, Envelope(index[4], None, blob.device).nan(member.shape.numel())))
+                else:
+                    h = wire.parse_header(raw[head_pos:head_pos + head_i], size_i)
+                    if h.shape != tuple(member.shape):
+                        raise RuntimeError(f"{member.name}: rank {rank} sent a payload of shape {h.shape}, expected "
+                                           f"{tuple(member.shape)}: ranks disagree on the tensors fused together")
+                    parts[i].append(self.compressor.decode_parts(blob[body:body + size_i], h))
+                spent[i] += time.perf_counter() - t0
+                head_pos, body = head_pos + head_i, body + size_i
+        g.decoded = True
+        for i, member in enumerate(g.members):
+            member.extra["parts"] = parts[i]
+            if member is not caller:
+                member.extra["codec_s"] = member.extra.get("codec_s", 0.0) + spent[i]
+                caller.extra["codec_elsewhere_s"] = caller.extra.get("codec_elsewhere_s", 0.0) + spent[i]
+
+    def _split_ranks(self, blob: torch.Tensor, names: List[str], prefix: int) -> List[Tuple[int, bytes, List[int]]]:
+        """Each rank's part of a fused allgather as (start, its prefix bytes on the host, its index):
+        the one device-to-host copy per rank. Only the fixed fields are checked here, so that the
+        steps are compared (:func:`check_steps`) before the group's make-up is."""
+        out, pos, words = [], 0, _FUSE_BASE + _FUSE_MEMBER * len(names)
+        for rank in range(self.process_set.size()):
+            raw = blob[pos:pos + prefix].cpu().numpy().tobytes()
+            have = min(len(raw) // 8, words)
+            index = torch.frombuffer(bytearray(raw[:8 * have]), dtype=torch.int64).tolist() if have else []
+            if have < _FUSE_BASE or index[0] != FUSE_MAGIC or not 8 * _FUSE_BASE <= index[3] <= blob.numel() - pos:
+                raise RuntimeError(f"fused allgather of {names}: rank {rank}'s part is truncated or corrupt: ranks "
+                                   "disagree on this exchange (run the same hvd-gradcomp version on every rank)")
+            out.append((pos, raw, index))
+            pos += index[3]
+        if pos != blob.numel():
+            raise RuntimeError(f"fused allgather of {names}: {blob.numel() - pos} bytes left after "
+                               f"{self.process_set.size()} ranks' parts")
+        return out
+
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        g = p.extra["group"]
+        if g.handle is None:
+            self.advance(p)
+        if not g.decoded:
+            self._decode(g, p)
+        sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
+        p.finished = True
+
+
+def wait_done(handle: Any) -> float:
+    """Block until a Horovod handle is done without consuming it; returns the seconds waited."""
+    hvd = _hvd()
+    t0 = time.perf_counter()
+    while not hvd.poll(handle):
+        time.sleep(5e-5)
+    return time.perf_counter() - t0
+
+
+class TimedExchange:
+    """Any exchange, with its codec seconds (encode, decode, reduce) apart from its waits.
+
+    Totals: ``codec_s`` (all codec work), ``codec_sync_s`` (the part done inside
+    ``synchronize()``: advance/finish) and ``wait_s`` (time blocked on the network there).
+    Each pending also carries its own in ``p.extra["codec_s"]`` / ``["wait_s"]``.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.codec_s = self.codec_sync_s = self.wait_s = 0.0
+        # GPU kernels run asynchronously: timing them means synchronising the device, which
+        # costs overlap, so only when a caller needs the figures (gc.Auto, while it measures).
+        self.device_sync = False
+
+    def _clock(self, device: torch.device) -> float:
+        if self.device_sync and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def _timed(self, p: Pending, sync: bool, fn: Any, *args: Any) -> Any:
+        device = p.extra.get("device", torch.device("cpu"))
+        t0 = self._clock(device)
+        out = fn(*args)
+        dt = self._clock(device) - t0
+        p.extra["codec_s"] = p.extra.get("codec_s", 0.0) + dt - p.extra.pop("codec_elsewhere_s", 0.0)
+        self.codec_s += dt
+        if sync:
+            self.codec_sync_s += dt
+        return out
+
+    def _wait(self, p: Pending) -> None:
+        dt = wait_done(p.handle)
+        p.extra["wait_s"] = p.extra.get("wait_s", 0.0) + dt
+        self.wait_s += dt
+
+    def start(self, name: str, grad: torch.Tensor) -> Pending:
+        t0 = self._clock(grad.device)
+        p = self.inner.start(name, grad)
+        p.extra["codec_s"] = self._clock(grad.device) - t0
+        p.extra["device"] = grad.device
+        self.codec_s += p.extra["codec_s"]
+        return p
+
+    def progress(self, p: Pending) -> None:
+        self._timed(p, False, self.inner.progress, p)
+
+    def advance(self, p: Pending) -> None:
+        if isinstance(self.inner, ScatterReduceExchange) and p.stage == 1:
+            self._wait(p)  # the alltoall, before the reduce
+        self._timed(p, True, self.inner.advance, p)  # launches a fused group still open
+
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        self.advance(p)
+        if p.handle is not None and "parts" not in p.extra:
+            self._wait(p)
+        self._timed(p, True, self.inner.finish, p, out)
+
+
 def choose_exchange(compression: Any, op: Any, process_set: Any):
-    """The exchange for a compression setting (None / Horovod compressor / ours)."""
+    """The exchange for a compression setting (None / Horovod compressor / ours / a policy such
+    as :class:`hvd_gradcomp.Auto`, which builds its own with ``make_exchange``), timed: its
+    ``codec_s``, ``codec_sync_s`` and ``wait_s`` say where the exchange time went."""
+    make = getattr(compression, "make_exchange", None)
+    if make is not None:
+        return make(op, process_set)   # times itself (codec_s, codec_sync_s, wait_s)
     if isinstance(compression, QSGD):
-        return ScatterReduceExchange(compression, op, process_set)
+        return TimedExchange(ScatterReduceExchange(compression, op, process_set))
     if isinstance(compression, GradientCompressor):
-        return AllgatherExchange(compression, op, process_set)
-    return DenseExchange(op, process_set, compression)
+        return TimedExchange(FusedAllgatherExchange(compression, op, process_set))
+    return TimedExchange(DenseExchange(op, process_set, compression))
 

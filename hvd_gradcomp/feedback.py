@@ -83,6 +83,13 @@ class ResidualStore:
                     self._residuals[name] = old
         self._undo.clear()
 
+    def pop(self, name: str) -> Optional[torch.Tensor]:
+        """Remove and return the residual of ``name`` (None if there is none): for a caller that
+        sends it another way (e.g. :class:`hvd_gradcomp.Auto` switching a tensor's road)."""
+        if self._undo is not None:
+            self._undo.setdefault(name, self._residuals.get(name))
+        return self._residuals.pop(name, None)
+
     def clear(self) -> None:
         self._residuals.clear()
         self._shapes.clear()
