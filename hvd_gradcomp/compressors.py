@@ -24,18 +24,54 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from . import kernels, wire
-from .feedback import ResidualStore
+from . import feedback as fb
+from .feedback import Feedback
 from .stats import ByteStats
 
-Sent = Union[kernels.QSGDDecoded, Tuple[torch.Tensor, torch.Tensor]]
+Sent = fb.Sent
 DEFAULT_BUCKET = 512
+
+
+@dataclass(frozen=True)
+class SparsityWarmup:
+    """A ``ratio`` schedule: DGC's sparsity warm-up (Lin et al., 2018). The share sent falls
+    geometrically from ``start`` to ``ratio`` over the first ``steps`` exchanges of each tensor
+    (optimizer steps), then stays at ``ratio``.
+
+    >>> w = SparsityWarmup(0.01, steps=4)
+    >>> [round(w(s), 4) for s in (0, 2, 4, 100)]
+    [0.25, 0.05, 0.01, 0.01]
+    >>> TopKQSGD(ratio=SparsityWarmup(0.01, steps=100)).ratio      # the target
+    0.01
+    """
+
+    ratio: float
+    steps: int
+    start: float = 0.25
+
+    def __post_init__(self) -> None:
+        _check_ratio(self.ratio)
+        _check_ratio(self.start)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"SparsityWarmup steps must be an int >= 0, got {self.steps!r}")
+        if self.start < self.ratio:
+            raise ValueError(f"SparsityWarmup start ({self.start}) must be >= ratio ({self.ratio})")
+
+    def __call__(self, step: int) -> float:
+        if step >= self.steps:
+            return self.ratio
+        return self.start * (self.ratio / self.start) ** (step / self.steps)
+
+
+Ratio = Union[float, Callable[[int], float]]
 
 
 @dataclass
@@ -63,17 +99,105 @@ class GradientCompressor:
 
     kind: int = 0
 
-    def __init__(self, error_feedback: bool = True, seed: Optional[int] = None) -> None:
+    def __init__(self, error_feedback: bool = True, seed: Optional[int] = None,
+                 feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
+                 exclude: Optional[str] = None) -> None:
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        self.error_feedback = error_feedback
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"clip must be None or a positive number (the largest L2 norm of each "
+                             f"tensor's local gradient), got {clip!r}")
+        if not error_feedback and feedback not in ("auto", "none"):
+            raise ValueError(f"error_feedback=False contradicts feedback={feedback!r}: pass only feedback=")
+        if not (isinstance(feedback, Feedback) or feedback == "auto"):
+            fb.make(feedback)  # validates the name now, not at the first step
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
         self.stream = 0  # set to the rank by hvd_gradcomp.DistributedOptimizer: ranks draw independent noise
-        self.residuals = ResidualStore()
+        self.clip = clip
+        try:
+            self.exclude = re.compile(exclude) if exclude is not None else None
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"exclude must be a regular expression matched against parameter names "
+                             f"(e.g. r'embed|norm'), got {exclude!r}: {exc}") from None
+        self._step_now = 0
+        self.feedback_choice: Union[str, Feedback] = "none" if not error_feedback else feedback
+        # Until an optimizer is attached, "auto" means classic error feedback.
+        self.feedback = fb.make("classic" if self.feedback_choice == "auto" else self.feedback_choice)
+        self._relay = fb.ErrorFeedback()  # re-quantisation in QSGD's compressed allreduce
+        self._attached: Any = None
         self.stats = ByteStats()
         self._steps: Dict[str, int] = {}
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether anything the payload did not carry is kept (any policy but ``none``)."""
+        return self.feedback.key != "none"
+
+    @error_feedback.setter
+    def error_feedback(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"error_feedback must be True or False, got {on!r}")
+        if on != self.error_feedback:
+            self.feedback_choice = "auto" if on else "none"
+            self.feedback = fb.make("classic" if on else "none")
+
+    @property
+    def residuals(self) -> fb.ResidualStore:
+        """The residuals of the feedback policy (what was not sent yet, per name)."""
+        return self.feedback.residuals
+
+    def attach(self, optimizer: Any, names: Dict[Any, str], rank: int = 0) -> None:
+        """Bind to the wrapped optimizer: with ``feedback="auto"`` choose the policy from its class
+        and settings (:func:`hvd_gradcomp.feedback.choose`) and say so once on rank 0.
+
+        Called by ``hvd_gradcomp.DistributedOptimizer`` and, inside ``hvd.DistributedOptimizer``,
+        at the first exchange; ``names`` maps each parameter to its name.
+        """
+        if self._attached is optimizer:
+            return
+        self._attached = optimizer
+        why = "chosen by the user"
+        if self.feedback_choice == "auto" and not self._restored:
+            key, why = fb.choose(optimizer, isinstance(self, QSGD), self._contracting)
+            if key != self.feedback.key:
+                self.feedback = fb.make(key)
+        for group in getattr(optimizer, "param_groups", []):
+            for p in group["params"]:
+                if p in names:
+                    self.feedback.bind(names[p], group, p, optimizer)
+        if rank == 0:
+            fb.announce(f"{self!r} with {type(optimizer).__name__}: feedback '{self.feedback.key}' "
+                        f"({self.feedback.describe()}; {why}). Override with feedback='none'|'classic'|"
+                        "'momentum'|'update'.")
+
+    @property
+    def _restored(self) -> bool:
+        return getattr(self, "_loaded_policy", False)
+
+    @property
+    def _contracting(self) -> bool:
+        return False
+
+    def compresses(self, name: str) -> bool:
+        """Whether tensor ``name`` is compressed (False: ``exclude`` matches it, and it goes
+        uncompressed in the dense allreduce).
+
+        >>> TopK(exclude=r"embed|norm").compresses("tok_embed.weight")
+        False
+        """
+        return self.exclude is None or not self.exclude.search(name)
+
+    def _extra_repr(self) -> str:
+        extra = ""
+        if self.feedback_choice not in ("auto", "none"):
+            extra += f", feedback={self.feedback.key!r}"
+        if self.clip is not None:
+            extra += f", clip={self.clip}"
+        if self.exclude is not None:
+            extra += f", exclude={self.exclude.pattern!r}"
+        return extra
 
     # ------------------------------------------------------------ wire level
     def encode(self, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
@@ -109,27 +233,44 @@ class GradientCompressor:
         return sparse(h, wire.SectionReader(payload, h))
 
     # ------------------------------------------------------------ error feedback
-    def compress_named(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """Payload for the gradient of tensor ``name``, with error feedback when enabled.
+    def compress_named(self, name: str, grad: torch.Tensor, relay: bool = False) -> torch.Tensor:
+        """Payload for the gradient of tensor ``name``, through the feedback policy.
 
-        Raises ``FloatingPointError`` (residual untouched) when ``grad`` holds NaN or Inf.
+        Raises ``FloatingPointError`` (state untouched) when ``grad`` holds NaN or Inf.
+        ``relay``: a re-quantisation inside QSGD's compressed allreduce (classic error
+        feedback, or none, whatever the policy).
         """
         _check_input(grad, name)
         if not name:
             raise ValueError("compress_named needs a non-empty tensor name")
         _check_finite(grad, name)
-        if not self.error_feedback:
-            self.residuals.check_shape(name, grad)
-            return self._encode_flat(grad.reshape(-1), grad.dtype, tuple(grad.shape), name)[0]
-        acc = self.residuals.compensate(name, grad)
-        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=True)
-        _subtract_sent(acc, sent)
-        self.residuals.commit(name, acc)
+        policy = self._relay_policy() if relay else self.feedback
+        acc = policy.prepare(name, self._clipped(grad))
+        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=policy.contract)
+        policy.sent(name, acc, sent)
         return payload
 
+    def _relay_policy(self) -> Feedback:
+        return self._relay if self.error_feedback else self.feedback
+
+    def _clipped(self, grad: torch.Tensor) -> torch.Tensor:
+        """Local gradient clipping (DGC): each rank scales a tensor's gradient to norm <= clip."""
+        if self.clip is None:
+            return grad
+        norm = float(grad.float().norm())
+        return grad if norm <= self.clip else grad * (self.clip / norm)
+
+    def received(self, name: str, avg: torch.Tensor) -> None:
+        """The average of all ranks' payloads for ``name`` (same on every rank), rewritten in place
+        by the feedback policy into what the optimizer sees."""
+        flat = avg.view(-1) if avg.is_contiguous() else avg.reshape(-1)
+        self.feedback.received(name, flat)
+        if flat.data_ptr() != avg.data_ptr():
+            avg.copy_(flat.view_as(avg))
+
     def compress_chunks(self, name: str, grad: torch.Tensor, bounds: List[int]) -> List[torch.Tensor]:
-        """One payload per chunk ``grad[bounds[i]:bounds[i+1]]`` (flattened), with error feedback
-        on the whole tensor: the chunks of QSGD's compressed allreduce.
+        """One payload per chunk ``grad[bounds[i]:bounds[i+1]]`` (flattened), with the feedback
+        policy on the whole tensor: the chunks of QSGD's compressed allreduce.
 
         ``bounds`` must cover the tensor and every chunk must be non-empty.
         """
@@ -137,25 +278,19 @@ class GradientCompressor:
         _check_finite(grad, name)
         if bounds[0] != 0 or bounds[-1] != grad.numel() or any(b >= e for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"chunk bounds {bounds} do not split {grad.numel()} elements into non-empty chunks")
-        if self.error_feedback:
-            acc = self.residuals.compensate(name, grad)
-        else:
-            self.residuals.check_shape(name, grad)
-            acc = grad.reshape(-1)
-        payloads = []
+        policy = self.feedback
+        acc = policy.prepare(name, self._clipped(grad))
+        payloads, sent = [], []
         for i, (b, e) in enumerate(zip(bounds, bounds[1:])):
-            part = acc[b:e]
-            payload, sent = self._encode_flat(part, grad.dtype, (e - b,), f"{name}#{i}",
-                                              contract=self.error_feedback)
-            if self.error_feedback:
-                _subtract_sent(part, sent)
+            payload, what = self._encode_flat(acc[b:e], grad.dtype, (e - b,), f"{name}#{i}", contract=policy.contract)
             payloads.append(payload)
-        if self.error_feedback:
-            self.residuals.commit(name, acc)
+            sent.append((b, e, what))
+        policy.sent(name, acc, sent)
         return payloads
 
     def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
                      name: str, contract: bool = False) -> Tuple[torch.Tensor, Sent]:
+        self._step_now = self._steps.get(name, 0)  # for ratio schedules
         enc = self._encode(flat, dtype, self._next_seed(name), contract)
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
                              enc.bucket_size)
@@ -186,6 +321,8 @@ class GradientCompressor:
 
             call = stock.find_horovod_call(tensor)
             if call is not None:
+                if not self.compresses(call.name):
+                    return tensor, None  # excluded: Horovod's own allreduce takes it
                 return stock.start_exchange(self, call, tensor)
             if self.error_feedback:
                 raise ValueError(f"{type(self).__name__}.compress() needs name= when called outside "
@@ -212,16 +349,25 @@ class GradientCompressor:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals and random state: restoring it continues the exact same sequence."""
-        res = self.residuals.state_dict()
+        """Feedback state (residuals, velocities, held rates) and random state: restoring it
+        continues the exact same sequence. ``residuals``/``shapes`` are the policy's residuals."""
+        state = self.feedback.state_dict()
         return {"seed": self.seed, "stream": self.stream, "steps": dict(self._steps),
-                "residuals": res["residuals"], "shapes": res["shapes"]}
+                "residuals": state.pop("residuals"), "shapes": state.pop("shapes"),
+                "feedback": state, "relay": self._relay.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.seed = int(state["seed"])
         self.stream = int(state["stream"])
         self._steps = dict(state["steps"])
-        self.residuals.load_state_dict({"residuals": state["residuals"], "shapes": state.get("shapes", {})})
+        extra = dict(state.get("feedback", {"policy": self.feedback.key}))
+        policy = extra.get("policy", self.feedback.key)
+        if self.feedback_choice == "auto" and policy != self.feedback.key:
+            self.feedback = fb.make(policy)  # "auto" chose it before the checkpoint: keep it
+        self._loaded_policy = self.feedback_choice == "auto"
+        self.feedback.load_state_dict({**extra, "residuals": state["residuals"], "shapes": state.get("shapes", {})})
+        if "relay" in state:
+            self._relay.load_state_dict(state["relay"])
 
     # ------------------------------------------------------------ to implement
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
@@ -244,7 +390,11 @@ class _Quantiser:
 
     @property
     def ef_scale(self) -> float:
-        return qsgd_ef_scale(self.bits, self.bucket_size) if self.error_feedback else 1.0
+        return qsgd_ef_scale(self.bits, self.bucket_size) if self.feedback.contract else 1.0
+
+    @property
+    def _contracting(self) -> bool:
+        return qsgd_ef_scale(self.bits, self.bucket_size) < 1.0
 
 
 class QSGD(_Quantiser, GradientCompressor):
@@ -264,12 +414,14 @@ class QSGD(_Quantiser, GradientCompressor):
     kind = wire.KIND_QSGD
 
     def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
-                 seed: Optional[int] = None) -> None:
-        super().__init__(error_feedback, seed)
+                 seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
+                 exclude: Optional[str] = None) -> None:
+        super().__init__(error_feedback, seed, feedback, clip, exclude)
         self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
-        return f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback})"
+        return (f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback}"
+                f"{self._extra_repr()})")
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
         n = flat.numel()
@@ -305,15 +457,35 @@ class TopK(GradientCompressor):
 
     kind = wire.KIND_TOPK
 
-    def __init__(self, ratio: float = 0.01, error_feedback: bool = True, seed: Optional[int] = None) -> None:
-        super().__init__(error_feedback, seed)
-        self.ratio = _check_ratio(ratio)
+    def __init__(self, ratio: Ratio = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
+                 feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
+                 exclude: Optional[str] = None) -> None:
+        super().__init__(error_feedback, seed, feedback, clip, exclude)
+        self.schedule: Optional[Callable[[int], float]] = None
+        if callable(ratio):
+            self.schedule = ratio
+            self.ratio = _check_ratio(getattr(ratio, "ratio", None) or ratio(0))
+        else:
+            self.ratio = _check_ratio(ratio)
 
     def __repr__(self) -> str:
-        return f"TopK(ratio={self.ratio}, error_feedback={self.error_feedback})"
+        return f"TopK(ratio={self._ratio_repr()}, error_feedback={self.error_feedback}{self._extra_repr()})"
+
+    def _ratio_repr(self) -> str:
+        return repr(self.schedule) if self.schedule is not None else repr(self.ratio)
+
+    def ratio_at(self, step: int) -> float:
+        """The share sent at exchange ``step`` (0-based, counted per tensor): ``ratio``, or the schedule's value.
+
+        >>> TopK(ratio=SparsityWarmup(0.01, steps=4)).ratio_at(2)
+        0.05
+        """
+        if self.schedule is None:
+            return self.ratio
+        return _check_ratio(self.schedule(step))
 
     def _select(self, flat: torch.Tensor) -> Tuple[torch.Tensor, int, List[torch.Tensor]]:
-        idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio, flat.numel()))
+        idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()))
         mode, sections = wire.encode_indices(idx, flat.numel())
         return idx, mode, sections
 
@@ -339,14 +511,15 @@ class TopKQSGD(_Quantiser, TopK):
 
     kind = wire.KIND_TOPKQSGD
 
-    def __init__(self, ratio: float = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
-                 error_feedback: bool = True, seed: Optional[int] = None) -> None:
-        super().__init__(ratio, error_feedback, seed)
+    def __init__(self, ratio: Ratio = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
+                 error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
+                 clip: Optional[float] = None, exclude: Optional[str] = None) -> None:
+        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude)
         self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
-        return (f"TopKQSGD(ratio={self.ratio}, bits={self.bits}, bucket_size={self.bucket_size}, "
-                f"error_feedback={self.error_feedback})")
+        return (f"TopKQSGD(ratio={self._ratio_repr()}, bits={self.bits}, bucket_size={self.bucket_size}, "
+                f"error_feedback={self.error_feedback}{self._extra_repr()})")
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
         idx, mode, sections = self._select(flat)
@@ -393,15 +566,6 @@ def _read_qsgd(reader: wire.SectionReader, n: int, bits: int, bucket: int, dtype
     norms = wire.from_bytes(reader.take(4 * nb), torch.float32)
     codes = wire.unpack_bits(reader.take((n * bits + 7) // 8), bits, n).to(torch.uint8)
     return kernels.qsgd_decode(norms, codes, bits, bucket, dtype)
-
-
-def _subtract_sent(acc: torch.Tensor, sent: Sent) -> None:
-    """acc -= what the payload carries (dense QSGD codes or sparse (indices, values)), in place."""
-    if isinstance(sent, kernels.QSGDDecoded):
-        sent.subtract_from(acc)  # one fused pass, no dense decoded temporary
-    else:
-        idx, vals = sent
-        acc[idx] -= vals.to(acc.dtype)
 
 
 def _scatter(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> torch.Tensor:

@@ -103,6 +103,7 @@ class AllgatherExchange:
         if "parts" not in p.extra:
             self._decode(p)
         sum_parts(p.extra.pop("parts"), self.op, out.numel(), p.dtype, out=out)
+        self.compressor.received(p.name, out)
         p.finished = True
 
 
@@ -199,7 +200,7 @@ class ScatterReduceExchange:
         payloads = wire.split_payloads(received)
         mine = reduce_payloads(self.compressor, payloads, self.op, self.process_set.size(), p.dtype)
         rank = self.process_set.rank()
-        payload = self.compressor.compress_named(f"{p.name}#reduced{rank}", mine)
+        payload = self.compressor.compress_named(f"{p.name}#reduced{rank}", mine, relay=True)
         p.handle = hvd.allgather_async(payload, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
         p.bytes_sent += payload.numel()
         p.stage = 2
@@ -219,6 +220,7 @@ class ScatterReduceExchange:
                 raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
                                    "ranks disagree on the tensor's shape")
             flat[b:e].copy_(chunk)
+        self.compressor.received(p.name, out)
         p.finished = True
 
 

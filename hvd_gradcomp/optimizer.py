@@ -53,6 +53,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
             compression.stream = process_set.rank()  # independent rounding noise on each rank
+            # The feedback policy ("auto") is chosen from this optimizer's class and settings.
+            compression.attach(self, self._parameter_names, process_set.rank())
         self._compressed = choose_exchange(compression, op, process_set)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
@@ -99,7 +101,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self._compressed.progress(pending)
 
     def _is_small(self, p: torch.Tensor) -> bool:
-        return (not p.is_floating_point()) or p.numel() < self.min_compress_numel
+        """Exchanged uncompressed: small, not floating point, or excluded by the compressor's policy."""
+        if (not p.is_floating_point()) or p.numel() < self.min_compress_numel:
+            return True
+        return isinstance(self.compression, GradientCompressor) and \
+            not self.compression.compresses(self._parameter_names[p])
 
     def _start(self, p: torch.Tensor) -> None:
         if p.grad is None:  # unused on this rank: others may have a gradient, so send zeros

@@ -39,6 +39,7 @@ class HorovodCall:
     name: str
     op: Any
     process_set: Any
+    optimizer: Any = None
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _call_from_frame(frame: Any, tensor: torch.Tensor) -> HorovodCall:
     if p is None:
         raise HorovodIntegrationError(_advice("the tensor handed to compress() is not any parameter's "
                                               ".grad (sparse_as_dense=True or a modified optimizer?)"))
-    return HorovodCall(names[p], opt.op, opt.process_set)
+    return HorovodCall(names[p], opt.op, opt.process_set, opt)
 
 
 def _advice(why: str) -> str:
@@ -92,6 +93,7 @@ def _advice(why: str) -> str:
 def start_exchange(compressor: Any, call: HorovodCall, tensor: torch.Tensor):
     """compress() inside Horovod: error feedback and an async allgather of the payload, on the
     same road as hvd_gradcomp.DistributedOptimizer's sparse exchanges."""
+    compressor.attach(call.optimizer, call.optimizer._parameter_names, call.process_set.rank())
     exchange = AllgatherExchange(compressor, call.op, call.process_set)
     ctx = StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
     return tensor.new_empty(0), ctx
