@@ -107,9 +107,10 @@ def error_bound(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: 
 
 
 def ef_shrink(kind: str, n: int, kw: Dict[str, Any], stock: bool) -> float:
-    """Error feedback scales low-bit QSGD payloads by 1/(1+w) (see qsgd_ef_scale): the factor for a
-    tensor of n elements, applied once per quantisation (twice on the compressed-allreduce road)."""
-    if kind != "qsgd" or not kw.get("error_feedback", True) or (n < 1024 and not stock):
+    """Classic error feedback scales low-bit QSGD payloads by 1/(1+w) (see qsgd_ef_scale): the factor
+    for a tensor of n elements, applied once per quantisation (twice on the compressed-allreduce
+    road). With feedback="auto" (the default) low-bit QSGD runs without error feedback: no scale."""
+    if kind != "qsgd" or kw.get("feedback") != "classic" or (n < 1024 and not stock):
         return 1.0
     piece = n if stock else n // hvd.size()
     scale = qsgd_ef_scale(kw.get("bits", 8), min(piece, kw.get("bucket_size", 512)))
