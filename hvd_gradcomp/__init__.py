@@ -4,24 +4,38 @@
 >>> from hvd_gradcomp import TopKQSGD                               # doctest: +SKIP
 >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
 ...                                compression=TopKQSGD(ratio=0.01, bits=8))  # doctest: +SKIP
+
+Importing the package imports neither torch nor Horovod: each public name is loaded from
+its module on first use (PEP 562), so ``hvdgc-launch`` can read :mod:`hvd_gradcomp.config`
+without them.
 """
-from .compressors import QSGD, GradientCompressor, TopK, TopKQSGD
-from .feedback import ResidualStore
-from .stats import ByteStats
-from .wire import WireFormatError
+from importlib import import_module
+from typing import Any, List
 
 __version__ = "0.1.0"
 
-__all__ = ["QSGD", "TopK", "TopKQSGD", "GradientCompressor", "ResidualStore", "ByteStats",
-           "WireFormatError", "DistributedOptimizer", "GradientAccumulator", "__version__"]
+# Public name -> the module that defines it (see "How it is built" in the README).
+_LAZY = {
+    "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "HorovodIntegrationError": "horovod",
+    "GradientCompressor": "compressors",
+    "ResidualStore": "feedback",
+    "ByteStats": "stats",
+    "WireFormatError": "wire",
+    "DistributedOptimizer": "optimizer",
+    "GradientAccumulator": "accumulate",
+}
+
+__all__ = [*_LAZY, "__version__"]
 
 
-def __getattr__(name):
-    # The Horovod-facing parts import horovod lazily, so the compressors work without it.
-    if name == "DistributedOptimizer":
-        from .optimizer import DistributedOptimizer
-        return DistributedOptimizer
-    if name == "GradientAccumulator":
-        from .accumulate import GradientAccumulator
-        return GradientAccumulator
-    raise AttributeError(f"module 'hvd_gradcomp' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hvd_gradcomp' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value   # later look-ups skip this function
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted({*globals(), *_LAZY})

@@ -1,14 +1,14 @@
-"""QSGD, TopK and TopK+QSGD: Horovod compressors with error feedback and a compact wire format.
+"""QSGD, TopK and TopK+QSGD: codecs with error feedback and a compact wire format.
 
-Three layers, from low to high:
+Two layers, from low to high (nothing here knows Horovod):
 
 * ``encode(tensor) -> payload`` / ``decode(payload) -> tensor``: the exact bytes that travel
   (see :mod:`hvd_gradcomp.wire`), no state but the random stream.
 * ``compress_named(name, grad) -> payload``: error feedback around ``encode``: the residual
   kept for ``name`` is added first, and what the payload does not carry becomes the new one.
-* ``compress(tensor) -> (tensor, ctx)`` / ``decompress(tensor, ctx)``: Horovod's compressor
-  protocol, so that ``hvd.DistributedOptimizer(opt, compression=TopKQSGD())`` works with an
-  unmodified Horovod (see :mod:`hvd_gradcomp.stock`).
+
+Horovod's compressor protocol (``compress``/``decompress``) is added on top by
+:mod:`hvd_gradcomp.horovod`, whose classes are the ones ``hvd_gradcomp`` exports.
 
 Example::
 
@@ -35,6 +35,7 @@ from . import kernels, wire
 from . import feedback as fb
 from .feedback import Feedback
 from .stats import ByteStats
+from .settings import check_bits, check_bucket_size, check_ratio
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
@@ -58,8 +59,8 @@ class SparsityWarmup:
     start: float = 0.25
 
     def __post_init__(self) -> None:
-        _check_ratio(self.ratio)
-        _check_ratio(self.start)
+        check_ratio(self.ratio)
+        check_ratio(self.start)
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
             raise ValueError(f"SparsityWarmup steps must be an int >= 0, got {self.steps!r}")
         if self.start < self.ratio:
@@ -91,7 +92,7 @@ class _Encoded:
 
 
 class GradientCompressor:
-    """Base class: error feedback, random stream, byte statistics and Horovod's protocol.
+    """Base class of the codecs: error feedback, random stream and byte statistics.
 
     Subclasses implement ``_encode(flat, seed) -> _Encoded`` and
     ``_decode(header, reader) -> flat tensor``.
@@ -114,7 +115,7 @@ class GradientCompressor:
         if not (isinstance(feedback, Feedback) or feedback == "auto"):
             fb.make(feedback)  # validates the name now, not at the first step
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.stream = 0  # set to the rank by hvd_gradcomp.DistributedOptimizer: ranks draw independent noise
+        self.stream = 0  # set to the rank by hvd_gradcomp.horovod on every road: ranks draw independent noise
         self.clip = clip
         try:
             self.exclude = re.compile(exclude) if exclude is not None else None
@@ -304,43 +305,6 @@ class GradientCompressor:
         self._steps[name] = step + 1
         return zlib.crc32(f"{self.seed}/{self.stream}/{name}/{step}".encode())
 
-    # ------------------------------------------------------------ Horovod protocol
-    def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
-        """Horovod's compressor entry point.
-
-        Called by ``hvd.DistributedOptimizer``, it finds the parameter name from Horovod's
-        call, starts an allgather of the payload and returns an empty tensor for Horovod's
-        allreduce (see :mod:`hvd_gradcomp.stock`). Called directly, it returns
-        ``(payload, ctx)``; pass ``name=`` when error feedback is on.
-        Integer and empty tensors pass through unchanged.
-        """
-        if not _compressible(tensor):
-            return tensor, None
-        if name is None:
-            from . import stock
-
-            call = stock.find_horovod_call(tensor)
-            if call is not None:
-                if not self.compresses(call.name):
-                    return tensor, None  # excluded: Horovod's own allreduce takes it
-                return stock.start_exchange(self, call, tensor)
-            if self.error_feedback:
-                raise ValueError(f"{type(self).__name__}.compress() needs name= when called outside "
-                                 "hvd.DistributedOptimizer with error_feedback=True (the residual is "
-                                 "kept per name)")
-            return self.encode(tensor), "local"
-        return self.compress_named(name, tensor), "local"
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Inverse of :meth:`compress`."""
-        if ctx is None:
-            return tensor
-        if ctx == "local":
-            return self.decode(tensor)
-        from . import stock
-
-        return stock.finish_exchange(self, ctx)
-
     @property
     def ef_scale(self) -> float:
         """Factor applied to what is sent under error feedback (1.0: none), for full buckets;
@@ -385,8 +349,8 @@ class _Quantiser:
     error_feedback: bool
 
     def _init_quantiser(self, bits: int, bucket_size: int) -> None:
-        self.bits = _check_bits(bits)
-        self.bucket_size = _check_bucket(bucket_size)
+        self.bits = check_bits(bits)
+        self.bucket_size = check_bucket_size(bucket_size)
 
     @property
     def ef_scale(self) -> float:
@@ -464,9 +428,9 @@ class TopK(GradientCompressor):
         self.schedule: Optional[Callable[[int], float]] = None
         if callable(ratio):
             self.schedule = ratio
-            self.ratio = _check_ratio(getattr(ratio, "ratio", None) or ratio(0))
+            self.ratio = check_ratio(getattr(ratio, "ratio", None) or ratio(0))
         else:
-            self.ratio = _check_ratio(ratio)
+            self.ratio = check_ratio(ratio)
 
     def __repr__(self) -> str:
         return f"TopK(ratio={self._ratio_repr()}, error_feedback={self.error_feedback}{self._extra_repr()})"
@@ -482,7 +446,7 @@ class TopK(GradientCompressor):
         """
         if self.schedule is None:
             return self.ratio
-        return _check_ratio(self.schedule(step))
+        return check_ratio(self.schedule(step))
 
     def _select(self, flat: torch.Tensor) -> Tuple[torch.Tensor, int, List[torch.Tensor]]:
         idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()))
@@ -597,24 +561,6 @@ def _check_finite(tensor: torch.Tensor, name: str) -> None:
             f"gradient {name!r} has {bad} NaN/Inf values (of {tensor.numel()}); nothing was sent and its "
             "error-feedback residual is unchanged. Lower the learning rate, use gradient clipping or "
             "a loss scaler that skips such steps.")
-
-
-def _check_bits(bits: Any) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-        raise ValueError(f"bits must be an int from 2 to 8 (1 sign bit + level bits), got {bits!r}")
-    return bits
-
-
-def _check_ratio(ratio: Any) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
-        raise ValueError(f"ratio must be a number in (0, 1] (the share of entries sent), got {ratio!r}")
-    return float(ratio)
-
-
-def _check_bucket(bucket_size: Any) -> int:
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-        raise ValueError(f"bucket_size must be an int >= 1 (values per QSGD norm), got {bucket_size!r}")
-    return bucket_size
 
 
 def payload_size(compressor: GradientCompressor, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,

@@ -8,16 +8,26 @@ exports the variables below; a training script turns them into objects with::
     compression = cfg.make_compressor()   # None for "none"
     steps = cfg.accumulate
 
-=====================  ==========================================  =========
-variable               meaning                                     default
-=====================  ==========================================  =========
-HVDGC_COMPRESSION      none | fp16 | qsgd | topk | topk-qsgd       none
-HVDGC_RATIO            TopK ratio, in (0, 1]                       0.01
-HVDGC_BITS             QSGD bits, 2..8                             8
-HVDGC_ACCUMULATE       backward passes per optimizer step, >= 1    1
-HVDGC_ERROR_FEEDBACK   1 or 0                                      1
-HVDGC_SEED             seed of the stochastic rounding             unset
-=====================  ==========================================  =========
+Every variable the library or the launcher reads (:data:`VARIABLES` holds the same table):
+
+=====================  ==========================================  =========  ===================
+variable               meaning                                     default    read by
+=====================  ==========================================  =========  ===================
+HVDGC_COMPRESSION      none | fp16 | qsgd | topk | topk-qsgd       none       the script (from_env)
+HVDGC_RATIO            TopK ratio, in (0, 1]                       0.01       the script (from_env)
+HVDGC_BITS             QSGD bits, 2..8                             8          the script (from_env)
+HVDGC_ACCUMULATE       backward passes per optimizer step, >= 1    1          the script (from_env)
+HVDGC_ERROR_FEEDBACK   1 or 0                                      1          the script (from_env)
+HVDGC_SEED             seed of the stochastic rounding             unset      the script (from_env)
+HVDGC_COMPILE          torch.compile the kernels: auto | 0 | 1     auto       the library (kernels)
+=====================  ==========================================  =========  ===================
+
+The first six are the script's to read: a script that never calls :func:`from_env` would
+ignore them. So when they are set, the script has not read them, and it builds an optimizer
+or compressor whose settings differ, the library says so once, on rank 0
+(:func:`hvd_gradcomp.settings.unread_settings_message`, emitted by :mod:`hvd_gradcomp.horovod`); it
+never applies them behind the script's back. Values are checked by :mod:`hvd_gradcomp.settings`, as
+the compressors check their arguments. This module imports neither torch nor Horovod.
 """
 from __future__ import annotations
 
@@ -25,14 +35,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-COMPRESSIONS = ("none", "fp16", "qsgd", "topk", "topk-qsgd")
-
-ENV_COMPRESSION = "HVDGC_COMPRESSION"
-ENV_RATIO = "HVDGC_RATIO"
-ENV_BITS = "HVDGC_BITS"
-ENV_ACCUMULATE = "HVDGC_ACCUMULATE"
-ENV_ERROR_FEEDBACK = "HVDGC_ERROR_FEEDBACK"
-ENV_SEED = "HVDGC_SEED"
+from . import settings
+from .settings import (COMPRESSIONS, ENV_ACCUMULATE, ENV_BITS, ENV_COMPILE, ENV_COMPRESSION,  # noqa: F401
+                       ENV_ERROR_FEEDBACK, ENV_RATIO, ENV_SEED, VARIABLES)
 
 
 @dataclass(frozen=True)
@@ -47,14 +52,7 @@ class CompressionConfig:
     seed: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {self.compression!r}; choose one of {', '.join(COMPRESSIONS)}")
-        if not 0.0 < self.ratio <= 1.0:
-            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
-        if not 2 <= self.bits <= 8:
-            raise ValueError(f"bits must be in 2..8, got {self.bits}")
-        if self.accumulate < 1:
-            raise ValueError(f"accumulate must be >= 1, got {self.accumulate}")
+        settings.check_settings(self.compression, self.ratio, self.bits, self.accumulate)
 
     def make_compressor(self) -> Any:
         """The compressor these settings name (None means: exchange uncompressed).
@@ -90,40 +88,15 @@ class CompressionConfig:
         return env
 
 
-def _parse(env: Mapping[str, str], key: str, kind: type, default: Any) -> Any:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"{key}={raw!r} is not a valid {kind.__name__}; unset it or fix it") from None
-
-
 def from_env(env: Optional[Mapping[str, str]] = None) -> CompressionConfig:
     """Read the ``HVDGC_*`` variables (``os.environ`` by default) into a :class:`CompressionConfig`.
+
+    Reading ``os.environ`` tells the library that the script owns the settings (no
+    "settings have no effect" warning, see the module docstring).
 
     >>> from_env({"HVDGC_COMPRESSION": "topk", "HVDGC_RATIO": "0.05"}).ratio
     0.05
     """
-    env = os.environ if env is None else env
-    ef_raw = env.get(ENV_ERROR_FEEDBACK, "1").strip().lower()
-    if ef_raw not in ("1", "0", "true", "false", "yes", "no", "on", "off", ""):
-        raise ValueError(f"{ENV_ERROR_FEEDBACK}={ef_raw!r}: use 1 or 0")
-    fields = {
-        "compression": env.get(ENV_COMPRESSION, "none") or "none",
-        "ratio": _parse(env, ENV_RATIO, float, 0.01),
-        "bits": _parse(env, ENV_BITS, int, 8),
-        "accumulate": _parse(env, ENV_ACCUMULATE, int, 1),
-        "error_feedback": ef_raw in ("1", "true", "yes", "on", ""),
-        "seed": _parse(env, ENV_SEED, int, None),
-    }
-    try:
-        return CompressionConfig(**fields)
-    except ValueError as exc:
-        # Name the variable, not the field: the user set the variable.
-        var = _FIELD_VARS[str(exc).split()[0]] if str(exc).split()[0] in _FIELD_VARS else "HVDGC_*"
-        raise ValueError(f"{var}: {exc}") from None
-
-
-_FIELD_VARS = {"unknown": ENV_COMPRESSION, "ratio": ENV_RATIO, "bits": ENV_BITS, "accumulate": ENV_ACCUMULATE}
+    if env is None:
+        settings.mark_read()
+    return CompressionConfig(**settings.parse_env(os.environ if env is None else env))

@@ -118,7 +118,7 @@ _compile_broken = False
 def _kernel(name: str, numel: int) -> Callable:
     """The compiled kernel for large tensors (when allowed and working), else the eager one."""
     global _compile_broken
-    mode = os.environ.get("HVDGC_COMPILE", "auto")
+    mode = os.environ.get("HVDGC_COMPILE", "auto")  # documented with every HVDGC_* in hvd_gradcomp.config
     want = mode == "1" or (mode == "auto" and numel >= COMPILE_MIN_NUMEL)
     if not want or _compile_broken or not hasattr(torch, "compile"):
         return _EAGER[name]

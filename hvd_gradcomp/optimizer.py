@@ -34,6 +34,7 @@ import torch
 
 from .compressors import GradientCompressor
 from .exchange import DenseExchange, Pending, choose_exchange
+from .horovod import bind_noise_stream, warn_unread_settings
 from .stats import ByteStats
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
@@ -52,9 +53,12 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.min_compress_numel = max(min_compress_numel, process_set.size())
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
-            compression.stream = process_set.rank()  # independent rounding noise on each rank
+            bind_noise_stream(compression)  # independent rounding noise on each rank
             # The feedback policy ("auto") is chosen from this optimizer's class and settings.
             compression.attach(self, self._parameter_names, process_set.rank())
+        warn_unread_settings(compression, backward_passes_per_step,
+                             f"DistributedOptimizer(compression={compression!r}, "
+                             f"backward_passes_per_step={backward_passes_per_step})")
         self._compressed = choose_exchange(compression, op, process_set)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)

@@ -13,7 +13,6 @@ The compression settings reach every rank as ``HVDGC_*`` environment variables t
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import shutil
@@ -21,14 +20,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import click
 
+from hvd_gradcomp import config  # the settings module only: importing it loads no torch
 from .command import FORWARDED_ENV, LAUNCHERS, Host, LaunchError, LaunchSpec, build_command, parse_hostfile_text, \
     parse_hosts, resolve_np
-from .slurm import BatchJob, allocation_from_env, launcher_args, render_sbatch, submit
+from .slurm import BatchJob, allocation_from_env, render_sbatch, submit
 
 _TOOL_HINTS = {
     "horovodrun": "install Horovod (bash scripts/setup.sh, or pip install horovod) or use --launcher mpirun",
@@ -36,26 +35,6 @@ _TOOL_HINTS = {
     "srun": "srun comes with Slurm; run inside salloc/sbatch on a Slurm cluster",
     "sbatch": "sbatch comes with Slurm; write the script with --sbatch-file and submit it on the cluster",
 }
-
-
-def _config_module() -> ModuleType:
-    """``hvd_gradcomp.config`` without running ``hvd_gradcomp/__init__.py``.
-
-    The package imports torch and Horovod; the launcher needs neither, starts faster
-    without them, and keeps working where they are broken (the ranks will say so).
-    """
-    loaded = sys.modules.get("hvd_gradcomp.config")
-    if loaded is not None:
-        return loaded
-    package = importlib.util.find_spec("hvd_gradcomp")
-    if package is None or not package.submodule_search_locations:
-        raise click.ClickException("cannot find the hvd_gradcomp package; pip install -e . in the repository")
-    path = Path(list(package.submodule_search_locations)[0]) / "config.py"
-    spec = importlib.util.spec_from_file_location("_hvdgc_config", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def _find_tool(name: str) -> str:
@@ -85,7 +64,6 @@ def _check_script(command: Sequence[str]) -> None:
 
 def _compression_env(compression: str, ratio: float, bits: int, accumulate: int,
                      error_feedback: bool, seed: Optional[int]) -> Dict[str, str]:
-    config = _config_module()
     try:
         cfg = config.CompressionConfig(compression=compression, ratio=ratio, bits=bits, accumulate=accumulate,
                                        error_feedback=error_feedback, seed=seed)
@@ -200,7 +178,7 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
                            opts["error_feedback"], opts["seed"])
     try:
         if opts["sbatch"]:
-            _sbatch(command, opts)
+            _sbatch(ctx, command, opts)
             return
         argv, added = _plan(command, env, opts, os.environ)
     except LaunchError as err:
@@ -217,6 +195,8 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
 
 
 _SBATCH_ONLY = ("nodes", "ntasks_per_node", "time_limit", "partition", "job_name", "output", "sbatch_file", "submit")
+# Options of this call that the batch script's own hvdgc-launch must not repeat.
+_NOT_RELAUNCHED = ("sbatch", "dry_run", "hosts", "hostfile", *_SBATCH_ONLY)
 
 
 def _check_sbatch_only(ctx: click.Context) -> None:
@@ -251,7 +231,25 @@ def _plan(command: Tuple[str, ...], env: Dict[str, str], opts: Mapping[str, obje
     return [_find_tool(launcher), *argv[1:]], added
 
 
-def _sbatch(command: Tuple[str, ...], opts: Mapping[str, object]) -> None:
+def _relaunch_args(ctx: click.Context) -> List[str]:
+    """The options given on this command line that the batch script's hvdgc-launch repeats,
+    rebuilt from the parsed values (a new option is forwarded without being listed here)."""
+    args: List[str] = []
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name in _NOT_RELAUNCHED \
+                or ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
+            continue
+        value = ctx.params[param.name]
+        if param.is_flag and param.secondary_opts:      # --gloo/--mpi, --error-feedback/--no-error-feedback
+            args.append(param.opts[0] if value else param.secondary_opts[0])
+        elif param.is_flag:
+            args += [param.opts[0]] if value else []
+        elif value is not None:
+            args += [param.opts[0], str(value)]
+    return args
+
+
+def _sbatch(ctx: click.Context, command: Tuple[str, ...], opts: Mapping[str, object]) -> None:
     """Write (and maybe submit) a batch script that runs this launch inside the allocation."""
     if opts["hosts"] is not None or opts["hostfile"] is not None:
         raise LaunchError("-H/--hostfile do not combine with --sbatch: the allocation gives the hosts; "
@@ -259,13 +257,7 @@ def _sbatch(command: Tuple[str, ...], opts: Mapping[str, object]) -> None:
     slots = int(opts["nodes"]) * int(opts["ntasks_per_node"])
     resolve_np(opts["np"], [("allocation", slots)],
                f"--nodes {opts['nodes']} x --ntasks-per-node {opts['ntasks_per_node']}")
-    inner = _self_command() + launcher_args([
-        ("-np", opts["np"]), ("--launcher", opts["launcher"]), ("--gloo", opts["gloo"] is True),
-        ("--mpi", opts["gloo"] is False),
-        ("-p", opts["ssh_port"]), ("--start-timeout", opts["start_timeout"]), ("--verbose", opts["verbose"]),
-        ("--compression", opts["compression"]), ("--ratio", opts["ratio"]), ("--bits", opts["bits"]),
-        ("--accumulate", opts["accumulate"]), ("--no-error-feedback", not opts["error_feedback"]),
-        ("--seed", opts["seed"])]) + list(command)
+    inner = _self_command() + _relaunch_args(ctx) + list(command)
     script = render_sbatch(BatchJob(
         command=tuple(inner), nodes=int(opts["nodes"]), ntasks_per_node=int(opts["ntasks_per_node"]),
         time=opts["time_limit"], partition=opts["partition"], job_name=str(opts["job_name"]),

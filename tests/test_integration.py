@@ -42,6 +42,7 @@ def _gradient_scenarios(_):
     sc["ours-topk-sum"] = {"fn": "compressed_gradient", "kind": "topk", "op": "sum", "ratio": 0.05}
     sc["ours-qsgd-sum"] = {"fn": "compressed_gradient", "kind": "qsgd", "op": "sum", "bits": 8}
     sc["errors"] = {"fn": "stock_errors"}
+    sc["noise"] = {"fn": "independent_noise"}
     return sc
 
 
@@ -90,6 +91,15 @@ def test_misuse_gives_clear_errors(backend):
     assert len(msgs) == 2
     assert "needs name=" in msgs[0]
     assert "Adasum" in msgs[1]
+
+
+def test_ranks_draw_independent_noise_with_the_same_seed(backend):
+    """Same gradient, same explicit seed on both ranks: different payloads on every road (stock
+    hvd.DistributedOptimizer, hvd_gradcomp.DistributedOptimizer, a direct compress(name=))."""
+    r0, r1 = (r["digests"] for r in battery(backend, "gradient")["noise"])
+    assert set(r0) == {"stock-qsgd", "stock-topkqsgd", "ours-topkqsgd", "direct"}
+    same = sorted(road for road in r0 if r0[road] == r1[road])
+    assert not same, f"ranks drew the same rounding noise on: {same}"
 
 
 @pytest.mark.parametrize("case", ["ours", "stock"])

@@ -170,7 +170,7 @@ def test_cli_sbatch_prints_script_that_relaunches_with_same_options(monkeypatch)
                           "#SBATCH --time=10", "#SBATCH --partition=debug", "#SBATCH --output=%x-%j.out"]
     assert lines[9] == f"cd {shlex.quote(str(ROOT))} || exit 1"
     assert shlex.split(lines[12]) == [
-        "hvdgc-launch", "-np", "6", "--launcher", "horovodrun", "--mpi", "--compression", "topk-qsgd",
+        "hvdgc-launch", "-np", "6", "--mpi", "--compression", "topk-qsgd",
         "--ratio", "0.05", "--bits", "4", "--accumulate", "2", "--no-error-feedback",
         "tests/scripts/launch_target.py", "--note", "a b"]
 

@@ -286,3 +286,38 @@ def stock_errors() -> Dict[str, List[str]]:
 def battery(scenarios: List[Dict[str, Any]]) -> List[Any]:
     """Run several scenarios in one job (starting ranks costs seconds): [{"fn": name, **kwargs}]."""
     return [globals()[sc.pop("fn")](**sc) for sc in scenarios]
+
+
+# ---------------------------------------------------------------- independent rounding noise
+def _digest(payload: torch.Tensor) -> str:
+    import hashlib
+    return hashlib.sha256(payload.cpu().numpy().tobytes()).hexdigest()
+
+
+def independent_noise() -> Dict[str, Any]:
+    """Every rank encodes the *same* gradient with a compressor of the *same* explicit seed (as
+    one HVDGC_SEED sent to every rank does): the payloads must still differ between ranks, on
+    every road, or QSGD's rounding noise would not average out over ranks."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    digests: Dict[str, str] = {}
+    for road in ("stock-qsgd", "stock-topkqsgd", "ours-topkqsgd"):
+        torch.manual_seed(0)                          # same weights on every rank; a fresh model per road
+        model = torch.nn.Linear(64, 64, bias=False)   # (Horovod's hooks stay on the parameters it wrapped)
+        comp = gc.QSGD(bits=4, seed=7) if road.endswith("-qsgd") else gc.TopKQSGD(ratio=0.5, bits=4, seed=7)
+        real = comp.compress_named
+
+        def spy(name, grad, _real=real, _road=road):  # what this rank puts on the wire
+            payload = _real(name, grad)
+            digests.setdefault(_road, _digest(payload))
+            return payload
+
+        comp.compress_named = spy
+        wrap = hvd.DistributedOptimizer if road.startswith("stock") else gc.DistributedOptimizer
+        opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                   compression=comp)
+        model(x).pow(2).mean().backward()
+        opt.synchronize()
+    direct = gc.QSGD(bits=4, seed=7)
+    payload, _ = direct.compress(torch.ones(4096) * 0.3, name="w")
+    digests["direct"] = _digest(payload)
+    return {"digests": digests}

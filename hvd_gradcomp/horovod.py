@@ -1,0 +1,332 @@
+"""The one module that knows Horovod's internals: the compressors inside ``hvd.DistributedOptimizer``.
+
+Stock Horovod calls ``compression.compress(grad)`` with no parameter name, allreduces what
+comes back, then ``p.grad.set_(decompress(result, ctx))``. An allreduce of packed levels or
+sparse indices would be meaningless, so the payload takes another road:
+
+1. ``compress`` finds which parameter the gradient belongs to (the names bound with
+   ``named_parameters=``, else Horovod's own ``_parameter_names``), applies error feedback
+   and starts an **allgather of the payload**, named after the parameter.
+2. It returns an empty tensor: Horovod's allreduce of it moves no data.
+3. ``decompress`` waits for the allgather, decodes every rank's payload in rank order and
+   averages (or sums): every rank ends with the same bytes, so the same gradient.
+
+Every road sets the compressor's noise stream to the rank (:func:`bind_noise_stream`), so
+ranks draw independent rounding noise even when they share one explicit seed.
+
+Where this cannot be done right (Adasum, sparse gradients, a Horovod whose internals differ
+from :data:`HOROVOD_INTERNALS`) it raises :class:`HorovodIntegrationError` at the first step
+instead of guessing.
+
+Example::
+
+    >>> import horovod.torch as hvd                                        # doctest: +SKIP
+    >>> from hvd_gradcomp import TopKQSGD
+    >>> opt = hvd.DistributedOptimizer(                                    # doctest: +SKIP
+    ...     opt, named_parameters=model.named_parameters(),
+    ...     compression=TopKQSGD(ratio=0.01, bits=8, named_parameters=model.named_parameters()))
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from . import compressors, settings
+from .compressors import GradientCompressor, _compressible
+from .exchange import AllgatherExchange, Pending
+
+HOROVOD_CHECKED = "0.28.1"
+"""The Horovod release every entry of :data:`HOROVOD_INTERNALS` was read and tested against."""
+
+HOROVOD_INTERNALS: Tuple[Tuple[str, str], ...] = (
+    ("horovod/torch/optimizer.py",
+     "the file whose frame calls compression.compress(): how compress() knows Horovod is the caller"),
+    ("_DistributedOptimizer._allreduce_grad_async(self, p)",
+     "frame locals `self` (the optimizer) and `p` (the parameter whose p.grad is being compressed)"),
+    ("_DistributedOptimizer._grouped_allreduce_grad_async(self, ps)",
+     "groups=: compress(p.grad) runs in a comprehension with `p`; `self` is one frame up"),
+    ("_DistributedOptimizer._parameter_names",
+     "dict parameter -> name; used only when no names were bound with named_parameters="),
+    ("_DistributedOptimizer.op, _DistributedOptimizer.process_set",
+     "the reduction (Average/Sum) and the process set the payload allgather must use"),
+    ("_DistributedAdasumOptimizer._starting_models",
+     "marks Adasum's optimizer, which compresses parameter deltas, not gradients"),
+)
+"""Each Horovod internal this module relies on, and why (checked against :data:`HOROVOD_CHECKED`)."""
+
+_OPTIMIZER_FILE = HOROVOD_INTERNALS[0][0]
+_FRAMES_TO_SEARCH = 6
+_LOCAL = "local"   # decompress() context of a direct compress(tensor, name=...) call
+
+
+class HorovodIntegrationError(RuntimeError):
+    """The compressor cannot run correctly inside this Horovod call; the message says what to change."""
+
+
+class UnreadSettingsWarning(UserWarning):
+    """``HVDGC_*`` settings are set, but the script built something else without reading them."""
+
+
+@dataclass
+class HorovodCall:
+    """What compress() learned from Horovod's call: the parameter name, reduction and process set."""
+
+    name: str
+    op: Any
+    process_set: Any
+    optimizer: Any = None
+    names: Optional[Dict[torch.Tensor, str]] = None
+
+
+@dataclass
+class StockContext:
+    """decompress()'s context: the allgather in flight for one parameter."""
+
+    exchange: AllgatherExchange
+    pending: Pending
+    device: torch.device
+
+
+# ---------------------------------------------------------------- noise stream
+def bind_noise_stream(compressor: GradientCompressor) -> None:
+    """Set the compressor's noise stream to this process's Horovod rank (no-op before ``hvd.init()``).
+
+    The rounding noise is a function of (seed, stream, tensor name, step): with the stream set
+    to the rank, ranks that share one explicit seed still draw independent noise, so QSGD's
+    variance shrinks with the number of ranks. Called on every road into Horovod.
+    """
+    hvd = sys.modules.get("horovod.torch")   # never import Horovod for a compressor used without it
+    if hvd is not None and hvd.is_initialized():
+        compressor.stream = hvd.rank()
+
+
+# ---------------------------------------------------------------- settings nobody read
+_settings_checked = False
+
+
+def describe(compression: Any) -> Dict[str, Any]:
+    """The :class:`~hvd_gradcomp.config.CompressionConfig` fields a compression object stands for
+    (empty for one this library does not know).
+
+    >>> describe(TopKQSGD(ratio=0.05, bits=4, seed=1))
+    {'compression': 'topk-qsgd', 'error_feedback': True, 'seed': 1, 'ratio': 0.05, 'bits': 4}
+    >>> describe(None)
+    {'compression': 'none'}
+    """
+    if compression is None:
+        return {"compression": "none"}
+    if isinstance(compression, GradientCompressor):
+        kind = next(k for cls, k in ((compressors.TopKQSGD, "topk-qsgd"), (compressors.TopK, "topk"),
+                                     (compressors.QSGD, "qsgd"), (GradientCompressor, "")) if isinstance(compression, cls))
+        fields = {"compression": kind, "error_feedback": compression.error_feedback, "seed": compression.seed}
+        fields.update({k: getattr(compression, k) for k in ("ratio", "bits") if hasattr(compression, k)})
+        return fields if kind else {}
+    hvd = sys.modules.get("horovod.torch")
+    known = {} if hvd is None else {hvd.Compression.none: "none", hvd.Compression.fp16: "fp16"}
+    return {"compression": known[compression]} if compression in known else {}
+
+
+def warn_unread_settings(compression: Any, accumulate: Optional[int] = None, what: str = "an optimizer") -> None:
+    """Once per process, on rank 0: warn when ``HVDGC_*`` settings are set but what the script
+    built ignores them (see :func:`hvd_gradcomp.settings.unread_settings_message`)."""
+    global _settings_checked
+    hvd = sys.modules.get("horovod.torch")
+    if _settings_checked or hvd is None or not hvd.is_initialized():
+        return
+    _settings_checked = True
+    built = describe(compression)
+    if accumulate is not None:
+        built["accumulate"] = accumulate
+    message = settings.unread_settings_message(built, what=what) if hvd.rank() == 0 else None
+    if message:
+        warnings.warn(message, UnreadSettingsWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------- names
+def name_map(named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> Dict[torch.Tensor, str]:
+    """``{parameter: name}`` from ``model.named_parameters()``; errors say what to pass instead.
+
+    >>> m = torch.nn.Linear(2, 2)
+    >>> sorted(name_map(m.named_parameters()).values())
+    ['bias', 'weight']
+    """
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[1], torch.Tensor) for t in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names must be unique; duplicated: {dups}")
+    return {p: n for n, p in named}
+
+
+def _param_of(tensor: torch.Tensor, params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
+    return next((q for q in params if q.grad is tensor), None)
+
+
+# ---------------------------------------------------------------- finding Horovod's call
+def find_horovod_call(tensor: torch.Tensor, names: Optional[Dict[torch.Tensor, str]] = None,
+                      depth: int = _FRAMES_TO_SEARCH) -> Optional[HorovodCall]:
+    """The parameter name, op and process set of the Horovod optimizer call that passed
+    ``tensor`` to ``compress``; None when the caller is not Horovod's optimizer.
+
+    ``names`` (bound by the user) wins over Horovod's private ``_parameter_names``.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_OPTIMIZER_FILE):
+            return _call_from_frame(frame, tensor, names)
+        frame = frame.f_back
+    return None
+
+
+def _call_from_frame(frame: Any, tensor: torch.Tensor, names: Optional[Dict[torch.Tensor, str]]) -> HorovodCall:
+    import horovod.torch as hvd
+
+    opt = frame.f_locals.get("self")
+    if opt is None and frame.f_back is not None:   # groups=: the comprehension's frame has no self
+        opt = frame.f_back.f_locals.get("self")
+    if hasattr(opt, "_starting_models") or getattr(opt, "op", None) == hvd.Adasum:
+        raise HorovodIntegrationError(
+            "hvd_gradcomp compressors do not support op=hvd.Adasum (Adasum reduces dense parameter "
+            "deltas, not gradients); use op=hvd.Average or hvd.Sum")
+    p = frame.f_locals.get("p")
+    if isinstance(p, torch.Tensor) and p.grad is not None and p.grad.is_sparse:
+        raise HorovodIntegrationError(
+            "a sparse gradient reached the compressor (sparse_as_dense=True): hvd_gradcomp compressors "
+            "need dense gradients; build the embedding with sparse=False, or leave this model uncompressed")
+    table = names if names is not None else getattr(opt, "_parameter_names", None)
+    if table is None:
+        raise HorovodIntegrationError(_advice(
+            f"this Horovod's optimizer has no _parameter_names (checked with Horovod {HOROVOD_CHECKED})"))
+    if not (isinstance(p, torch.Tensor) and p.grad is tensor):
+        p = _param_of(tensor, table)
+    if p is None or p not in table:
+        where = "the named_parameters bound to this compressor" if names is not None else "Horovod's optimizer"
+        raise HorovodIntegrationError(_advice(f"the tensor handed to compress() is not the .grad of any "
+                                              f"parameter in {where}"))
+    if not hasattr(opt, "op") or not hasattr(opt, "process_set"):
+        raise HorovodIntegrationError(_advice(
+            f"this Horovod's optimizer has no op/process_set (checked with Horovod {HOROVOD_CHECKED})"))
+    return HorovodCall(table[p], opt.op, opt.process_set, opt, table)
+
+
+def _advice(why: str) -> str:
+    return (f"hvd_gradcomp cannot tell which parameter this gradient belongs to: {why}. Pass "
+            "named_parameters=model.named_parameters() to the compressor (of the model the optimizer "
+            "wraps), or use hvd_gradcomp.DistributedOptimizer(...) (same arguments), which passes names explicitly.")
+
+
+# ---------------------------------------------------------------- Horovod's compressor protocol
+def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optional[str] = None,
+             names: Optional[Dict[torch.Tensor, str]] = None) -> Tuple[torch.Tensor, Any]:
+    """Horovod's ``compress``: see :meth:`HorovodCompressor.compress`."""
+    if not _compressible(tensor):
+        return tensor, None
+    bind_noise_stream(compressor)
+    if name is not None:
+        return compressor.compress_named(name, tensor), _LOCAL
+    call = find_horovod_call(tensor, names)
+    if call is not None:
+        warn_unread_settings(compressor, what=f"hvd.DistributedOptimizer(compression={compressor!r})")
+        if not compressor.compresses(call.name):
+            return tensor, None  # excluded by the compressor's policy: Horovod's own allreduce takes it
+        # The feedback policy ("auto") is chosen from Horovod's optimizer (the user's class underneath).
+        compressor.attach(call.optimizer, call.names, call.process_set.rank())
+        exchange = AllgatherExchange(compressor, call.op, call.process_set)
+        return tensor.new_empty(0), StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
+    if compressor.error_feedback:
+        raise ValueError(f"{type(compressor).__name__}.compress() needs name= when called outside "
+                         "hvd.DistributedOptimizer with error_feedback=True (the residual is kept per name)")
+    return compressor.encode(tensor), _LOCAL
+
+
+def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """Horovod's ``decompress``: see :meth:`HorovodCompressor.decompress`."""
+    if ctx is None:
+        return tensor
+    if isinstance(ctx, StockContext):
+        out = torch.empty(ctx.pending.shape, dtype=ctx.pending.dtype, device=ctx.device)
+        ctx.exchange.finish(ctx.pending, out)
+        return out
+    if ctx == _LOCAL:
+        return compressor.decode(tensor)
+    raise ValueError(f"decompress() got a context it did not make ({type(ctx).__name__}); pass the ctx "
+                     "that compress() returned with its tensor")
+
+
+class HorovodCompressor:
+    """Horovod's compressor protocol (``compress``/``decompress``) on top of a codec.
+
+    ``named_parameters``: the model's ``named_parameters()``, so compress() never needs
+    Horovod's private parameter table; without it the names come from Horovod's optimizer.
+    """
+
+    error_feedback: bool
+
+    def __init__(self, *args: Any, named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._names: Optional[Dict[torch.Tensor, str]] = None
+        if named_parameters is not None:
+            self.bind(named_parameters)
+
+    def bind(self, named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> "HorovodCompressor":
+        """Use these names for the gradients Horovod hands to compress(); returns self.
+
+        >>> m = torch.nn.Linear(4, 4)
+        >>> TopK(ratio=0.5).bind(m.named_parameters())
+        TopK(ratio=0.5, error_feedback=True)
+        """
+        self._names = name_map(named_parameters)
+        return self
+
+    def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
+        """Horovod's compressor entry point.
+
+        Called by ``hvd.DistributedOptimizer`` it starts an allgather of the payload and
+        returns an empty tensor for Horovod's allreduce (see the module docstring). Called
+        directly it returns ``(payload, ctx)``; pass ``name=`` when error feedback is on.
+        Integer and empty tensors pass through unchanged.
+
+        >>> c = QSGD(bits=8)
+        >>> payload, ctx = c.compress(torch.ones(1000), name="w")
+        >>> c.decompress(payload, ctx).shape
+        torch.Size([1000])
+        """
+        return compress(self, tensor, name, self._names)
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Inverse of :meth:`compress`: inside Horovod, the average (or sum) of every rank's payload."""
+        return decompress(self, tensor, ctx)
+
+
+class QSGD(HorovodCompressor, compressors.QSGD):
+    """:class:`hvd_gradcomp.compressors.QSGD`, usable as ``hvd.DistributedOptimizer(compression=...)``.
+
+    >>> QSGD(bits=4)
+    QSGD(bits=4, bucket_size=512, error_feedback=True)
+    """
+
+
+class TopK(HorovodCompressor, compressors.TopK):
+    """:class:`hvd_gradcomp.compressors.TopK`, usable as ``hvd.DistributedOptimizer(compression=...)``.
+
+    >>> TopK(ratio=0.01)
+    TopK(ratio=0.01, error_feedback=True)
+    """
+
+
+class TopKQSGD(TopK, compressors.TopKQSGD):  # a TopK, as compressors.TopKQSGD is
+    """:class:`hvd_gradcomp.compressors.TopKQSGD`, usable as ``hvd.DistributedOptimizer(compression=...)``.
+
+    >>> TopKQSGD()
+    TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True)
+    """

@@ -1,0 +1,163 @@
+"""The layout holds: imports point one way, codecs know no Horovod, the package loads no torch
+until asked, and every ``HVDGC_*`` variable is in the one table.
+
+The import graph is read with ``ast`` from the sources, imports inside functions included
+(a lazy import is still a dependency: ``compressors -> stock -> exchange -> compressors``
+was a circle although the first edge was lazy).
+"""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+import pytest
+
+from hvd_gradcomp import _LAZY, config
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hvd_gradcomp"
+# What is sent and what is remembered: no Horovod, nothing from the layers above.
+CODEC_MODULES = {"settings", "wire", "kernels", "compressors", "feedback", "stats"}
+# Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod.py only.
+HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models")
+
+
+def import_graph(package: Path) -> Dict[str, Set[str]]:
+    """module -> the package modules it imports (anywhere in the file), plus "HOROVOD"
+    for an import of Horovod itself. ``from . import Name`` of a lazily exported name
+    counts as an import of the module that defines it."""
+    modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
+    graph: Dict[str, Set[str]] = {}
+    for path in sorted(package.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        deps: Set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {"HOROVOD" for a in node.names if a.name.split(".")[0] == "horovod"}
+                deps |= {a.name.split(".")[1] for a in node.names
+                         if a.name.startswith(f"{package.name}.") and a.name.split(".")[1] in modules}
+            elif isinstance(node, ast.ImportFrom):
+                deps |= _from_import(node, package.name, modules)
+        graph[path.stem] = deps
+    return graph
+
+
+def _from_import(node: ast.ImportFrom, package: str, modules: Set[str]) -> Set[str]:
+    base = node.module or ""
+    if node.level == 0 and base.split(".")[0] == "horovod":
+        return {"HOROVOD"}
+    if node.level == 0 and not (base == package or base.startswith(f"{package}.")):
+        return set()
+    sub = base.split(".", 1)[1] if node.level == 0 and "." in base else (base if node.level else "")
+    if sub:
+        return {sub.split(".")[0]} if sub.split(".")[0] in modules else set()
+    # from . import a, B: submodules, or names defined in the module __init__ points at
+    return {a.name if a.name in modules else _LAZY.get(a.name, "__init__") for a in node.names} - {"__init__"}
+
+
+def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """One import circle as [a, b, ..., a], or None.
+
+    >>> find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}})
+    ['a', 'b', 'c', 'a']
+    >>> find_cycle({"a": {"b"}, "b": set()}) is None
+    True
+    """
+    state: Dict[str, int] = {}   # 1: on the current path, 2: done
+    path: List[str] = []
+
+    def visit(node: str) -> Optional[List[str]]:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                found = visit(dep)
+                if found:
+                    return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_cycle_finder_and_graph_reader_catch_a_planted_circle(tmp_path: Path) -> None:
+    pkg = tmp_path / "hvd_gradcomp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "compressors.py").write_text("def f():\n    from . import stock\n")   # lazy, still an edge
+    (pkg / "stock.py").write_text("from .exchange import X\nimport horovod.torch as hvd\n")
+    (pkg / "exchange.py").write_text("from hvd_gradcomp.compressors import Y\n")
+    graph = import_graph(pkg)
+    assert graph == {"compressors": {"stock"}, "stock": {"exchange", "HOROVOD"}, "exchange": {"compressors"}}
+    assert find_cycle(graph) == ["compressors", "stock", "exchange", "compressors"]
+
+
+def test_no_import_circle_in_the_package() -> None:
+    graph = import_graph(PACKAGE)
+    assert {"horovod", "compressors", "exchange", "optimizer", "config"} <= set(graph)
+    assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_codecs_import_neither_horovod_nor_the_layers_above() -> None:
+    graph = import_graph(PACKAGE)
+    for module in sorted(CODEC_MODULES):
+        above = graph[module] - CODEC_MODULES
+        assert not above, f"hvd_gradcomp/{module}.py imports {sorted(above)}: codecs depend on codecs only"
+
+
+def test_only_the_adapter_touches_horovod_internals() -> None:
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem == "horovod":
+            continue
+        found = [mark for mark in HOROVOD_INTERNAL_MARKS if mark in path.read_text()]
+        assert not found, f"{path.name} uses {found}: Horovod internals belong in hvd_gradcomp/horovod.py"
+
+
+def test_public_names_are_defined_where_the_lazy_table_says() -> None:
+    import hvd_gradcomp
+
+    for name, module in _LAZY.items():
+        assert getattr(hvd_gradcomp, name).__module__ == f"hvd_gradcomp.{module}", name
+
+
+@pytest.mark.parametrize("statement", ["import hvd_gradcomp", "import hvd_gradcomp.config",
+                                       "from hvd_gradcomp.config import from_env; from_env()",
+                                       "import launchers.cli"])
+def test_importing_the_package_or_the_launcher_loads_no_torch(statement: str) -> None:
+    code = f"import sys; {statement}; print(sorted(m for m in ('torch', 'horovod') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+def test_a_tensor_facing_name_loads_its_module_on_first_use() -> None:
+    code = ("import sys, hvd_gradcomp as gc; assert 'torch' not in sys.modules; c = gc.TopKQSGD(); "
+            "print(type(c).__module__, 'torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["hvd_gradcomp.horovod", "True"]
+
+
+def test_every_hvdgc_variable_is_in_the_one_table() -> None:
+    used: Set[str] = set()
+    for folder in ("hvd_gradcomp", "launchers", "benchmarks", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            used |= set(re.findall(r"\bHVDGC_[A-Z_]*[A-Z]\b", path.read_text()))
+    assert used <= set(config.VARIABLES), f"not in hvd_gradcomp.config.VARIABLES: {sorted(used - set(config.VARIABLES))}"
+    table = config.__doc__
+    for var, (_, meaning, default) in config.VARIABLES.items():
+        row = next((ln for ln in table.splitlines() if ln.startswith(var + " ")), "")
+        assert meaning in row and default in row, f"{var} is missing from the table in config's docstring"
