@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it (see "How it is built" in the README).
 _LAZY = {
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "HorovodIntegrationError": "horovod",
-    "GradientCompressor": "compressors",
+    "GradientCompressor": "compressors", "SparsityWarmup": "compressors",
     "ResidualStore": "feedback",
     "ByteStats": "stats",
     "WireFormatError": "wire",

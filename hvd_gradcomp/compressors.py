@@ -39,6 +39,9 @@ from .settings import check_bits, check_bucket_size, check_ratio
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
+DEFAULT_MIN_COMPRESS_NUMEL = 1024
+"""Tensors with fewer elements (biases, norms) go uncompressed on both DistributedOptimizers:
+a 1% top-k of a 16-element bias sends one value, and such tensors cost few bytes anyway."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,22 @@ class GradientCompressor:
             self.feedback_choice = "auto" if on else "none"
             self.feedback = fb.make("classic" if on else "none")
 
+    def set_feedback(self, policy: Union[str, Feedback]) -> "GradientCompressor":
+        """Choose the feedback policy after construction (as ``feedback=``), before the first
+        exchange; returns self.
+
+        >>> TopK().set_feedback("momentum").feedback.key
+        'momentum'
+        """
+        if self._steps:
+            raise ValueError("set the feedback policy before the first exchange: the state of the "
+                             f"current one ({self.feedback.key!r}) would be lost")
+        policy = policy if isinstance(policy, Feedback) or policy == "auto" else fb.make(policy)
+        self.feedback_choice = policy
+        self.feedback = fb.make("classic" if policy == "auto" else policy)
+        self._attached = None
+        return self
+
     @property
     def residuals(self) -> fb.ResidualStore:
         """The residuals of the feedback policy (what was not sent yet, per name)."""
@@ -181,13 +200,18 @@ class GradientCompressor:
     def _contracting(self) -> bool:
         return False
 
-    def compresses(self, name: str) -> bool:
-        """Whether tensor ``name`` is compressed (False: ``exclude`` matches it, and it goes
-        uncompressed in the dense allreduce).
+    def compresses(self, name: str, numel: Optional[int] = None) -> bool:
+        """Whether tensor ``name`` (of ``numel`` elements) is compressed; False: ``exclude``
+        matches its name, or it has fewer than :data:`DEFAULT_MIN_COMPRESS_NUMEL` elements
+        (``hvd_gradcomp.DistributedOptimizer`` takes its ``min_compress_numel`` instead), and it
+        goes uncompressed in the dense allreduce.
 
-        >>> TopK(exclude=r"embed|norm").compresses("tok_embed.weight")
-        False
+        >>> c = TopK(exclude=r"embed|norm")
+        >>> c.compresses("tok_embed.weight"), c.compresses("fc.bias", 64), c.compresses("fc.weight", 4096)
+        (False, False, True)
         """
+        if numel is not None and numel < DEFAULT_MIN_COMPRESS_NUMEL:
+            return False
         return self.exclude is None or not self.exclude.search(name)
 
     def _extra_repr(self) -> str:

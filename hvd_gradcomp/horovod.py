@@ -236,8 +236,8 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
     call = find_horovod_call(tensor, names)
     if call is not None:
         warn_unread_settings(compressor, what=f"hvd.DistributedOptimizer(compression={compressor!r})")
-        if not compressor.compresses(call.name):
-            return tensor, None  # excluded by the compressor's policy: Horovod's own allreduce takes it
+        if not compressor.compresses(call.name, tensor.numel()):
+            return tensor, None  # small or excluded: Horovod's own allreduce takes it, uncompressed
         # The feedback policy ("auto") is chosen from Horovod's optimizer (the user's class underneath).
         compressor.attach(call.optimizer, call.names, call.process_set.rank())
         exchange = AllgatherExchange(compressor, call.op, call.process_set)

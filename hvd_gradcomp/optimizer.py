@@ -32,12 +32,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .compressors import GradientCompressor
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
 from .exchange import DenseExchange, Pending, choose_exchange
 from .horovod import bind_noise_stream, warn_unread_settings
 from .stats import ByteStats
 
-DEFAULT_MIN_COMPRESS_NUMEL = 1024
 
 
 class _GradCompOptimizer(torch.optim.Optimizer):

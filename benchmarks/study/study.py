@@ -25,7 +25,9 @@ from benchmarks.study import report  # noqa: E402
 from benchmarks.study.tasks import TASKS  # noqa: E402
 from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
 
-TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4",)}
+# Extra rows: 4-bit QSGD with its default (no error feedback), and DGC momentum correction
+# (feedback="momentum") where the optimizer is momentum SGD.
+TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4", "tq1-momentum"), "cnn-sgd": DEFAULT_SETTINGS + ("tq1-momentum",)}
 
 
 def job(task: str, seed: int, settings: list, out: Path, timeout: int) -> bool:

@@ -32,6 +32,8 @@ SETTINGS = {
     "tq1": ("TopKQSGD(1%, 8)", lambda: gc.TopKQSGD(ratio=0.01, bits=8)),
     "tq01": ("TopKQSGD(0.1%, 8)", lambda: gc.TopKQSGD(ratio=0.001, bits=8)),
     "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
+    "tq1-momentum": ("TopKQSGD(1%, 8), momentum correction",
+                     lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
 }
 DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic")
 
