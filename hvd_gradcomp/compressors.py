@@ -4,8 +4,10 @@ Two layers, from low to high (nothing here knows Horovod):
 
 * ``encode(tensor) -> payload`` / ``decode(payload) -> tensor``: the exact bytes that travel
   (see :mod:`hvd_gradcomp.wire`), no state but the random stream.
-* ``compress_named(name, grad) -> payload``: error feedback around ``encode``: the residual
-  kept for ``name`` is added first, and what the payload does not carry becomes the new one.
+* ``compress_named(name, grad) -> payload``: the compressor's *feedback policy* around
+  ``encode`` (:mod:`hvd_gradcomp.feedback`): e.g. the residual kept for ``name`` is added
+  first, and what the payload does not carry becomes the new one. The exchanges hand the
+  averaged result back through ``received(name, avg)``.
 
 Horovod's compressor protocol (``compress``/``decompress``) is added on top by
 :mod:`hvd_gradcomp.horovod`, whose classes are the ones ``hvd_gradcomp`` exports.
@@ -95,7 +97,17 @@ class _Encoded:
 
 
 class GradientCompressor:
-    """Base class of the codecs: error feedback, random stream and byte statistics.
+    """Base class of the codecs: feedback policy, random stream and byte statistics.
+
+    Arguments shared by every compressor:
+
+    * ``error_feedback``: False is ``feedback="none"``;
+    * ``feedback``: ``"auto"`` (chosen from the wrapped optimizer by :meth:`attach`),
+      ``"none"``, ``"classic"``, ``"momentum"``, ``"update"`` or a
+      :class:`~hvd_gradcomp.feedback.Feedback` instance (see :mod:`hvd_gradcomp.feedback`);
+    * ``clip``: local gradient clipping: each rank scales each tensor's gradient to L2 norm
+      <= ``clip`` before compression (DGC);
+    * ``exclude``: a regular expression; parameters whose name matches go uncompressed.
 
     Subclasses implement ``_encode(flat, seed) -> _Encoded`` and
     ``_decode(header, reader) -> flat tensor``.

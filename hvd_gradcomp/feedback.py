@@ -311,6 +311,10 @@ class LocalUpdate(ErrorFeedback):
     instead keeps every coordinate's total movement (error feedback delays it, never drops it).
     Each rank's moments are computed from its own gradient (a smaller batch), and are part of
     this compressor's ``state_dict()``.
+
+    The change is applied when the exchange finishes (in ``synchronize()``), so anything done
+    to ``p.grad`` between ``synchronize()`` and ``step()`` (clipping, unscaling) no longer
+    reaches compressed tensors: use the compressor's ``clip=`` (local clipping) instead.
     """
 
     key = "update"
@@ -399,7 +403,7 @@ def make(policy: Union[str, Feedback]) -> Feedback:
     return POLICIES[policy]()
 
 
-ADAPTIVE = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor"}
+ADAPTIVE = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "Lion"}
 
 
 def choose(optimizer: Any, codec_is_dense: bool, contracting: bool) -> Tuple[str, str]:

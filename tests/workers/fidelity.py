@@ -33,7 +33,7 @@ def _data(seed: int, n: int):
 
 
 def train(wrapper: str, optimizer: str, compression: str, steps: int = 120, accumulate: int = 1,
-          ratio: float = 0.05, feedback: str = "auto") -> Dict[str, Any]:
+          ratio: float = 0.25, feedback: str = "auto") -> Dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
     if optimizer == "sgd-momentum":

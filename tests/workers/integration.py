@@ -70,9 +70,13 @@ def compressed_gradient(kind: str, stock: bool = False, op: str = "average", **k
     wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
     opt = wrap(base, named_parameters=model.named_parameters(), compression=comp, op=hvd_op)
     x, y = batch(hvd.rank(), 0)
+    # The local gradient from a twin model: stock Horovod allreduces uncompressed tensors (small
+    # ones here) in place on p.grad in its background thread, so p.grad cannot be read back.
+    twin = make_model()
+    F.cross_entropy(twin(x), y).backward()
+    local = grads_of(twin)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    local = grads_of(model)
     opt.synchronize()
     out: Dict[str, Any] = {"names": [], "identical": [], "max_err": [], "bound": [], "rel_err": []}
     for name, p in model.named_parameters():
