@@ -221,7 +221,8 @@ class MomentumCorrection(ErrorFeedback):
     SGD's momentum buffer equal ``D_t`` (weight decay is added by SGD on top, exactly). ``m``
     and ``dampening`` are read from the optimizer's param group at every step, so momentum
     schedules work. ``masking``: DGC's momentum factor masking (zero the velocity of the
-    coordinates sent); off by default, it measured worse (docs/STUDY.md).
+    coordinates sent); off by default, it measured worse (docs/STUDY.md). Chosen by
+    ``feedback="auto"`` for ``SGD(momentum > 0)``.
 
     With ratio 1 (nothing dropped), training is exactly momentum SGD:
 
@@ -414,12 +415,13 @@ def choose(optimizer: Any, codec_is_dense: bool, contracting: bool) -> Tuple[str
     * other dense codecs (QSGD-8): ``classic``;
     * Adam-type optimizers (normalising per coordinate) without coupled weight decay:
       ``update``;
-    * everything else (SGD with or without momentum, Adam with coupled L2 weight decay,
-      unknown optimizers): ``classic``.
+    * ``SGD`` with momentum (dampening < 1): ``momentum`` (DGC momentum correction, no masking);
+    * everything else (plain SGD, Adam with coupled L2 weight decay, unknown optimizers):
+      ``classic``.
 
     >>> w = [torch.zeros(1, requires_grad=True)]
     >>> choose(torch.optim.AdamW(w), False, False)[0], choose(torch.optim.SGD(w, lr=0.1, momentum=0.9), False, False)[0]
-    ('update', 'classic')
+    ('update', 'momentum')
     """
     name = type(optimizer).__name__
     if codec_is_dense:
@@ -434,6 +436,9 @@ def choose(optimizer: Any, codec_is_dense: bool, contracting: bool) -> Tuple[str
             return "classic", (f"{name} with coupled weight decay (the update cannot be sent apart from it; "
                                "AdamW decouples it)")
         return "update", f"{name} normalises per coordinate"
+    if "SGD" in names and any(float(g.get("momentum", 0.0)) > 0 for g in getattr(optimizer, "param_groups", [])):
+        if all(float(g.get("dampening", 0.0)) < 1.0 for g in optimizer.param_groups):
+            return "momentum", f"{name} with momentum"
     return "classic", name
 
 

@@ -121,7 +121,7 @@ def _opt(cls, **kw):
 
 
 @pytest.mark.parametrize("make,compressor,expected", [
-    (lambda: _opt(torch.optim.SGD, lr=0.1, momentum=0.9), TopKQSGD, "classic"),
+    (lambda: _opt(torch.optim.SGD, lr=0.1, momentum=0.9), TopKQSGD, "momentum"),
     (lambda: _opt(torch.optim.SGD, lr=0.1), TopK, "classic"),
     (lambda: _opt(torch.optim.Adam), TopKQSGD, "update"),
     (lambda: _opt(torch.optim.AdamW, weight_decay=0.1), TopKQSGD, "update"),

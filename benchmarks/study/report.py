@@ -154,10 +154,13 @@ def choice_section(docs: Path) -> List[str]:
         "through error feedback) keeps the total movement and had the smallest gap; the gap is a lag, and it "
         "shrinks as training gets longer (1200 steps against 300). This is `feedback=\"update\"`, the "
         "default for Adam-type optimizers.",
-        "* **Momentum SGD.** Classic error feedback on gradients was better than DGC momentum correction on "
-        "the CNN here (with masking much worse); the char-level example had measured the opposite for "
-        "correction without masking (docs/BENCHMARKS.md). `classic` stays the default; `feedback=\"momentum\"` "
-        "is one argument away, and the study's *momentum correction* rows compare the two with 3 seeds.",
+        "* **Momentum SGD.** In the simulator classic error feedback on gradients was better than DGC momentum "
+        "correction on the CNN (with masking much worse); the char-level example had measured the opposite "
+        "for correction without masking (docs/BENCHMARKS.md), and so did the first seed of this study's "
+        "cnn-sgd task (real 2-rank runs). The study started with `classic` as the default for momentum SGD; "
+        "`auto` now picks `momentum` (no masking), so on the SGD tasks the *momentum correction* row is "
+        "what the library does by default, and rows whose *feedback* column says `classic` show the old "
+        "default.",
         "* **Sparsity warm-up** helped classic SGD and did not help `update` with Adam: an option "
         "(`ratio=SparsityWarmup(...)`), off by default.",
         "* **Low-bit QSGD.** Error feedback on 4/2-bit QSGD diverged or needed its payloads shrunk; plain "
