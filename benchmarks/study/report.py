@@ -52,17 +52,51 @@ def table(task: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
     lines = ["| setting | feedback (auto) | seeds | held-out loss | accuracy | gap vs uncompressed | "
              "uncompressed seed spread | bytes ratio, 2nd half |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by_seed = {r["seed"]: r["val_loss"] for r in base}
     for setting in ORDER:
         rs = runs.get((task, setting))
         if not rs:
             continue
         lm, ls = _mean_sd([r["val_loss"] for r in rs])
         am, as_ = _mean_sd([r["val_accuracy"] for r in rs])
-        gap = (lm / b_mean - 1) * 100
+        # Paired: each seed against the uncompressed run of the same seed, then the mean.
+        gaps = [(r["val_loss"] / by_seed[r["seed"]] - 1) * 100 for r in rs if r["seed"] in by_seed]
+        gap = f"{statistics.fmean(gaps):+.2f}%" if gaps else "-"
         ratio = statistics.fmean(r["ratio_second_half"] for r in rs)
-        lines.append(f"| {rs[0]['label']} | {rs[0]['feedback'] or '-'} | {len(rs)} | {lm:.4f} +- {ls:.4f} | "
-                     f"{am:.3f} +- {as_:.3f} | {gap:+.2f}% | +-{spread:.2f}% | {ratio:.0f}x |")
+        seeds = ",".join(str(r["seed"]) for r in sorted(rs, key=lambda r: r["seed"]))
+        lines.append(f"| {rs[0]['label']} | {rs[0]['feedback'] or '-'} | {seeds} | {lm:.4f} +- {ls:.4f} | "
+                     f"{am:.3f} +- {as_:.3f} | {gap} | +-{spread:.2f}% | {ratio:.0f}x |")
     return lines
+
+
+def _paired_gap(task: str, setting: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[float, int]:
+    base = {r["seed"]: r["val_loss"] for r in runs.get((task, "none"), [])}
+    gaps = [(r["val_loss"] / base[r["seed"]] - 1) * 100 for r in runs.get((task, setting), []) if r["seed"] in base]
+    return (statistics.fmean(gaps) if gaps else float("nan")), len(gaps)
+
+
+def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
+    """The issue's targets against the library's default rows (momentum correction on the SGD tasks)."""
+    lines = ["## Against the targets", "",
+             "Targets: TopKQSGD(1%, 8) within 1% of uncompressed held-out loss, TopKQSGD(0.1%, 8) within 2%, "
+             ">= 100x fewer bytes than fp32 over the second half (50x where small tensors go uncompressed). "
+             "For momentum SGD the library's default is now momentum correction, measured here only at 1% "
+             "(the *momentum correction* row).", "",
+             "| task | TopKQSGD(1%, 8) default: gap (seeds) | policy | bytes ratio | TopKQSGD(1%, 8) classic EF: gap | "
+             "TopKQSGD(0.1%, 8): gap (policy) | met? |", "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
+    for task in tasks:
+        sgd = (task, "tq1-momentum") in runs
+        key = "tq1-momentum" if sgd else "tq1"
+        g1, n1 = _paired_gap(task, key, runs)
+        gc_, _ = _paired_gap(task, "tq1-classic", runs)
+        g01, _ = _paired_gap(task, "tq01", runs)
+        rs = runs.get((task, key), [])
+        ratio = statistics.fmean(r["ratio_second_half"] for r in rs) if rs else float("nan")
+        pol = rs[0]["feedback"] if rs else "-"
+        p01 = runs.get((task, "tq01"), [{}])[0].get("feedback", "-")
+        met = "yes" if g1 <= 1 and g01 <= 2 and ratio >= 50 else "no"
+        lines.append(f"| {task} | {g1:+.2f}% ({n1}) | {pol} | {ratio:.0f}x | {gc_:+.2f}% | {g01:+.2f}% ({p01}) | {met} |")
+    return lines + [""]
 
 
 def plot(task: str, runs: Dict[Tuple[str, str], List[dict]], path: Path) -> None:
@@ -116,13 +150,15 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "the last row of each table forces `feedback=\"classic\"` (error feedback on gradients: the recipe "
         "before issue 9), so the gain is visible.",
         "",
-        "Columns: held-out loss and accuracy are mean +- standard deviation over seeds, at the last step; "
-        "*gap* is the relative difference of the mean held-out loss from the uncompressed mean; "
+        "Columns: held-out loss and accuracy are mean +- standard deviation over the seeds listed, at the last "
+        "step; *gap* is the held-out loss relative to the uncompressed run of the same seed, averaged over "
+        "seeds; "
         "*uncompressed seed spread* is the uncompressed standard deviation over seeds relative to its mean "
         "(a gap inside it is noise); *bytes ratio* is fp32 gradient bytes over the bytes each rank handed to "
         "Horovod, in the second half of the run.",
         "",
     ]
+    lines += targets(tasks, runs)
     for task in tasks:
         base = runs.get((task, "none"), [])
         lines += [f"## {task}", "", TASK_TEXT[task] + ".", ""]
@@ -161,6 +197,11 @@ def choice_section(docs: Path) -> List[str]:
         "`auto` now picks `momentum` (no masking), so on the SGD tasks the *momentum correction* row is "
         "what the library does by default, and rows whose *feedback* column says `classic` show the old "
         "default.",
+        "* **What is left of the Adam gap.** With `update` at ratio 1 (nothing dropped) the simulated CNN "
+        "with Adam still ended +18% from uncompressed (0.1923 against 0.1623, one seed), against +27% at 1%: "
+        "most of the remaining gap comes from each rank's optimizer moments being computed from its own "
+        "half of the batch (a noisier second moment, so smaller steps), not from what compression drops. "
+        "Sharing a second-moment estimate across ranks is the next step; it is not done.",
         "* **Sparsity warm-up** helped classic SGD and did not help `update` with Adam: an option "
         "(`ratio=SparsityWarmup(...)`), off by default.",
         "* **Low-bit QSGD.** Error feedback on 4/2-bit QSGD diverged or needed its payloads shrunk; plain "
