@@ -4,6 +4,9 @@
    network namespace whose loopback is limited by ``tc tbf`` to each ``--rates`` value:
    uncompressed Horovod, Horovod fp16, QSGD 8-bit, QSGD 4-bit, TopK 1%, TopKQSGD(1%, 8).
    Reports step time, the share spent in ``synchronize()``, bytes per step and speedups.
+   With ``--two-hosts`` the two ranks run on the two hosts of ``scripts/two_hosts.sh`` instead
+   (network namespaces hvdgc-a and hvdgc-b joined by a veth link limited per direction, as
+   between two machines); each table says which way it ran.
 2. Convergence: ``examples/train.py`` with the same steps and seed, uncompressed, fp16,
    each compressor with error feedback, and TopKQSGD without; final loss and accuracy.
 
@@ -16,6 +19,7 @@ Examples::
     hvdgc-bench                        # everything (~20 minutes on 2 CPU cores)
     hvdgc-bench --quick                # a small smoke run (< 3 minutes), written under runs/bench-quick
     hvdgc-bench --rates 1gbit --skip-convergence
+    hvdgc-bench --two-hosts --skip-convergence   # speed rows across the two-host link
     hvdgc-bench --dry-run              # print the commands, run nothing
 """
 from __future__ import annotations
@@ -38,6 +42,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import click
+
+from .two_hosts import horovodrun_across, two_hosts, up_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -62,6 +68,8 @@ SPEED_SETTINGS = (
     Setting("qsgd4", "QSGD 4-bit", ("--compression", "qsgd", "--bits", "4"), True),
     Setting("topk", "TopK 1%", ("--compression", "topk", "--ratio", "0.01"), True),
     Setting("topkqsgd", "TopKQSGD(1%, 8)", ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8"), True),
+    # Auto explores 2 steps per road (8 steps) during warm-up, then keeps its decisions.
+    Setting("auto", "Auto", ("--compression", "auto", "--ratio", "0.01", "--bits", "8", "--warmup", "9"), True),
 )
 # DGC momentum correction (see train.py --help) for the TopK rows: each rank applies SGD's momentum
 # to its own gradient before TopK, error feedback accumulates that velocity, and the wrapped SGD
@@ -80,7 +88,7 @@ CONVERGENCE_SETTINGS = (
     Setting("topkqsgd-noef", "TopKQSGD(1%, 8), no error feedback",
             ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8", "--no-error-feedback"), False),
 )
-QUICK_SPEED = ("horovod", "fp16", "topkqsgd")
+QUICK_SPEED = ("horovod", "fp16", "topkqsgd", "auto")
 QUICK_CONVERGENCE = ("none", "topkqsgd")
 
 
@@ -102,6 +110,7 @@ class Plan:
     job_timeout: float
     compile_mode: str
     extra: Dict[str, Any] = field(default_factory=dict)
+    two_hosts: bool = False  # speed rows: one rank per host of scripts/two_hosts.sh, across its veth link
 
 
 # ---------------------------------------------------------------- pure command builders
@@ -246,16 +255,38 @@ def _netns_unavailable() -> Optional[str]:
     return None
 
 
+# How the speed rows of one table ran: the link their traffic crossed.
+LINK_MODES = {
+    "two-hosts": "two hosts: one rank in each of two network namespaces, across a veth link rate-limited per "
+                 "direction",
+    "loopback": "one namespace: both ranks on one rate-limited loopback, shared by both directions",
+    "unthrottled": "unthrottled: the host's loopback, no rate limit",
+}
+
+
+@contextmanager
+def speed_link(plan: Plan, rate: str, say: Any) -> Iterator[Tuple[Any, str]]:
+    """``(wrap, mode)`` for the speed jobs at ``rate``: ``wrap(program)`` is the command to run."""
+    if plan.two_hosts:
+        with two_hosts(rate, say) as ok:
+            if ok:
+                yield horovodrun_across, "two-hosts"
+                return
+        say("falling back to one rate-limited namespace")
+    with rate_limited_netns(rate, say) as ns:
+        yield (lambda program: in_netns(ns, horovodrun(program))), ("loopback" if ns else "unthrottled")
+
+
 def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
-    """Every speed setting at every rate: {rate: {"throttled": bool, "results": {key: json}}}."""
+    """Every speed setting at every rate: {rate: {"throttled": bool, "mode": str, "results": {key: json}}}."""
     out: Dict[str, Any] = {}
     for rate in plan.rates:
-        with rate_limited_netns(rate, say) as ns:
+        with speed_link(plan, rate, say) as (wrap, mode):
             results, failures = {}, {}
             for setting in plan.speed:
                 bar.set_description(f"speed {rate} {setting.label}")
                 path = plan.runs_dir / "speed" / f"{rate}-{setting.key}.json"
-                argv = in_netns(ns, horovodrun(speed_program(plan, setting, path)))
+                argv = wrap(speed_program(plan, setting, path))
                 try:
                     run_job(argv, rank_env(plan.compile_mode), plan.job_timeout, path.with_suffix(".log"))
                     results[setting.key] = json.loads(path.read_text())
@@ -264,7 +295,7 @@ def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
                     failures[setting.key] = str(exc)
                     say(f"{rate} {setting.label}: FAILED {exc}")
                 bar.update(1)
-            out[rate] = {"throttled": ns is not None, "results": results, "failures": failures}
+            out[rate] = {"throttled": mode != "unthrottled", "mode": mode, "results": results, "failures": failures}
     return out
 
 
@@ -322,7 +353,11 @@ def speed_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) 
         r = results.get(s.key)
         if r is None:
             continue
+        codec = r.get("codec_s", 0.0)
+        exposed = r.get("exposed_comm_s", r["comm_s"])
         rows.append({"key": s.key, "label": s.label, "step_s": r["step_s"], "comm_s": r["comm_s"],
+                     "codec_s": codec, "exposed_s": exposed, "compute_s": max(r["step_s"] - codec - exposed, 0.0),
+                     "auto": (r.get("auto") or {}).get("summary"),
                      "comm_share": r["comm_s"] / r["step_s"], "bytes_per_step": r["bytes_per_step"],
                      "ratio": r["ratio"], "samples_s": r["samples_per_s_total_mean"],
                      "samples_s_conf": r["samples_per_s_total_conf"],
@@ -404,12 +439,35 @@ def target_lines(speed: Dict[str, Any], conv_rows: List[Dict[str, Any]]) -> List
         lines.append(_target(f"TopKQSGD(1%, 8) step time vs Horovod fp16 at {rate}", t["speedup_fp16"], 1.5, "x"))
         share = t["comm_share"]
         lines.append(f"- TopKQSGD(1%, 8) communication share of the step at {rate}: {100 * share:.1f}% "
-                     f"(target < 10%): **{'MET' if share < 0.10 else 'MISSED'}**")
+                     f"(target < 5%): **{'MET' if share < 0.05 else 'MISSED'}**")
+    lines += auto_target_lines(speed)
     c = {r["key"]: r for r in conv_rows}
     if "topkqsgd" in c and c["topkqsgd"]["val_rel"] is not None:
         rel = c["topkqsgd"]["val_rel"]
         lines.append(f"- TopKQSGD with error feedback, held-out loss relative to uncompressed: {100 * rel:+.2f}% "
                      f"(target within 2%): **{'MET' if abs(rel) <= 0.02 else 'MISSED'}**")
+    return lines
+
+
+def auto_target_lines(speed: Dict[str, Any]) -> List[str]:
+    """Auto against the best fixed setting at 1gbit and against uncompressed Horovod at 10gbit (within 5%).
+
+    >>> r = lambda s: {"step_s": s, "comm_s": 0.0, "bytes_per_step": 1, "ratio": 1.0,
+    ...                "samples_per_s_total_mean": 1.0, "samples_per_s_total_conf": 0.0}
+    >>> auto_target_lines({"10gbit": {"results": {"horovod": r(1.0), "topkqsgd": r(1.2), "auto": r(1.04)}}})
+    ['- Auto step time vs uncompressed Horovod at 10gbit: 0.96x (target >= 0.95x): **MET**']
+    """
+    lines = []
+    for rate, against in (("1gbit", "best"), ("10gbit", "horovod")):
+        results = speed.get(rate, {}).get("results", {})
+        if "auto" not in results:
+            continue
+        fixed = {k: v["step_s"] for k, v in results.items() if k != "auto"}
+        key = min(fixed, key=fixed.get) if against == "best" and fixed else against
+        if key not in fixed:
+            continue
+        what = f"best fixed setting ({SPEED_LABELS.get(key, key)})" if against == "best" else "uncompressed Horovod"
+        lines.append(_target(f"Auto step time vs {what} at {rate}", fixed[key] / results["auto"]["step_s"], 0.95, "x"))
     return lines
 
 
@@ -496,6 +554,12 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
     else:
         link = ("**Unthrottled**: the network namespace could not be created (see the command's output), so "
                 "the ranks talked over the host's loopback and the rate labels below do not apply.")
+    if any(block.get("mode") == "two-hosts" for block in speed.values()):
+        link = ("Tables titled *two hosts* ran as `bash scripts/two_hosts.sh exec hvdgc-a horovodrun -np 2 "
+                "-H hvdgc-a:1,hvdgc-b:1 --network-interface hvdgc0 --gloo ...` (`hvdgc-bench --two-hosts`): one "
+                "rank in each of two network namespaces joined by a veth pair, each end limited by `tc qdisc "
+                f"replace dev hvdgc0 root tbf rate RATE burst {TBF['burst']} latency {TBF['latency']}`, so each "
+                "direction has its own link, as between two machines. " + link)
     return [
         f"- {link}",
         f"- Speed: `examples/synthetic_benchmark.py --params {plan.params:g} --batch-size {plan.batch_size} "
@@ -527,8 +591,11 @@ def _speed_section(plan: Plan, speed: Dict[str, Any], images: Dict[str, str]) ->
     if "step_time" in images:
         out += [f"![step time per setting]({images['step_time']})", ""]
     for rate, block in speed.items():
-        title = rate if block["throttled"] else f"{rate} requested, ran unthrottled"
-        out += [f"### {title}", "", render_speed_table(speed_rows(block["results"], plan.speed)), ""]
+        mode = block.get("mode", "loopback" if block["throttled"] else "unthrottled")
+        title = f"{rate}, {LINK_MODES[mode]}" if mode != "unthrottled" else f"{rate} requested, ran unthrottled"
+        rows = speed_rows(block["results"], plan.speed)
+        out += [f"### {title}", "", render_speed_table(rows), ""]
+        out += [f"- Auto's decisions: {r['auto']}" for r in rows if r.get("auto")]
         out += [f"- {SPEED_LABELS.get(k, k)}: failed: `{v.splitlines()[0]}`" for k, v in block["failures"].items()]
     return out
 
@@ -573,15 +640,20 @@ def _plot_step_time(speed: Dict[str, Any], path: Path, params: float) -> Path:
     rates = list(speed)
     keys = [s.key for s in SPEED_SETTINGS if any(s.key in speed[r]["results"] for r in rates)]
     width = 0.8 / max(len(rates), 1)
+    hatches = {"compute_s": "", "codec_s": "//", "exposed_s": ".."}
+    names = {"compute_s": "compute", "codec_s": "codec", "exposed_s": "exposed comm"}
     for i, rate in enumerate(rates):
         rows = speed_rows(speed[rate]["results"], SPEED_SETTINGS)
         xs = [keys.index(r["key"]) + (i - (len(rates) - 1) / 2) * width for r in rows]
-        ax.bar(xs, [r["step_s"] - r["comm_s"] for r in rows], width, label=f"{rate}: outside synchronize()",
-               color=f"C{2 * i}")
-        ax.bar(xs, [r["comm_s"] for r in rows], width, bottom=[r["step_s"] - r["comm_s"] for r in rows],
-               label=f"{rate}: in synchronize()", color=f"C{2 * i + 1}")
+        bottom = [0.0] * len(rows)
+        for part in ("compute_s", "codec_s", "exposed_s"):
+            vals = [r[part] for r in rows]
+            ax.bar(xs, vals, width, bottom=bottom, color=f"C{i}", hatch=hatches[part], edgecolor="black",
+                   linewidth=0.3, alpha=1.0 if part == "compute_s" else 0.55,
+                   label=f"{rate}: {names[part]}")
+            bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(keys)), [SPEED_LABELS[k] for k in keys], rotation=15, fontsize=8)
-    ax.set_ylabel("step time (s)")
+    ax.set_ylabel("step time (s): compute, codec, exposed communication")
     ax.set_title(f"{params / 1e6:g}M-parameter synthetic model, 2 ranks: step time per setting")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -624,32 +696,39 @@ def _smooth(values: List[float], window: int = 10) -> List[float]:
 # ---------------------------------------------------------------- the command
 def build_plan(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int],
                warmup: Optional[int], steps: Optional[int], seed: int, skip_speed: bool,
-               skip_convergence: bool, docs_dir: Optional[str], job_timeout: float, compile_mode: str) -> Plan:
+               skip_convergence: bool, docs_dir: Optional[str], job_timeout: float, compile_mode: str,
+               two_hosts: bool = False) -> Plan:
     """Options -> :class:`Plan` (``--quick`` picks small defaults, explicit options win).
 
     >>> p = build_plan(True, None, None, None, None, None, 0, False, False, None, 300, "auto")
     >>> p.rates, [s.key for s in p.speed], p.steps
-    (['1gbit'], ['horovod', 'fp16', 'topkqsgd'], 40)
+    (['1gbit'], ['horovod', 'fp16', 'topkqsgd', 'auto'], 40)
     """
     speed = [] if skip_speed else [s for s in SPEED_SETTINGS if not quick or s.key in QUICK_SPEED]
     conv = [] if skip_convergence else [s for s in CONVERGENCE_SETTINGS if not quick or s.key in QUICK_CONVERGENCE]
     docs = Path(docs_dir) if docs_dir else (ROOT / "runs" / "bench-quick" if quick else ROOT / "docs")
-    return Plan(rates=parse_rates(rates or ("1gbit" if quick else "1gbit,10gbit")), speed=speed, convergence=conv,
+    return Plan(rates=parse_rates(rates or ("1gbit" if quick else "100mbit,1gbit,10gbit")), speed=speed, convergence=conv,
                 params=params or (5e6 if quick else 25e6), warmup=warmup if warmup is not None else (1 if quick else 3),
                 iters=iters or (3 if quick else 10), batch_size=4, steps=steps or (40 if quick else 400), seed=seed,
                 docs_dir=docs, runs_dir=ROOT / "runs" / ("bench-quick" if quick else "bench"),
-                job_timeout=job_timeout, compile_mode=compile_mode)
+                job_timeout=job_timeout, compile_mode=compile_mode, two_hosts=two_hosts)
 
 
 def planned_commands(plan: Plan) -> List[str]:
     """Every command the plan runs, as shell-quoted lines (``--dry-run``)."""
     lines = []
     for rate in plan.rates:
-        lines += [shlex.join(c) for c in netns_setup_commands("NS", rate)]
+        if plan.two_hosts:
+            lines.append(shlex.join(up_command(rate)))
+        else:
+            lines += [shlex.join(c) for c in netns_setup_commands("NS", rate)]
         for s in plan.speed:
             path = plan.runs_dir / "speed" / f"{rate}-{s.key}.json"
-            lines.append(shlex.join(in_netns("NS", horovodrun(speed_program(plan, s, path)))))
-        lines.append(shlex.join(netns_teardown_command("NS")))
+            program = speed_program(plan, s, path)
+            cmd = horovodrun_across(program) if plan.two_hosts else in_netns("NS", horovodrun(program))
+            lines.append(shlex.join(cmd))
+        lines.append(shlex.join(["bash", "scripts/two_hosts.sh", "down"] if plan.two_hosts
+                                else netns_teardown_command("NS")))
     for s in plan.convergence:
         lines.append(shlex.join(in_netns("NS", horovodrun(train_program(plan, s, plan.runs_dir / "convergence")))))
     return lines
@@ -663,7 +742,7 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]}, help=__doc__.split("\n\n")[0])
 @click.option("--quick", is_flag=True, help="small smoke run (< 3 min), written under runs/bench-quick/")
-@click.option("--rates", default=None, help="link rates, comma-separated tc units  [default: 1gbit,10gbit]")
+@click.option("--rates", default=None, help="link rates, comma-separated tc units  [default: 100mbit,1gbit,10gbit]")
 @click.option("--params", type=float, default=None, callback=_positive, help="synthetic model size [default: 25e6]")
 @click.option("--iters", type=int, default=None, callback=_positive, help="timed iterations per setting [default: 10]")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="warm-up iterations [default: 3]")
@@ -676,18 +755,21 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
               help="seconds before one 2-rank job is killed")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "0", "1"]), default="auto", show_default=True,
               help="HVDGC_COMPILE for the ranks (torch.compile of the large-tensor kernels)")
+@click.option("--two-hosts", is_flag=True,
+              help="speed rows with one rank on each host of scripts/two_hosts.sh (network namespaces hvdgc-a and "
+                   "hvdgc-b), across their veth link limited to each rate per direction; needs root")
 @click.option("--dry-run", is_flag=True, help="print the commands and exit")
 @click.option("--render-only", is_flag=True,
               help="rewrite BENCHMARKS.md and the plots from DOCS_DIR/data/bench.json without running anything")
 def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int], warmup: Optional[int],
          steps: Optional[int], seed: int, skip_speed: bool, skip_convergence: bool, docs_dir: Optional[str],
-         job_timeout: float, compile_mode: str, dry_run: bool, render_only: bool) -> None:
+         job_timeout: float, compile_mode: str, two_hosts: bool, dry_run: bool, render_only: bool) -> None:
     """Entry point of ``hvdgc-bench``."""
     if skip_speed and skip_convergence:
         raise click.UsageError("--skip-speed and --skip-convergence together leave nothing to run")
     try:
         plan = build_plan(quick, rates, params, iters, warmup, steps, seed, skip_speed, skip_convergence, docs_dir,
-                          job_timeout, compile_mode)
+                          job_timeout, compile_mode, two_hosts)
     except click.BadParameter as exc:
         raise click.UsageError(f"--rates: {exc.message}") from None
     if dry_run:
