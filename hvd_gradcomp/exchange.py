@@ -244,6 +244,7 @@ class AllgatherExchange:
         if "parts" not in p.extra:
             self._decode(p)
         sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
+        self.compressor.received(p.name, out)
         p.finished = True
 
 
@@ -372,7 +373,7 @@ class ScatterReduceExchange:
         numel = bounds[rank + 1] - bounds[rank]
         parts = decode_envelopes(self.compressor, unseal(received), self.process_set.size(), p.name, numel)
         mine = sum_parts(parts, is_average(self.op), numel, p.dtype)
-        payload = encode_or_flag(lambda: self.compressor.compress_named(f"{p.name}#reduced{rank}", mine))
+        payload = encode_or_flag(lambda: self.compressor.compress_named(f"{p.name}#reduced{rank}", mine, relay=True))
         sealed = seal(payload, self.compressor.exchange_step, mine.device)
         p.handle = hvd.allgather_async(sealed, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
         p.bytes_sent += sealed.numel()
@@ -397,6 +398,7 @@ class ScatterReduceExchange:
             flat[b:e].copy_(chunk)
         if not out.is_contiguous():
             out.copy_(flat.view(out.shape))
+        self.compressor.received(p.name, out)
         p.finished = True
 
 

@@ -43,12 +43,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .compressors import GradientCompressor
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
 from .exchange import DenseExchange, Pending, SparseExchange, check_no_joined_ranks, choose_exchange
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from .stats import ByteStats
 
-DEFAULT_MIN_COMPRESS_NUMEL = 1024
 
 
 class _GradCompOptimizer(torch.optim.Optimizer):
@@ -67,8 +66,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.min_compress_numel = max(min_compress_numel, process_set.size() if self._included else 1)
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
-            compression.attach(self, process_set.size() if self._included else None)
+            compression._claim(self, process_set.size() if self._included else None)
             bind_noise_stream(compression)  # independent rounding noise on each rank
+            # The feedback policy ("auto") is chosen from this optimizer's class and settings.
+            # A rank outside the process set has no rank in it (and compresses nothing): it stays quiet.
+            compression.attach(self, self._parameter_names, process_set.rank() if self._included else -1)
         warn_unread_settings(compression, backward_passes_per_step,
                              f"DistributedOptimizer(compression={compression!r}, "
                              f"backward_passes_per_step={backward_passes_per_step})")
@@ -127,7 +129,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self._compressed.progress(pending)
 
     def _is_small(self, p: torch.Tensor) -> bool:
-        return (not p.is_floating_point()) or p.numel() < self.min_compress_numel
+        """Exchanged uncompressed: small, not floating point, or excluded by the compressor's policy."""
+        if (not p.is_floating_point()) or p.numel() < self.min_compress_numel:
+            return True
+        return isinstance(self.compression, GradientCompressor) and \
+            not self.compression.compresses(self._parameter_names[p])
 
     def _start(self, p: torch.Tensor) -> None:
         if p.grad is None:  # unused on this rank: others may have a gradient, so send zeros
