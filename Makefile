@@ -21,7 +21,7 @@ test: setup slurm-up
 	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp launchers examples
 
 bench: setup
-	@$(VENV)/bin/hvdgc-bench
+	@$(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs
