@@ -70,3 +70,16 @@ def run_ranks(target: str, np: int = 2, backend: str = "gloo", timeout: float = 
                 pytest.fail(f"rank {r} wrote no result\n--- output of all ranks ---\n{res.output}")
             results.append(json.loads(path.read_text()))
         return results
+
+
+def run_single(target: str, timeout: float = 120, env: Optional[Dict[str, str]] = None,
+               **kwargs: Any) -> Dict[str, Any]:
+    """Run ``target`` in one plain process after ``hvd.init()`` (size 1, no launcher, no ranks
+    to start): Horovod's real optimizer code without the cost of horovodrun."""
+    with tempfile.TemporaryDirectory(prefix="hvdgc-single-") as outdir:
+        program = [sys.executable, str(ROOT / "tests" / "rank_main.py"), target, outdir, json.dumps(kwargs)]
+        res = launch(program, timeout, rank_env(env))
+        path = Path(outdir) / "rank0.json"
+        if res.returncode != 0 or not path.exists():
+            pytest.fail(f"{target} in one process exited {res.returncode}\n--- output ---\n{res.output}")
+        return json.loads(path.read_text())
