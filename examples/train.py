@@ -470,8 +470,8 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     val_loss, val_acc = evaluate(model, task.val_x, task.val_y)
     summary = _summary(args, cfg, name, log.rows, wall, val_loss, val_acc, opt, compression, acc, task, epoch)
     summary["evals"] = evals
+    log.close(summary)             # the progress's last line first, then the summary under it
     log.note(_summary_line(summary))
-    log.close(summary)
     return summary
 
 
