@@ -3,6 +3,7 @@ each a 2-rank job through :func:`launchers.jobs.run_job`; a failed job is record
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -107,7 +108,7 @@ def machine_description() -> Dict[str, str]:
         hvd_version = version("horovod")
     except Exception:
         hvd_version = "unknown"
-    return {"cpu": cpu, "cores": str(os.cpu_count()), "memory": mem_gib, "os": _os_name(),
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem_gib, "os": _os_name(),
             "python": platform.python_version(), "torch": torch.__version__, "horovod": hvd_version,
             "gpu": "none" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)}
 
