@@ -18,7 +18,7 @@ demo: setup
 	@$(PY) examples/demo.py
 
 test: setup slurm-up
-	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp launchers examples
+	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp launchers examples benchmarks
 
 bench: setup
 	@$(PY) -m benchmarks

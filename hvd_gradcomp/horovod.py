@@ -55,6 +55,8 @@ HOROVOD_INTERNALS: Tuple[Tuple[str, str], ...] = (
      "the reduction (Average/Sum) and the process set the payload allgather must use"),
     ("_DistributedAdasumOptimizer._starting_models",
      "marks Adasum's optimizer, which compresses parameter deltas, not gradients"),
+    ("_DistributedOptimizer._compression",
+     "the compressor of a stock optimizer, whose residuals GradientAccumulator checkpoints"),
 )
 """Each Horovod internal this module relies on, and why (checked against :data:`HOROVOD_CHECKED`)."""
 
@@ -142,6 +144,12 @@ def warn_unread_settings(compression: Any, accumulate: Optional[int] = None, wha
     message = settings.unread_settings_message(built, what=what) if hvd.rank() == 0 else None
     if message:
         warnings.warn(message, UnreadSettingsWarning, stacklevel=3)
+
+
+def compressor_of(optimizer: Any) -> Any:
+    """The compression object of a DistributedOptimizer: ours (``.compression``) or Horovod's
+    (``._compression``, see :data:`HOROVOD_INTERNALS`); None when it has none."""
+    return getattr(optimizer, "compression", None) or getattr(optimizer, "_compression", None)
 
 
 # ---------------------------------------------------------------- names
