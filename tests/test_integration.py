@@ -5,7 +5,6 @@ Starting ranks costs seconds, so related scenarios run as one job per backend (a
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, List
 
 import pytest
@@ -146,10 +145,8 @@ def test_checkpoint_resume_is_identical(backend, kind, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["raise", "kill"])
 def test_failing_rank_ends_job(backend, mode):
-    """(e) a rank that raises or is killed makes the job exit non-zero, in bounded time."""
-    t0 = time.monotonic()
+    """(e) a rank that raises or is killed makes the job exit non-zero by itself: the harness fails
+    the test (with every rank's output) if the job has to be killed at the timeout instead."""
     [res] = run_ranks("integration:failing_rank", backend=backend, mode=mode, expect_fail=True, timeout=240)
     assert res["returncode"] != 0
     assert "rank 1 going down" in res["output"]
-    # Well inside the harness's timeout: the job ended because a rank failed, not because it was killed.
-    assert time.monotonic() - t0 < 90
