@@ -31,30 +31,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train import add_compression_args, resolve_config  # noqa: E402  (examples/train.py)
+from models import build_model, layer_plan  # noqa: E402,F401  (shared with benchmarks/bench_ddp.py)
 
 import horovod.torch as hvd  # noqa: E402
 import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp.config import CompressionConfig  # noqa: E402
-
-
-def layer_plan(params: float, width: int) -> int:
-    """How many ``width x width`` Linear layers (with bias) come closest to ``params``, at least 1.
-
-    >>> layer_plan(25e6, 2048)
-    6
-    """
-    per_layer = width * width + width
-    return max(1, round(params / per_layer))
-
-
-def build_model(params: float, width: int, classes: int = 1000) -> nn.Module:
-    """``depth`` square Linear+ReLU layers, then a classifier head of ``classes`` outputs."""
-    depth = layer_plan(params, width)
-    layers: List[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, classes))
-    return nn.Sequential(*layers)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace, CompressionConfig]:

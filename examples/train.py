@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data as datasets  # noqa: E402  (examples/data.py, beside this file)
+from models import CharMLP, digits_mlp  # noqa: E402  (shared with train_ddp.py)
 
 import horovod.torch as hvd  # noqa: E402
 import hvd_gradcomp as gc  # noqa: E402
@@ -223,28 +224,6 @@ class MomentumCorrection:
 
 
 # ---------------------------------------------------------------- task: model, batches, evaluation
-class CharMLP(nn.Module):
-    """Next-character model: embed the last ``context`` characters, then a 2-layer MLP (~0.9M params)."""
-
-    def __init__(self, context: int, vocab: int = datasets.VOCAB, embed: int = 32, hidden: int = 512) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, embed)
-        self.fc1 = nn.Linear(context * embed, hidden)
-        self.fc2 = nn.Linear(hidden, hidden)
-        self.out = nn.Linear(hidden, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x).flatten(1)
-        h = F.gelu(self.fc1(h))
-        h = F.gelu(self.fc2(h))
-        return self.out(h)
-
-
-def digits_mlp() -> nn.Module:
-    """64 pixels -> 256 -> 256 -> 10 classes."""
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-
-
 @dataclass
 class Task:
     """A model, a way to enumerate one epoch's micro-batches on this rank, and a held-out set."""

@@ -29,6 +29,8 @@ __all__ = [*_LAZY, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "ddp":  # the DDP communication hook (a submodule): torch.distributed only, no Horovod
+        return import_module(".ddp", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hvd_gradcomp' has no attribute {name!r}")

@@ -38,6 +38,9 @@ class GradientAccumulator:
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int, micro_batch: Optional[int] = None) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1 (backward passes per optimizer step), got {steps!r}")
+        if micro_batch is not None and (isinstance(micro_batch, bool) or not isinstance(micro_batch, int)
+                                        or micro_batch < 1):
+            raise ValueError(f"micro_batch must be an int >= 1 (samples per backward pass) or None, got {micro_batch!r}")
         bpps = getattr(optimizer, "backward_passes_per_step", None)
         if bpps is None:
             raise ValueError("GradientAccumulator wraps a DistributedOptimizer (hvd_gradcomp's or Horovod's); "

@@ -61,12 +61,12 @@ class CompressionConfig:
         TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True)
         """
         from . import QSGD, TopK, TopKQSGD
-        import horovod.torch as hvd
 
         ef = self.error_feedback
         if self.compression == "none":
             return None
         if self.compression == "fp16":
+            import horovod.torch as hvd  # only here: the other settings also serve DDP without Horovod
             return hvd.Compression.fp16
         if self.compression == "qsgd":
             return QSGD(bits=self.bits, error_feedback=ef, seed=self.seed)

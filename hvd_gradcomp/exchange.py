@@ -56,7 +56,8 @@ class DenseExchange:
         self.compression = compression if compression is not None else _hvd().Compression.none
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
-        tensor, ctx = self.compression.compress(grad)
+        # Horovod's collectives take contiguous tensors only (a channels_last gradient is not).
+        tensor, ctx = self.compression.compress(grad.contiguous())
         handle = _hvd().allreduce_async(tensor, name=f"hvdgc.dense.{name}", op=self.op,
                                         process_set=self.process_set)
         return Pending(name, grad.shape, grad.dtype, handle, ctx, tensor.numel() * tensor.element_size())
@@ -97,41 +98,55 @@ class AllgatherExchange:
 
     def _decode(self, p: Pending) -> None:
         payloads = wire.split_payloads(_hvd().synchronize(p.handle))
-        p.extra["parts"] = decode_payloads(self.compressor, payloads, self.process_set.size())
+        p.extra["parts"] = decode_payloads(self.compressor, payloads, self.process_set.size(), p.shape.numel())
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
             self._decode(p)
-        sum_parts(p.extra.pop("parts"), self.op, out.numel(), p.dtype, out=out)
+        sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
         p.finished = True
 
 
 Parts = List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
-def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int) -> Parts:
-    """Every rank's payload decoded, in rank order, as (indices or None, values)."""
+def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], size: int,
+                    numel: Optional[int] = None) -> Parts:
+    """Every rank's payload decoded, in rank order, as (indices or None, values).
+
+    With ``numel``, each payload must stand for a tensor of that many elements.
+    """
     if len(payloads) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(payloads)}: ranks disagree on this exchange")
+    if numel is not None:
+        for rank, pl in enumerate(payloads):
+            got = wire.read_header(pl).numel
+            if got != numel:
+                raise wire.WireFormatError(f"the payload of rank {rank} holds {got} elements, {numel} expected: "
+                                           "ranks disagree on the tensor's shape")
     return [compressor.decode_parts(pl) for pl in payloads]
 
 
-def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
+def is_average(op: Any) -> bool:
+    """True for ``hvd.Average``, False for ``hvd.Sum``; anything else is refused."""
+    hvd = _hvd()
+    if op == hvd.Average:
+        return True
+    if op == hvd.Sum:
+        return False
+    raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
+
+
+def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The average (or sum) of decoded parts.
+    """The average (``average=True``) or sum of decoded parts; no collective, any backend.
 
     Every rank runs the same additions in the same order on the same bytes, so every rank
     gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
     added straight into one zeroed buffer; with ``out`` (contiguous, of the accumulation
     dtype) the result is written there.
     """
-    hvd = _hvd()
-    if op == hvd.Average:
-        scale = 1.0 / len(parts)
-    elif op == hvd.Sum:
-        scale = 1.0
-    else:
-        raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
+    scale = 1.0 / len(parts) if average else 1.0
     acc_dtype = residual_dtype(dtype)
     direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
     acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
@@ -147,11 +162,11 @@ def sum_parts(parts: Parts, op: Any, numel: int, dtype: torch.dtype,
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
-def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], op: Any, size: int,
+def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], average: bool, size: int,
                     dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The average (or sum) of every rank's payload, decoded in rank order (see :func:`sum_parts`)."""
     numel = wire.read_header(payloads[0]).numel if payloads else 0
-    return sum_parts(decode_payloads(compressor, payloads, size), op, numel, dtype, out)
+    return sum_parts(decode_payloads(compressor, payloads, size, numel), average, numel, dtype, out)
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
@@ -197,7 +212,7 @@ class ScatterReduceExchange:
         hvd = _hvd()
         received, _ = hvd.synchronize(p.handle)
         payloads = wire.split_payloads(received)
-        mine = reduce_payloads(self.compressor, payloads, self.op, self.process_set.size(), p.dtype)
+        mine = reduce_payloads(self.compressor, payloads, is_average(self.op), self.process_set.size(), p.dtype)
         rank = self.process_set.rank()
         payload = self.compressor.compress_named(f"{p.name}#reduced{rank}", mine)
         p.handle = hvd.allgather_async(payload, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
@@ -212,13 +227,17 @@ class ScatterReduceExchange:
         bounds = p.extra["bounds"]
         if len(payloads) != len(bounds) - 1:
             raise RuntimeError(f"{p.name}: got {len(payloads)} chunks for {len(bounds) - 1} ranks")
-        flat = out.view(-1)
+        # A channels_last (or otherwise strided) gradient cannot be viewed flat: fill a flat
+        # buffer in the tensor's logical order and copy it over.
+        flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
         for payload, b, e in zip(payloads, bounds, bounds[1:]):
             chunk = self.compressor.decode(payload).reshape(-1)
             if chunk.numel() != e - b:
                 raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
                                    "ranks disagree on the tensor's shape")
             flat[b:e].copy_(chunk)
+        if not out.is_contiguous():
+            out.copy_(flat.view(out.shape))
         p.finished = True
 
 

@@ -60,10 +60,36 @@ def _sum_squares(xf: torch.Tensor) -> torch.Tensor:
     return (xd * xd).sum(dim=1)
 
 
+def _norms(sq: torch.Tensor, cap: float) -> torch.Tensor:
+    """float32 bucket norms from float64 sums of squares, at most ``cap``.
+
+    The square root is taken in float64: values near 1e19 have squares past float32's range
+    although their norm is not. Any scale at least as large as the bucket's largest value
+    keeps QSGD unbiased, so a norm past ``cap`` (the largest value the decoded dtype holds,
+    see :func:`norm_cap`) is simply lowered to it and no decoded value can overflow; a value
+    larger than the cap itself is sent as the cap (its level clamps to s).
+    """
+    return sq.sqrt().clamp(max=cap).to(torch.float32)
+
+
+def norm_cap(dtype: torch.dtype) -> float:
+    """The largest QSGD scale whose levels decode to finite values of ``dtype``.
+
+    Decoding multiplies in float32 (level * (norm / s)), which can round one ulp up: float32
+    keeps a 2**-20 margin below its maximum. float16 and bfloat16 values are rounded from
+    float32, where their maximum is exact and one ulp above it still rounds back to it.
+
+    >>> norm_cap(torch.float16)
+    65504.0
+    """
+    top = float(torch.finfo(dtype).max)
+    return top * (1 - 2 ** -20) if dtype == torch.float32 else top
+
+
 def _qsgd_encode_into(x: torch.Tensor, codes: torch.Tensor, seed: torch.Tensor, start: torch.Tensor,
-                      bits: int) -> torch.Tensor:
+                      bits: int, cap: float) -> torch.Tensor:
     """x: (buckets, bucket_size). Writes uint8 codes into ``codes`` (same shape), returns the
-    float64 sum of squares per bucket (see :func:`_sum_squares`).
+    float64 sum of squares per bucket (see :func:`_sum_squares`; norms follow by :func:`_norms`).
 
     code = sign << (bits-1) | level, level = floor(|x| / norm * s + u), s = 2**(bits-1) - 1,
     u ~ U[0, 1): E[level] = |x| / norm * s, so the decoded value is unbiased. Writing into a
@@ -72,7 +98,7 @@ def _qsgd_encode_into(x: torch.Tensor, codes: torch.Tensor, seed: torch.Tensor, 
     s = (1 << (bits - 1)) - 1
     xf = x.to(torch.float32)
     sq = _sum_squares(xf)
-    norms = sq.to(torch.float32).sqrt()
+    norms = _norms(sq, cap)
     scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms)).unsqueeze(1)
     u = _uniform_from_hash(start, x.numel(), seed, x.device).view_as(xf)
     level = torch.floor(xf.abs() * scale + u).clamp_(max=s)
@@ -148,11 +174,14 @@ def _seed_tensors(seed: int, start: int, device: torch.device) -> Tuple[torch.Te
 
 
 def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int,
-                codes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                codes: Optional[torch.Tensor] = None,
+                dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantise a 1-D tensor: (float32 norm per bucket, uint8 code per element).
 
     The last bucket may be shorter than ``bucket_size``. ``codes``, when given, is the uint8
     buffer the codes are written to (e.g. a payload section, see :func:`wire.reserve`).
+    ``dtype`` is what the values will be decoded to: norms are capped so that every decoded
+    value is finite in it (see :func:`norm_cap`).
 
     >>> norms, codes = qsgd_encode(torch.tensor([3.0, -4.0]), bits=8, bucket_size=2, seed=0)
     >>> norms.tolist(), codes.shape
@@ -162,16 +191,18 @@ def qsgd_encode(flat: torch.Tensor, bits: int, bucket_size: int, seed: int,
     full = n // bucket_size * bucket_size
     if codes is None:
         codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
+    cap = norm_cap(dtype)
     sums = []
     if full:
         seed_t, start = _seed_tensors(seed, 0, flat.device)
         sums.append(_kernel("qsgd_encode", full)(flat[:full].view(-1, bucket_size),
-                                                 codes[:full].view(-1, bucket_size), seed_t, start, bits))
+                                                 codes[:full].view(-1, bucket_size), seed_t, start, bits, cap))
     if full < n:
         seed_t, start = _seed_tensors(seed, full, flat.device)
-        sums.append(_qsgd_encode_into(flat[full:].view(1, -1), codes[full:].view(1, -1), seed_t, start, bits))
+        sums.append(_qsgd_encode_into(flat[full:].view(1, -1), codes[full:].view(1, -1), seed_t, start, bits,
+                                      cap))
     sq = sums[0] if len(sums) == 1 else torch.cat(sums)
-    return sq.to(torch.float32).sqrt(), codes
+    return _norms(sq, cap), codes
 
 
 def _run_dense(name: str, target: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, bits: int,

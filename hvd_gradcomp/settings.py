@@ -35,10 +35,14 @@ def check_bits(bits: Any) -> int:
     return bits
 
 
+MAX_BUCKET_SIZE = (1 << 32) - 1  # the wire format stores it in 32 bits
+
+
 def check_bucket_size(bucket_size: Any) -> int:
-    """QSGD's values per norm, >= 1."""
-    if not _is_int(bucket_size) or bucket_size < 1:
-        raise ValueError(f"bucket_size must be an int >= 1, got {bucket_size!r}: values per QSGD norm")
+    """QSGD's values per norm, 1..2**32 - 1."""
+    if not _is_int(bucket_size) or not 1 <= bucket_size <= MAX_BUCKET_SIZE:
+        raise ValueError(f"bucket_size must be an int in 1..2**32 - 1, got {bucket_size!r}: values per QSGD norm "
+                         "(the wire format stores it in 32 bits)")
     return bucket_size
 
 

@@ -8,13 +8,15 @@ A payload is one contiguous ``torch.uint8`` tensor, self-describing, 8-byte alig
         kind                1 B   (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD)
         dtype               1 B   (index into DTYPES)
         bits                1 B   (QSGD bits per value, 0 when values are raw)
-        index_mode          1 B   (INDEX_NONE, INDEX_DELTA, INDEX_BITMAP)
+        mode                1 B   index mode (low 4 bits: INDEX_NONE, INDEX_DELTA, INDEX_BITMAP)
+                                  | flags (high 4 bits: FLAG_CRC32)
         ndim                1 B
         numel               8 B   elements of the original tensor
         k                   8 B   values sent (numel for QSGD)
         total_bytes         8 B   length of the whole payload, padding included
         bucket_size         4 B   QSGD bucket size (0 when unused)
-        reserved            4 B
+        crc32               4 B   with FLAG_CRC32: zlib.crc32 of the whole payload with this
+                                  field read as zero; else 0
     shape                   8 B per dimension
     sections                each padded to 8 bytes (see compressors.py for their order)
 
@@ -23,20 +25,31 @@ split apart by walking headers (:func:`split_payloads`) with no extra collective
 
 Indices of sparse payloads are delta coded in blocks of ``INDEX_BLOCK`` with a per-block bit
 width (:func:`encode_indices`), or sent as a bitmap when that is smaller.
+
+Version 1 payloads (the same layout, without flags and checksum) are still read. Every
+malformed payload raises :class:`WireFormatError` before a decoder allocates more than a
+small multiple of the payload's own size: :func:`read_header` checks that the payload is
+large enough for the values its header declares, and the index decoders check what they
+decode against ``numel`` and ``k``.
 """
 from __future__ import annotations
 
 import math
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)  # 1: no flags, no checksum
 MAGIC = b"GC"
 KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD = 1, 2, 3
 INDEX_NONE, INDEX_DELTA, INDEX_BITMAP = 0, 1, 2
+FLAG_CRC32 = 0x10
+_MODE_MASK = 0x0F
+_CRC_AT = 36  # offset of the crc32 field
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NDIM = 64
 INDEX_BLOCK = 64  # deltas per block: 64 * width bits is always a whole number of bytes
@@ -61,6 +74,7 @@ class Header:
     k: int
     total_bytes: int
     bucket_size: int
+    checksum: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -77,25 +91,35 @@ def header_bytes(h: Header) -> bytes:
     """Serialise a header (and the shape that follows it)."""
     if h.dtype not in DTYPES:
         raise WireFormatError(f"dtype {h.dtype} cannot be encoded; supported: {DTYPES}")
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, h.kind, DTYPES.index(h.dtype), h.bits, h.index_mode,
+    mode = h.index_mode | (FLAG_CRC32 if h.checksum else 0)
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, h.kind, DTYPES.index(h.dtype), h.bits, mode,
                         len(h.shape), h.numel, h.k, h.total_bytes, h.bucket_size, 0)
     return head + struct.pack(f"<{len(h.shape)}q", *h.shape)
 
 
 def read_header(payload: torch.Tensor) -> Header:
-    """Parse the header at the start of ``payload`` (reads at most 40 + 8*ndim bytes to the host)."""
+    """Parse the header at the start of ``payload`` (reads at most 40 + 8*ndim bytes to the host).
+
+    Checks every field, and that the payload holds at least the bytes its declared values
+    need, so that nothing sized from the header can be larger than the payload allows.
+    The checksum is verified separately (:func:`verify_checksum`): it reads the whole payload.
+    """
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise WireFormatError(f"a payload is a 1-D torch.uint8 tensor, got {payload.dtype} of shape "
                               f"{tuple(payload.shape)}")
     if payload.numel() < HEADER_BYTES:
         raise WireFormatError(f"payload of {payload.numel()} bytes is shorter than the {HEADER_BYTES}-byte header")
     raw = payload[:HEADER_BYTES].cpu().numpy().tobytes()
-    magic, version, kind, dtype, bits, mode, ndim, numel, k, total, bucket, _ = _HEADER.unpack(raw)
+    magic, version, kind, dtype, bits, mode, ndim, numel, k, total, bucket, crc = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise WireFormatError(f"not an hvd-gradcomp payload (magic {magic!r})")
-    if version != FORMAT_VERSION:
-        raise WireFormatError(f"payload format version {version}, this build reads {FORMAT_VERSION}: "
+    if version not in READ_VERSIONS:
+        raise WireFormatError(f"payload format version {version}, this build reads {READ_VERSIONS}: "
                               "run the same hvd-gradcomp version on every rank")
+    flags = mode & ~_MODE_MASK
+    if flags & ~FLAG_CRC32 or (version == 1 and (flags or crc)) or (not flags and crc):
+        raise WireFormatError(f"corrupt payload: unknown flags {flags:#x} or stray checksum {crc:#x} "
+                              f"in a version {version} header")
     if dtype >= len(DTYPES):
         raise WireFormatError(f"unknown dtype code {dtype}")
     if ndim > MAX_NDIM or payload.numel() < HEADER_BYTES + 8 * ndim:
@@ -107,12 +131,19 @@ def read_header(payload: torch.Tensor) -> Header:
         raise WireFormatError(f"corrupt payload: shape {shape} does not hold {numel} elements")
     if not padded(HEADER_BYTES + 8 * ndim) <= total <= payload.numel():
         raise WireFormatError(f"corrupt or truncated payload: {total} bytes declared, {payload.numel()} present")
-    _check_fields(kind, bits, mode, numel, k, bucket)
-    return Header(kind, DTYPES[dtype], bits, mode, tuple(shape), numel, k, total, bucket)
+    h = Header(kind, DTYPES[dtype], bits, mode & _MODE_MASK, tuple(shape), numel, k, total, bucket,
+               bool(flags & FLAG_CRC32))
+    _check_fields(h)
+    need = padded(h.nbytes) + min_section_bytes(h)
+    if total < need:
+        raise WireFormatError(f"corrupt or truncated payload: {k} values of {numel} need at least {need} "
+                              f"bytes, the payload declares {total}")
+    return h
 
 
-def _check_fields(kind: int, bits: int, mode: int, numel: int, k: int, bucket: int) -> None:
+def _check_fields(h: Header) -> None:
     """Reject header fields no encoder writes, before they reach a decoder."""
+    kind, bits, mode, numel, k, bucket = h.kind, h.bits, h.index_mode, h.numel, h.k, h.bucket_size
     if kind not in (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD):
         raise WireFormatError(f"unknown payload kind {kind}")
     quantised = kind in (KIND_QSGD, KIND_TOPKQSGD)
@@ -126,10 +157,50 @@ def _check_fields(kind: int, bits: int, mode: int, numel: int, k: int, bucket: i
         raise WireFormatError(f"corrupt payload: sparse payload with k {k} of {numel}, index mode {mode}")
 
 
+def min_section_bytes(h: Header) -> int:
+    """The fewest section bytes a valid payload with this header has (delta-coded index data
+    excluded: its size depends on the indices). Every count a decoder allocates for is thus
+    bounded by the payload's own size, except the dense output of a delta-coded sparse payload.
+    """
+    if h.kind == KIND_QSGD:
+        values = h.numel
+    elif h.index_mode == INDEX_BITMAP:
+        values = h.k
+        index = padded((h.numel + 7) // 8)
+    else:
+        values = h.k
+        index = padded((h.k + INDEX_BLOCK - 1) // INDEX_BLOCK)
+    if h.kind == KIND_TOPK:
+        body = padded(values * h.dtype.itemsize)
+    else:
+        body = padded(4 * ((values + h.bucket_size - 1) // h.bucket_size)) + padded((values * h.bits + 7) // 8)
+    return body if h.kind == KIND_QSGD else index + body
+
+
+def payload_crc32(payload: torch.Tensor) -> int:
+    """zlib.crc32 of a payload (copied to the host), with its crc32 field read as zero."""
+    data = payload.cpu().numpy()
+    crc = zlib.crc32(data[:_CRC_AT])
+    crc = zlib.crc32(bytes(4), crc)
+    return zlib.crc32(data[_CRC_AT + 4:], crc)
+
+
+def verify_checksum(payload: torch.Tensor, h: Header) -> None:
+    """Raise :class:`WireFormatError` if a checksummed payload's bytes changed on the way."""
+    if not h.checksum:
+        return
+    stored = struct.unpack("<I", payload[_CRC_AT:_CRC_AT + 4].cpu().numpy().tobytes())[0]
+    actual = payload_crc32(payload[:h.total_bytes])
+    if stored != actual:
+        raise WireFormatError(f"corrupt payload: CRC32 {actual:#010x} does not match the header's {stored:#010x} "
+                              "(bytes changed in transit or in memory)")
+
+
 def assemble(header: Header, sections: List[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Concatenate header and uint8 sections, each padded to ``ALIGN`` bytes, into one payload.
 
-    ``header.total_bytes`` is ignored and recomputed.
+    ``header.total_bytes`` is ignored and recomputed; with ``header.checksum`` the crc32 field
+    is filled in (a copy of the payload to the host when it lives on a GPU).
     """
     sizes = [padded(s.numel()) for s in sections]
     total = padded(header.nbytes) + sum(sizes)
@@ -146,6 +217,9 @@ def assemble(header: Header, sections: List[torch.Tensor], device: torch.device)
             out[pos:pos + s.numel()].copy_(s)
         out[pos + s.numel():pos + size].zero_()
         pos += size
+    if hdr.checksum:
+        crc = torch.frombuffer(bytearray(struct.pack("<I", payload_crc32(out))), dtype=torch.uint8)
+        out[_CRC_AT:_CRC_AT + 4].copy_(crc)
     return out
 
 
@@ -344,6 +418,10 @@ def decode_delta_indices(widths: torch.Tensor, data: torch.Tensor, k: int) -> to
     return torch.cumsum(deltas + 1, 0) - 1
 
 
+# Widest delta the decoder reads: a value starting at bit 7 of its first byte must fit the
+# ``_SPAN`` bytes gathered for it (7 + 41 bits), i.e. tensors of up to 2**41 elements.
+_MAX_DELTA_BITS = 8 * _SPAN - 7
+
 def encode_indices(indices: torch.Tensor, numel: int) -> Tuple[int, List[torch.Tensor]]:
     """Choose the smaller of delta blocks and a bitmap; return (index_mode, sections)."""
     widths, data = delta_index_bytes(indices)
@@ -357,13 +435,27 @@ def encode_indices(indices: torch.Tensor, numel: int) -> Tuple[int, List[torch.T
 
 
 def decode_indices(reader: SectionReader, mode: int, k: int, numel: int) -> torch.Tensor:
-    """Read the index sections written by :func:`encode_indices`."""
+    """Read the index sections written by :func:`encode_indices`: k sorted indices below numel.
+
+    Raises :class:`WireFormatError` when the sections cannot hold such indices (a bitmap with
+    another count of set bits, a block wider than any index of ``numel``, indices past it).
+    """
     if mode == INDEX_BITMAP:
         mask = unpack_bits(reader.take((numel + 7) // 8), 1, numel)
-        return mask.nonzero().squeeze(1)
+        idx = mask.nonzero().squeeze(1)
+        if idx.numel() != k:
+            raise WireFormatError(f"corrupt payload: index bitmap has {idx.numel()} entries, the header says {k}")
+        return idx
     if mode != INDEX_DELTA:
         raise WireFormatError(f"unknown index mode {mode}")
     nblocks = (k + INDEX_BLOCK - 1) // INDEX_BLOCK
     widths = reader.take(nblocks)
+    widest = int(widths.max()) if nblocks else 0
+    # No delta exceeds numel - 1; with that bound the int64 sum of k deltas cannot wrap either.
+    if widest > min((numel - 1).bit_length(), _MAX_DELTA_BITS) or widest + k.bit_length() > 62:
+        raise WireFormatError(f"corrupt payload: {widest}-bit index deltas for a tensor of {numel} elements")
     data = reader.take(int(widths.to(torch.int64).sum()) * (INDEX_BLOCK // 8))
-    return decode_delta_indices(widths, data, k)
+    idx = decode_delta_indices(widths, data, k)
+    if k and int(idx[-1]) >= numel:
+        raise WireFormatError(f"corrupt payload: index {int(idx[-1])} out of range for {numel} elements")
+    return idx

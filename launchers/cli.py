@@ -6,6 +6,7 @@ Examples::
     hvdgc-launch -np 8 -H node1:4,node2:4 --compression topk-qsgd --ratio 0.01 --bits 8 \\
         --accumulate 8 examples/train.py --epochs 3
     hvdgc-launch --dry-run --launcher mpirun -np 2 examples/train.py
+    hvdgc-launch --torchrun -np 2 --compression topk-qsgd examples/train_ddp.py --steps 100
     hvdgc-launch --sbatch --nodes 2 --ntasks-per-node 4 --time 1:00:00 --submit examples/train.py
 
 The compression settings reach every rank as ``HVDGC_*`` environment variables that
@@ -33,6 +34,7 @@ _TOOL_HINTS = {
     "horovodrun": "install Horovod (bash scripts/setup.sh, or pip install horovod) or use --launcher mpirun",
     "mpirun": "install Open MPI (apt-get install openmpi-bin) or use --launcher horovodrun",
     "srun": "srun comes with Slurm; run inside salloc/sbatch on a Slurm cluster",
+    "torchrun": "torchrun comes with PyTorch (pip install torch)",
     "sbatch": "sbatch comes with Slurm; write the script with --sbatch-file and submit it on the cluster",
 }
 
@@ -148,7 +150,9 @@ def _self_command() -> List[str]:
 @click.option("--start-timeout", type=int, help="Seconds horovodrun waits for all ranks to start.")
 @click.option("--verbose", is_flag=True, help="Print the command and make the launcher verbose.")
 @click.option("--launcher", type=click.Choice(LAUNCHERS), default="horovodrun", show_default=True,
-              help="What starts the ranks; srun (--mpi=pmix) only inside a Slurm allocation.")
+              help="What starts the ranks; srun (--mpi=pmix) only inside a Slurm allocation; torchrun "
+                   "for PyTorch DDP scripts (hvd_gradcomp.ddp), on this machine.")
+@click.option("--torchrun", is_flag=True, help="Same as --launcher torchrun.")
 @click.option("--compression", default="none", show_default=True,
               help="none, fp16, qsgd, topk or topk-qsgd.")
 @click.option("--ratio", type=float, default=0.01, show_default=True, help="TopK: fraction of entries sent.")
@@ -171,9 +175,10 @@ def _self_command() -> List[str]:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_context
 def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
-    """Run SCRIPT [ARGS]... on NP Horovod ranks; ARGS are passed to the script untouched."""
+    """Run SCRIPT [ARGS]... on NP Horovod ranks (PyTorch DDP ranks with --torchrun); ARGS go to it untouched."""
     _check_script(command)
     _check_sbatch_only(ctx)
+    _torchrun_flag(ctx, opts)
     env = _compression_env(opts["compression"], opts["ratio"], opts["bits"], opts["accumulate"],
                            opts["error_feedback"], opts["seed"])
     try:
@@ -192,6 +197,15 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
         ctx.exit(run(argv, added))
     except OSError as err:
         raise click.ClickException(f"cannot start {argv[0]}: {err.strerror}") from None
+
+
+def _torchrun_flag(ctx: click.Context, opts: Dict[str, object]) -> None:
+    """``--torchrun`` is ``--launcher torchrun``; with another --launcher it is a contradiction."""
+    if not opts.pop("torchrun"):
+        return
+    if ctx.get_parameter_source("launcher") is not click.core.ParameterSource.DEFAULT and opts["launcher"] != "torchrun":
+        raise click.UsageError(f"--torchrun contradicts --launcher {opts['launcher']}; give one of them")
+    opts["launcher"] = "torchrun"
 
 
 _SBATCH_ONLY = ("nodes", "ntasks_per_node", "time_limit", "partition", "job_name", "output", "sbatch_file", "submit")

@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 Host = Tuple[str, int]
 
-LAUNCHERS = ("horovodrun", "mpirun", "srun")
+LAUNCHERS = ("horovodrun", "mpirun", "srun", "torchrun")
 BACKENDS = ("gloo", "mpi")
 # Variables every mpirun rank needs to find the same Python and libraries on remote hosts.
 FORWARDED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
@@ -175,7 +175,8 @@ def build_command(spec: LaunchSpec) -> Tuple[List[str], Dict[str, str]]:
         raise LaunchError(f"unknown launcher {spec.launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     if spec.backend not in (None, *BACKENDS):
         raise LaunchError(f"unknown backend {spec.backend!r}; use --gloo or --mpi")
-    builders = {"horovodrun": _horovodrun_argv, "mpirun": _mpirun_argv, "srun": _srun_argv}
+    builders = {"horovodrun": _horovodrun_argv, "mpirun": _mpirun_argv, "srun": _srun_argv,
+                "torchrun": _torchrun_argv}
     argv = builders[spec.launcher](spec)
     return argv + program_argv(spec.command, spec.python), dict(spec.env)
 
@@ -225,6 +226,27 @@ def _srun_argv(spec: LaunchSpec) -> List[str]:
     argv = ["srun", "--mpi=pmix", "--ntasks", str(np)]
     if spec.verbose:
         argv.append("--verbose")
+    return argv
+
+
+def _torchrun_argv(spec: LaunchSpec) -> List[str]:
+    """PyTorch DDP ranks on this machine: ``torchrun --standalone``, then the program as given.
+
+    ``--no-python`` lets the program line keep the launcher's own Python (or a non-Python
+    command). The script chooses its torch.distributed backend, so --gloo/--mpi do not apply.
+
+    >>> _torchrun_argv(LaunchSpec(command=("t.py",), np=2, launcher="torchrun"))
+    ['torchrun', '--standalone', '--nproc-per-node', '2', '--no-python']
+    """
+    _reject(spec, "torchrun", start_timeout=True, ssh_port=True, hostfile=True)
+    if spec.backend is not None:
+        raise LaunchError("--gloo/--mpi choose Horovod's controller; with --launcher torchrun the script picks "
+                          "the backend (dist.init_process_group('gloo' or 'nccl')): drop the flag")
+    if spec.hosts is not None and len(spec.hosts) > 1:
+        raise LaunchError(f"--launcher torchrun starts ranks on this machine only, but {spec.hosts_origin or 'the hosts'} "
+                          "name several; run torchrun --nnodes on each node, or use --launcher horovodrun")
+    np = resolve_np(spec.np, spec.hosts, spec.hosts_origin or "the hosts")
+    argv = ["torchrun", "--standalone", "--nproc-per-node", str(np), "--no-python"]
     return argv
 
 

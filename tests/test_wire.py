@@ -156,12 +156,13 @@ def test_index_coding_round_trip(idx, tail):
     t = torch.tensor(idx, dtype=torch.int64)
     mode, sections = wire.encode_indices(t, numel)
     k = len(idx)
+    values = torch.zeros(4 * k, dtype=torch.uint8)
     payload = wire.assemble(wire.Header(wire.KIND_TOPK, torch.float32, 0, mode, (numel,), numel, k, 0, 0),
-                            sections, torch.device("cpu"))
+                            sections + [values], torch.device("cpu"))
     h = wire.read_header(payload)
     got = wire.decode_indices(wire.SectionReader(payload, h), h.index_mode, k, numel)
     assert got.tolist() == idx
-    index_bytes = payload.numel() - 48
+    index_bytes = payload.numel() - 48 - pad8(4 * k)
     bitmap = pad8((numel + 7) // 8)
     assert index_bytes == min(oracle_delta_bytes(idx), bitmap)
 
@@ -176,8 +177,9 @@ def test_index_coding_edge_sets(idx, numel):
     widths, data = wire.delta_index_bytes(t)
     assert wire.decode_delta_indices(widths, data, len(idx)).tolist() == idx
     mode, sections = wire.encode_indices(t, numel)
+    values = torch.zeros(4 * len(idx), dtype=torch.uint8)
     payload = wire.assemble(wire.Header(wire.KIND_TOPK, torch.float32, 0, mode, (numel,), numel, len(idx), 0, 0),
-                            sections, torch.device("cpu"))
+                            sections + [values], torch.device("cpu"))
     h = wire.read_header(payload)
     assert wire.decode_indices(wire.SectionReader(payload, h), mode, len(idx), numel).tolist() == idx
 
@@ -253,7 +255,7 @@ def test_payload_must_be_1d_uint8(bad):
 
 
 QSGD_CORRUPTIONS = [
-    ("magic", b"XX"), ("version", 2), ("version", 0), ("kind", 9), ("dtype", 3), ("dtype", 255),
+    ("magic", b"XX"), ("version", 3), ("version", 0), ("kind", 9), ("dtype", 3), ("dtype", 255),
     ("ndim", 9), ("ndim", 200), ("numel", 13), ("total", 8), ("total", 10 ** 6), ("total", -8),
     ("k", 5), ("bits", 0), ("bits", 1), ("bits", 9), ("bucket", 0),
 ]

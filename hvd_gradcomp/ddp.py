@@ -1,0 +1,673 @@
+"""The hvd-gradcomp compressors for PyTorch ``DistributedDataParallel``: a communication hook.
+
+One call registers the hook on a DDP model and returns its state::
+
+    import torch.distributed as dist
+    import hvd_gradcomp as gc
+    from hvd_gradcomp import ddp as gc_ddp
+
+    dist.init_process_group("nccl")          # or "gloo" on CPU
+    model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[local_rank])
+    state = gc_ddp.register(model, compression=gc.TopKQSGD(ratio=0.01, bits=8))
+    ...
+    loss.backward(); opt.step()
+    print(state.comm_stats.summary(), state.last_step_bytes)
+
+Underneath is a hook + state pair in the style of ``torch.distributed.algorithms.ddp_comm_hooks``
+(:func:`gradcomp_hook`, :class:`GradCompState`), which can also be registered by hand::
+
+    state = gc_ddp.GradCompState(None, gc.QSGD(bits=8), named_parameters=net.named_parameters())
+    model.register_comm_hook(state, gc_ddp.gradcomp_hook)
+
+How each bucket travels (``torch.distributed`` collectives only, so Gloo, NCCL and MPI alike):
+
+* sparse payloads (TopK, TopKQSGD): every parameter of the bucket is compressed on its own
+  (error feedback keyed by its name); the payloads are concatenated, the ranks all_gather
+  their sizes, then the payloads padded to the largest; every rank decodes all of them in
+  rank order, so every rank ends with bit-identical gradients;
+* QSGD: the compressed allreduce of the Horovod road: each parameter is quantised in P
+  chunks, ``all_to_all_single`` sends chunk i to rank i, rank i averages and re-quantises it
+  (with its own error feedback) and an ``all_gather`` returns every chunk;
+* dense: parameters smaller than ``min_compress_numel`` and dtypes the codecs do not carry
+  (float64) are averaged by ``all_reduce``, as are whole buckets before ``start_compress_iter``
+  and with ``compression=None``; ``compression=torch.float16`` casts like torch's fp16 hook.
+
+The hook returns a future and never waits: second-round collectives are chained on the
+first round's futures and issued, in bucket order, on a second process group, so that their
+order is the same on every rank whichever thread completes a future first.
+
+Non-finite gradients (NaN/Inf, e.g. a loss-scaler overflow) on any rank make that bucket NaN
+on every rank, as uncompressed DDP would, so ``GradScaler`` skips the step everywhere; the
+rank with the bad values leaves its residuals untouched and nobody hangs.
+"""
+# No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
+import copy
+import threading
+import warnings
+import weakref
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import settings, wire
+from .compressors import QSGD, GradientCompressor, TopKQSGD, payload_size
+from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sum_parts
+from .stats import ByteStats
+
+DEFAULT_MIN_COMPRESS_NUMEL = 1024
+DENSE_DTYPES = (torch.float16, torch.bfloat16)
+STATE_VERSION = 1
+_DEFAULT_COMPRESSION = TopKQSGD(ratio=0.01, bits=8)
+_CLAIMED: "weakref.WeakSet[GradientCompressor]" = weakref.WeakSet()
+# Process groups a hook uses stay referenced here. Callbacks run on the groups' worker threads;
+# if one of them dropped the last reference (the user let go of model and state while a
+# callback was unwinding), the group would be destroyed from its own worker thread, which
+# aborts the process ("Resource deadlock avoided").
+_KEEP_ALIVE: List[Any] = []
+
+Future = torch.futures.Future
+# all_gather_into_tensor was renamed all_gather_single (torch 2.10); both gather equal-sized tensors.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One parameter's gradient inside a bucket's flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: Tuple[int, ...]
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self.offset:self.offset + self.numel]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A bucket split into compressed and dense segments."""
+
+    compressed: Tuple[_Segment, ...]
+    dense: Tuple[_Segment, ...]
+
+
+class GradCompState:
+    """State of :func:`gradcomp_hook`: settings first, then residuals, counters and statistics.
+
+    Args:
+        process_group: the group to average over (None: the default group).
+        compression: an hvd-gradcomp compressor (``TopKQSGD``, ``TopK``, ``QSGD``), ``None``
+            (plain averaging allreduce) or ``torch.float16`` / ``torch.bfloat16`` (cast, like
+            torch's ``fp16_compress_hook``). A compressor belongs to one state: its error
+            feedback residuals are this rank's.
+        named_parameters: ``module.named_parameters()`` of the wrapped module; needed with a
+            compressor, because residuals and random streams are keyed by parameter name.
+        start_compress_iter: exchanges before this one go uncompressed (a warm-up knob, as
+            PowerSGD's ``start_powerSGD_iter``; counted in exchanges, not micro-batches).
+        min_compress_numel: parameters with fewer elements are averaged uncompressed.
+
+    Why the hook does not have to wait for DDP's bucket rebuild: DDP puts all parameters in
+    one bucket for the first iteration and rebuilds its buckets after it, by the order the
+    gradients became ready. PowerSGD keeps its error feedback per bucket *index*, so its
+    residuals would mix across the rebuild and it refuses ``start_powerSGD_iter < 2``. Here
+    every parameter of a bucket is compressed on its own, with its residual and random stream
+    keyed by the parameter's name (and its shape checked), so a bucket's layout changes
+    nothing: compression is correct from the first exchange, and a checkpoint taken after the
+    rebuild resumes bit-identically in a new DDP instance that starts with one bucket again.
+
+    Collective order: a new process group is created for the second round of collectives
+    (``dist.new_group``, a collective call: build states on every rank in the same order).
+
+    Example::
+
+        >>> state = GradCompState(None, TopKQSGD(ratio=0.01), named_parameters=net.named_parameters())  # doctest: +SKIP
+        >>> ddp_model.register_comm_hook(state, gradcomp_hook)                                        # doctest: +SKIP
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, compression: Any = None,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 start_compress_iter: int = 0, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group(...) "
+                               "before building the DDP model and its hook state")
+        _check_compression(compression)
+        for label, value, low in (("start_compress_iter", start_compress_iter, 0),
+                                  ("min_compress_numel", min_compress_numel, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.compression = compression
+        self.start_compress_iter = start_compress_iter
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.min_compress_numel = max(min_compress_numel, self.world_size)  # QSGD chunks are never empty
+        self._names: Dict[torch.Tensor, str] = {}
+        if isinstance(compression, GradientCompressor):
+            if compression in _CLAIMED:
+                raise ValueError(f"this {type(compression).__name__} already serves another hook state; "
+                                 "give every model its own compressor (its residuals are per model)")
+            if named_parameters is None:
+                raise ValueError("named_parameters is required with a compressor (residuals are kept per "
+                                 "parameter name): pass module.named_parameters() of the wrapped module")
+            self._names = _name_map(named_parameters)
+            _CLAIMED.add(compression)
+            compression.stream = self.rank  # independent rounding noise on every rank
+            ranks = dist.get_process_group_ranks(self.process_group)
+            self._second = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group))
+            _KEEP_ALIVE.extend([self.process_group, self._second])
+        self.iter = 0
+        self.comm_stats = ByteStats()   # bytes this rank hands to the collectives, all exchanges
+        self.nonfinite_exchanges = 0    # buckets that carried NaN/Inf on some rank
+        self._step_bytes: Dict[int, int] = {}
+        self._plans: Dict[Tuple[int, Tuple[int, ...]], _Plan] = {}
+        self._lock = threading.Lock()   # the compressor is used from the hook and callback threads
+        self._launched: Future = _done(None)
+
+    def __repr__(self) -> str:
+        return (f"GradCompState(compression={self.compression!r}, start_compress_iter={self.start_compress_iter}, "
+                f"min_compress_numel={self.min_compress_numel}, world_size={self.world_size})")
+
+    # ------------------------------------------------------------ statistics
+    @property
+    def last_step_bytes(self) -> int:
+        """Bytes this rank handed to the collectives in the last finished exchange (all buckets)."""
+        return self._step_bytes.get(self.iter - 1, 0)
+
+    def _record(self, step: int, name: str, raw: int, sent: int) -> None:
+        with self._lock:
+            self.comm_stats.record(name, raw, sent)
+            self._step_bytes[step] = self._step_bytes.get(step, 0) + sent
+            for old in [s for s in self._step_bytes if s < step - 1]:
+                del self._step_bytes[old]
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Residuals, random streams and the exchange counter (not the process group).
+
+        Residuals differ between ranks: save one file per rank, e.g.
+        ``torch.save(state.state_dict(), f"hook-rank{dist.get_rank()}.pt")``.
+        """
+        comp = self.compression
+        return {"version": STATE_VERSION, "iter": self.iter, "rank": self.rank, "world_size": self.world_size,
+                "compressor": type(comp).__name__ if isinstance(comp, GradientCompressor) else repr(comp),
+                "compression": comp.state_dict() if isinstance(comp, GradientCompressor) else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; the same rank must load its own file."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"hook state of version {state.get('version')!r}; this library reads {STATE_VERSION}")
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"hook state saved by rank {state['rank']} of {state['world_size']} loaded on rank "
+                             f"{self.rank} of {self.world_size}: residuals are per rank; load each rank's own file "
+                             "with the same number of ranks")
+        comp = self.compression
+        mine = type(comp).__name__ if isinstance(comp, GradientCompressor) else repr(comp)
+        if state["compressor"] != mine:
+            raise ValueError(f"hook state was saved with compression {state['compressor']}, this state uses "
+                             f"{mine}; build the state with the same compression")
+        if isinstance(comp, GradientCompressor):
+            comp.load_state_dict(state["compression"])
+        self.iter = int(state["iter"])
+
+    # ------------------------------------------------------------ bucket layout
+    def _plan(self, bucket: dist.GradBucket) -> _Plan:
+        params = bucket.parameters()
+        key = (bucket.index(), tuple(id(p) for p in params))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(bucket, params)
+        return plan
+
+    def _make_plan(self, bucket: dist.GradBucket, params: List[torch.Tensor]) -> _Plan:
+        buffer = bucket.buffer()
+        compressed, dense = [], []
+        for p, g in zip(params, bucket.gradients()):
+            name = self._names.get(p)
+            if name is None:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} in DDP bucket {bucket.index()} is not in "
+                                 "named_parameters: pass the named_parameters() of the module DDP wraps")
+            seg = _Segment(name, (g.data_ptr() - buffer.data_ptr()) // buffer.element_size(), p.numel(),
+                           tuple(p.shape))
+            small = p.numel() < self.min_compress_numel or buffer.dtype not in wire.DTYPES
+            (dense if small else compressed).append(seg)
+        return _Plan(tuple(compressed), tuple(dense))
+
+    # ------------------------------------------------------------ ordering
+    def _then_in_order(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
+                       result: Future, buffer: torch.Tensor, finish_dense: Callable[[], None]) -> None:
+        """Run ``launch()`` when ``deps`` are done *and* the previous bucket's launch has run.
+
+        ``launch`` issues the second-round collective and returns (its future, decode); it
+        returns None when the bucket carries non-finite values. ``result`` gets the buffer.
+        """
+        previous, mine = self._launched, Future()
+        self._launched = mine
+
+        def fail(err: BaseException) -> None:
+            if not result.done():
+                result.set_exception(err)
+
+        def complete(fut: Optional[Future], decode: Optional[Callable]) -> None:
+            try:
+                if fut is not None:
+                    fut.wait()
+                    with self._lock:
+                        decode()
+                else:
+                    buffer.fill_(float("nan"))
+                finish_dense()
+                result.set_result(buffer)
+            except BaseException as err:  # noqa: BLE001 -- handed to DDP, which raises it in backward
+                fail(err)
+
+        def ready(_: Future) -> None:
+            try:
+                for d in deps:
+                    d.wait()  # raises a failed first round (e.g. a peer died)
+                launched = launch()
+            except BaseException as err:  # noqa: BLE001
+                mine.set_result(None)
+                fail(err)
+                return
+            mine.set_result(None)
+            if launched is None:
+                complete(None, None)
+            else:
+                launched[0].then(lambda f: complete(f, launched[1]))
+
+        torch.futures.collect_all(deps + [previous]).then(ready)
+
+
+def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average ``bucket`` over the ranks with ``state.compression``.
+
+    Args:
+        state: a :class:`GradCompState`.
+        bucket: the flat gradient bucket DDP hands over.
+
+    Returns:
+        A future whose value is the averaged bucket buffer (written in place).
+
+    Example::
+
+        >>> ddp_model.register_comm_hook(state, gradcomp_hook)    # doctest: +SKIP
+    """
+    buffer = bucket.buffer()
+    step = state.iter
+    if bucket.is_last():  # DDP launches buckets in index order: the last one closes the exchange
+        state.iter += 1
+    comp = state.compression
+    if not isinstance(comp, GradientCompressor) or step < state.start_compress_iter:
+        return _allreduce(state, buffer, step, "dense", comp if comp in DENSE_DTYPES else None)
+    plan = state._plan(bucket)
+    if not plan.compressed:
+        return _allreduce(state, buffer, step, "dense", None)
+    road = _scatter_reduce if isinstance(comp, QSGD) else _allgather
+    return road(state, buffer, plan, step)
+
+
+# ---------------------------------------------------------------- dense
+def _allreduce(state: GradCompState, flat: torch.Tensor, step: int, name: str,
+               cast: Optional[torch.dtype]) -> Future:
+    """Average ``flat`` in place by one allreduce (of a ``cast`` copy when given)."""
+    send = flat.to(cast) if cast is not None else flat
+    send.div_(state.world_size)
+    state._record(step, name, flat.numel() * flat.element_size(), send.numel() * send.element_size())
+    fut = dist.all_reduce(send, group=state.process_group, async_op=True).get_future()
+
+    def done(f: Future) -> torch.Tensor:
+        f.wait()
+        if send is not flat:
+            flat.copy_(send)
+        return flat
+
+    return fut.then(done)
+
+
+def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan,
+                 step: int) -> Tuple[List[Future], Callable[[], None]]:
+    """The small parameters of a compressed bucket: one allreduce; returns (futures, copy-back)."""
+    if not plan.dense:
+        return [], lambda: None
+    flat = torch.cat([s.view(buffer) for s in plan.dense])
+    fut = _allreduce(state, flat, step, "dense", None)
+
+    def copy_back() -> None:
+        offset = 0
+        for s in plan.dense:
+            s.view(buffer).copy_(flat[offset:offset + s.numel])
+            offset += s.numel
+
+    return [fut], copy_back
+
+
+def _meta(state: GradCompState, value: int, device: torch.device) -> Tuple[torch.Tensor, Future]:
+    """all_gather of one int64 per rank: a payload size, or -1 for non-finite gradients."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    out = torch.empty(state.world_size, dtype=torch.int64, device=device)
+    work = _all_gather_single(out, mine, group=state.process_group, async_op=True)
+    return out, work.get_future()
+
+
+# ---------------------------------------------------------------- sparse: all_gather
+def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
+    comp, world = state.compression, state.world_size
+    with state._lock:
+        finite = _all_finite(buffer)
+        payloads = [comp.compress_named(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed] \
+            if finite else []
+    blob = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=buffer.device)
+    sizes, meta_fut = _meta(state, blob.numel() if finite else -1, buffer.device)
+    dense_futs, copy_back = _start_dense(state, buffer, plan, step)
+    for s, pl in zip(plan.compressed, payloads):
+        state._record(step, s.name, s.numel * buffer.element_size(), pl.numel())
+
+    def launch() -> Optional[Tuple[Future, Callable]]:
+        counts = sizes.tolist()
+        if min(counts) < 0:
+            _nonfinite(state)
+            return None
+        cap = max(counts)
+        padded = torch.zeros(cap, dtype=torch.uint8, device=buffer.device)
+        padded[:blob.numel()] = blob
+        gathered = torch.empty(world * cap, dtype=torch.uint8, device=buffer.device)
+        state._record(step, "(sizes+padding)", 0, 8 + cap - blob.numel())
+        work = _all_gather_single(gathered, padded, group=state._second, async_op=True)
+
+        def decode() -> None:
+            per_rank = [_split(gathered[r * cap:r * cap + counts[r]], len(plan.compressed)) for r in range(world)]
+            for j, s in enumerate(plan.compressed):
+                parts = decode_payloads(comp, [per_rank[r][j] for r in range(world)], world, s.numel)
+                sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
+
+        return work.get_future(), decode
+
+    result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
+    state._then_in_order([meta_fut] + dense_futs, launch, result, buffer, copy_back)
+    return result
+
+
+# ---------------------------------------------------------------- QSGD: compressed allreduce
+def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
+    comp, world, rank = state.compression, state.world_size, state.rank
+    bounds = [chunk_bounds(s.numel, world) for s in plan.compressed]
+    # QSGD payload sizes follow from the chunk sizes alone, so no sizes travel.
+    sizes = [[payload_size(comp, (e - b,)) for b, e in zip(bd, bd[1:])] for bd in bounds]
+    per_dest = [sum(sz[r] for sz in sizes) for r in range(world)]
+    with state._lock:
+        finite = _all_finite(buffer)
+        if finite:
+            chunks = [comp.compress_chunks(s.name, s.view(buffer).view(s.shape), bd)
+                      for s, bd in zip(plan.compressed, bounds)]
+            send = torch.cat([pl for r in range(world) for pls in chunks for pl in pls[r:r + 1]])
+        else:
+            send = torch.zeros(sum(per_dest), dtype=torch.uint8, device=buffer.device)
+    if send.numel() != sum(per_dest):
+        raise RuntimeError(f"QSGD payloads of {send.numel()} bytes where the size formula gives {sum(per_dest)}")
+    received = torch.empty(world * per_dest[rank], dtype=torch.uint8, device=buffer.device)
+    a2a = dist.all_to_all_single(received, send, [per_dest[rank]] * world, per_dest,
+                                 group=state.process_group, async_op=True).get_future()
+    flags, meta_fut = _meta(state, 1 if finite else -1, buffer.device)
+    dense_futs, copy_back = _start_dense(state, buffer, plan, step)
+    cap = max(per_dest)
+    state._record(step, "(flags)", 0, 8)
+
+    def launch() -> Optional[Tuple[Future, Callable]]:
+        if min(flags.tolist()) < 0:
+            _nonfinite(state)
+            return None
+        n = len(plan.compressed)
+        from_rank = [_split(received[r * per_dest[rank]:(r + 1) * per_dest[rank]], n) for r in range(world)]
+        with state._lock:
+            reduced = []
+            for j, s in enumerate(plan.compressed):
+                mine = reduce_payloads(comp, [from_rank[r][j] for r in range(world)], True, world, buffer.dtype)
+                reduced.append(comp.compress_named(f"{s.name}#reduced{rank}", mine))
+        padded = torch.zeros(cap, dtype=torch.uint8, device=buffer.device)
+        padded[:per_dest[rank]] = torch.cat(reduced)
+        gathered = torch.empty(world * cap, dtype=torch.uint8, device=buffer.device)
+        for j, s in enumerate(plan.compressed):
+            to_others = sum(sizes[j]) - sizes[j][rank]
+            state._record(step, s.name, s.numel * buffer.element_size(), to_others + reduced[j].numel())
+        state._record(step, "(flags+padding)", 0, cap - per_dest[rank])
+        work = _all_gather_single(gathered, padded, group=state._second, async_op=True)
+
+        def decode() -> None:
+            for r in range(world):
+                pls = _split(gathered[r * cap:r * cap + per_dest[r]], n)
+                for s, bd, pl in zip(plan.compressed, bounds, pls):
+                    chunk = comp.decode(pl).reshape(-1)
+                    if chunk.numel() != bd[r + 1] - bd[r]:
+                        raise RuntimeError(f"{s.name}: chunk of {chunk.numel()} elements where "
+                                           f"{bd[r + 1] - bd[r]} were expected; ranks disagree on the model")
+                    s.view(buffer)[bd[r]:bd[r + 1]].copy_(chunk)
+
+        return work.get_future(), decode
+
+    result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
+    state._then_in_order([a2a, meta_fut] + dense_futs, launch, result, buffer, copy_back)
+    return result
+
+
+# ---------------------------------------------------------------- registration
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
+             compression: Any = _DEFAULT_COMPRESSION, process_group: Optional[dist.ProcessGroup] = None,
+             start_compress_iter: int = 0, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL) -> GradCompState:
+    """Register :func:`gradcomp_hook` on ``ddp_model`` and return its :class:`GradCompState`.
+
+    ``compression`` defaults to a fresh ``TopKQSGD(ratio=0.01, bits=8)``; see
+    :class:`GradCompState` for the other arguments. Call it on every rank, before the first
+    backward pass (DDP allows one hook per model).
+
+    Example::
+
+        >>> model = DistributedDataParallel(net)                                       # doctest: +SKIP
+        >>> state = register(model, compression=TopKQSGD(ratio=0.01, bits=8))          # doctest: +SKIP
+        >>> loss.backward(); opt.step(); print(state.comm_stats.summary())             # doctest: +SKIP
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register() takes a torch.nn.parallel.DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
+    if compression is _DEFAULT_COMPRESSION:
+        compression = copy.deepcopy(_DEFAULT_COMPRESSION)
+    group = process_group if process_group is not None else ddp_model.process_group
+    _warn_unread_settings(compression, dist.get_rank(group) if dist.is_initialized() else 0)
+    state = GradCompState(group, compression, named_parameters=ddp_model.module.named_parameters(),
+                          start_compress_iter=start_compress_iter, min_compress_numel=min_compress_numel)
+    ddp_model.register_comm_hook(state, gradcomp_hook)
+    return state
+
+
+def compression_from_env(env: Optional[Dict[str, str]] = None) -> Any:
+    """The ``compression`` argument the ``HVDGC_*`` settings name (see :mod:`hvd_gradcomp.config`).
+
+    ``hvdgc-launch --launcher torchrun --compression topk-qsgd ... train.py`` exports them;
+    ``fp16`` becomes ``torch.float16`` here, since DDP has no Horovod compressor.
+
+    >>> compression_from_env({"HVDGC_COMPRESSION": "qsgd", "HVDGC_BITS": "4"})
+    QSGD(bits=4, bucket_size=512, error_feedback=True)
+    >>> compression_from_env({"HVDGC_COMPRESSION": "fp16"})
+    torch.float16
+    """
+    from .config import from_env
+
+    cfg = from_env(env)
+    return torch.float16 if cfg.compression == "fp16" else cfg.make_compressor()
+
+
+_settings_checked = False
+
+
+def _warn_unread_settings(compression: Any, rank: int) -> None:
+    """Once, on rank 0: HVDGC_* settings the script neither read nor matched (see the settings module)."""
+    global _settings_checked
+    if _settings_checked or rank != 0:
+        return
+    _settings_checked = True
+    message = unread_settings_message(compression)
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def unread_settings_message(compression: Any, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """What :func:`register` warns when ``hvdgc-launch`` set ``HVDGC_*`` but the script built something else.
+
+    >>> print(unread_settings_message(None, {"HVDGC_COMPRESSION": "qsgd"}))  # doctest: +ELLIPSIS
+    HVDGC_COMPRESSION=qsgd is set (hvdgc-launch sets them), but this script built hvd_gradcomp.ddp.register(...
+    >>> unread_settings_message(TopKQSGD(ratio=0.05), {"HVDGC_COMPRESSION": "topk-qsgd", "HVDGC_RATIO": "0.05"})
+    """
+    if compression is None or compression in DENSE_DTYPES:
+        built: Dict[str, Any] = {"compression": "none" if compression is None else "fp16"}
+    else:
+        kind = "topk-qsgd" if isinstance(compression, TopKQSGD) else \
+            "qsgd" if isinstance(compression, QSGD) else "topk"
+        built = {"compression": kind, "error_feedback": compression.error_feedback, "seed": compression.seed}
+        built.update({k: getattr(compression, k) for k in ("ratio", "bits") if hasattr(compression, k)})
+    return settings.unread_settings_message(built, env, f"hvd_gradcomp.ddp.register(compression={compression!r})")
+
+
+# ---------------------------------------------------------------- accumulation
+class GradientAccumulator:
+    """N micro-batches, one compressed exchange: DDP's ``no_sync()`` plus loss scaling and tail flush.
+
+    The first N-1 micro-batches of a window run under ``ddp_model.no_sync()`` (gradients add
+    up locally, nothing is sent); the N-th runs normally, so the hook compresses and exchanges
+    the accumulated gradient once, exactly as it would one N times larger batch. Each loss
+    is scaled by 1/N. Forward *and* backward must run inside :meth:`accumulate`, since DDP
+    decides at the forward pass whether the backward pass synchronises.
+
+    ``flush()`` ends a partial window of k < N micro-batches (the end of an epoch): their
+    gradients never left the rank, so it averages them with one uncompressed allreduce per
+    dtype, rescales by N/k and steps. Call it on every rank.
+
+    Example::
+
+        acc = gc_ddp.GradientAccumulator(model, opt, steps=8, micro_batch=4)
+        for x, y in loader:
+            with acc.accumulate():
+                acc.backward(loss_fn(model(x), y))      # steps on every 8th call
+        acc.flush()
+    """
+
+    def __init__(self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                 steps: int, micro_batch: Optional[int] = None) -> None:
+        if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(f"GradientAccumulator takes the DistributedDataParallel model, got "
+                            f"{type(ddp_model).__name__}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1 (micro-batches per optimizer step), got {steps!r}")
+        self.model, self.optimizer, self.steps, self.micro_batch = ddp_model, optimizer, steps, micro_batch
+        self.pending = 0
+        self.optimizer_steps = 0
+        self._inside = False
+
+    @contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Wrap one micro-batch's forward and backward: no_sync unless it completes the window."""
+        self._inside = True
+        try:
+            with self.model.no_sync() if self.pending + 1 < self.steps else nullcontext():
+                yield
+        finally:
+            self._inside = False
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """``(loss / steps).backward()``; steps and zeroes the gradients on every ``steps``-th call."""
+        if not self._inside:
+            raise RuntimeError("call backward() inside `with acc.accumulate():`, around the forward pass too "
+                               "(DDP decides at the forward pass whether to synchronise)")
+        if loss.dim() != 0:
+            raise ValueError(f"loss must be a scalar (reduce it with .mean()), got shape {tuple(loss.shape)}")
+        (loss / self.steps).backward()
+        self.pending += 1
+        if self.pending == self.steps:
+            self._step()
+            return True
+        return False
+
+    def flush(self) -> bool:
+        """Average, rescale and step on a partial window (see the class docstring); False if empty."""
+        if self.pending == 0:
+            return False
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        group = self.model.process_group
+        scale = self.steps / self.pending / dist.get_world_size(group)
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            grads = [p.grad for p in by_dtype[dtype]]
+            flat = torch.cat([g.reshape(-1) for g in grads]).mul_(scale)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._step()
+        return True
+
+    def _step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.pending = 0
+        self.optimizer_steps += 1
+
+    def effective_batch(self) -> Optional[int]:
+        """micro_batch x steps x ranks (None when micro_batch is unknown)."""
+        if self.micro_batch is None:
+            return None
+        return self.micro_batch * self.steps * dist.get_world_size(self.model.process_group)
+
+
+# ---------------------------------------------------------------- helpers
+def _check_compression(compression: Any) -> None:
+    if compression is None or isinstance(compression, GradientCompressor) or compression in DENSE_DTYPES:
+        return
+    hint = " (for Horovod's fp16 compressor use torch.float16)" if "Compress" in type(compression).__name__ or \
+        "Compress" in getattr(compression, "__name__", "") else ""
+    raise ValueError(f"compression must be an hvd_gradcomp compressor (TopKQSGD, TopK, QSGD), None or "
+                     f"torch.float16/torch.bfloat16, got {compression!r}{hint}")
+
+
+def _name_map(named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> Dict[torch.Tensor, str]:
+    named = list(named_parameters)
+    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+        raise ValueError("named_parameters should be (name, parameter) pairs, usually module.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names must be unique; duplicated: {dups}")
+    return {p: n for n, p in named}
+
+
+def _nonfinite(state: GradCompState) -> None:
+    state.nonfinite_exchanges += 1
+    warnings.warn("a gradient bucket held NaN/Inf on some rank: it is NaN on every rank for this step "
+                  "(a GradScaler skips such steps; otherwise lower the learning rate or clip)", RuntimeWarning)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+def _split(blob: torch.Tensor, expected: int) -> List[torch.Tensor]:
+    payloads = wire.split_payloads(blob) if blob.numel() else []
+    if len(payloads) != expected:
+        raise RuntimeError(f"got {len(payloads)} payloads where {expected} were expected: ranks disagree on "
+                           "the model or its buckets")
+    return payloads
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+__all__ = ["GradCompState", "gradcomp_hook", "register", "compression_from_env", "GradientAccumulator"]

@@ -1,0 +1,347 @@
+"""Rank side of tests/test_ddp.py: ``python -m torch.distributed.run ... tests/ddp_workers.py JOB OUTDIR``.
+
+Every rank runs every scenario of JOB in order and writes ``OUTDIR/rank<r>.json`` (JSON
+values the test asserts on). A failing rank prints its traceback and exits at once, so
+torchrun stops the other rank instead of letting it wait in a collective.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hvd_gradcomp as gc  # noqa: E402
+from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
+
+BUCKET_MB = 0.01  # ~2,600 float32 per bucket: several buckets, so ordering across buckets is exercised
+
+
+class Net(nn.Module):
+    """Weights above min_compress_numel (compressed), biases and a small head below it (dense)."""
+
+    def __init__(self, unused_branch: bool = False, spare_on: int = -1) -> None:
+        super().__init__()
+        self.spare_on = spare_on  # the rank whose forward uses the spare layer (-1: none)
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.fc3 = nn.Linear(64, 48)
+        self.head = nn.Linear(48, 10)
+        self.spare = nn.Linear(64, 64) if unused_branch else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        h = torch.relu(self.fc2(h))
+        if self.spare is not None and self.spare_on == _rank():
+            h = h + self.spare(h)
+        return self.head(torch.relu(self.fc3(h)))
+
+
+_as_rank = [None]  # the reference computes other ranks' gradients locally
+
+
+def _rank() -> int:
+    return _as_rank[0] if _as_rank[0] is not None else dist.get_rank()
+
+
+def make_compression(kind: str, **kw: Any) -> Any:
+    seed = kw.pop("seed", 7)
+    return {"none": lambda: None, "fp16": lambda: torch.float16,
+            "topk": lambda: gc.TopK(seed=seed, **kw), "topkqsgd": lambda: gc.TopKQSGD(seed=seed, **kw),
+            "qsgd": lambda: gc.QSGD(seed=seed, **kw)}[kind]()
+
+
+def batch(rank: int, step: int, n: int = 16) -> Any:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def net(seed: int = 0, **kw: Any) -> Net:
+    torch.manual_seed(seed)
+    return Net(**kw)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def reference_grad(step: int, world: int, n: int = 16) -> torch.Tensor:
+    """The uncompressed average gradient, computed locally from every rank's batch."""
+    total = None
+    for r in range(world):
+        m = net()
+        loss_of(m, *batch(r, step, n)).backward()
+        g = flat_grads(m)
+        total = g if total is None else total + g
+    return total / world
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# ---------------------------------------------------------------- scenarios
+def one_step(kind: str, **kw: Any) -> Dict[str, Any]:
+    """One exchange of a fresh model: gradient vs the uncompressed reference, and the bytes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    state = gc_ddp.register(model, compression=make_compression(kind, **kw))
+    loss_of(model, *batch(rank, 0)).backward()
+    g = flat_grads(model.module)
+    ref = reference_grad(0, world)
+    return {"rel": rel(g, ref), "grad": g.tolist(), "bytes": state.last_step_bytes,
+            "ratio": state.comm_stats.ratio, "raw": sum(p.numel() * 4 for p in model.parameters())}
+
+
+def ef_average(kind: str, steps: int, **kw: Any) -> Dict[str, Any]:
+    """The same batch every step: with error feedback the mean of what arrives tends to the truth."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    gc_ddp.register(model, compression=make_compression(kind, **kw))
+    first, total = None, None
+    for _ in range(steps):
+        model.zero_grad()
+        loss_of(model, *batch(rank, 0)).backward()
+        g = flat_grads(model.module)
+        first = g.clone() if first is None else first
+        total = g.clone() if total is None else total + g
+    ref = reference_grad(0, world)
+    return {"rel_first": rel(first, ref), "rel_mean": rel(total / steps, ref)}
+
+
+def accumulation(kind: str, micro: int = 4, tail: int = 0, **kw: Any) -> Dict[str, Any]:
+    """N micro-batches under no_sync (through GradientAccumulator) vs one big batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batch(rank, 5, n=8 * micro)
+    big = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    gc_ddp.register(big, compression=make_compression(kind, **kw))
+    loss_of(big, x, y).backward()
+    want = flat_grads(big.module)
+
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    gc_ddp.register(model, compression=make_compression(kind, **kw))
+    grads: List[torch.Tensor] = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt.step = lambda: grads.append(flat_grads(model.module))  # record what the step would apply
+    n = micro if not tail else tail
+    acc = gc_ddp.GradientAccumulator(model, opt, steps=micro, micro_batch=8)
+    for xs, ys in list(zip(x.chunk(micro), y.chunk(micro)))[:n]:
+        with acc.accumulate():
+            acc.backward(loss_of(model, xs, ys))
+    flushed = acc.flush()
+    if tail:
+        want = reference_of_first(x, y, micro, tail, world, rank)
+    return {"rel": rel(grads[0], want), "steps": acc.optimizer_steps, "flushed": flushed}
+
+
+def reference_of_first(x, y, micro, tail, world, rank) -> torch.Tensor:
+    """Average over ranks of the mean gradient of the first ``tail`` micro-batches (uncompressed)."""
+    m = net()
+    xs, ys = x.chunk(micro), y.chunk(micro)
+    for i in range(tail):
+        loss_of(m, xs[i], ys[i]).backward()
+    g = flat_grads(m) / tail
+    dist.all_reduce(g)
+    return g / world
+
+
+def raw_no_sync(micro: int = 4) -> Dict[str, Any]:
+    """model.no_sync() written by hand, as in torch's docs, with our hook registered (uncompressed)."""
+    rank = dist.get_rank()
+    x, y = batch(rank, 6, n=8 * micro)
+    big = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    gc_ddp.register(big, compression=None)
+    loss_of(big, x, y).backward()
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    state = gc_ddp.register(model, compression=None)
+    pairs = list(zip(x.chunk(micro), y.chunk(micro)))
+    with model.no_sync():
+        for xs, ys in pairs[:-1]:
+            (loss_of(model, xs, ys) / micro).backward()
+    (loss_of(model, *pairs[-1]) / micro).backward()
+    return {"rel": rel(flat_grads(model.module), flat_grads(big.module)), "exchanges": state.iter}
+
+
+def train(model: DDP, state: Any, opt: torch.optim.Optimizer, steps: range, extra=None) -> None:
+    rank = dist.get_rank()
+    for step in steps:
+        opt.zero_grad()
+        loss_of(model, *batch(rank, step)).backward()
+        opt.step()
+
+
+def checkpoint(kind: str, ckpt: str, **kw: Any) -> Dict[str, Any]:
+    """6 steps straight vs 3 steps, save, fresh DDP + state + optimizer, load, 3 steps: bit-identical."""
+    rank = dist.get_rank()
+
+    def fresh():
+        model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+        state = gc_ddp.register(model, compression=make_compression(kind, seed=11, **kw))
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, state, opt = fresh()
+    train(model, state, opt, range(6))
+    straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    model, state, opt = fresh()
+    train(model, state, opt, range(3))
+    path = Path(ckpt) / f"rank{rank}.pt"
+    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
+    model, state, opt = fresh()
+    saved = torch.load(path, weights_only=False)
+    model.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["hook"])
+    train(model, state, opt, range(3, 6))
+    resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"identical": bool(torch.equal(straight, resumed)), "max_diff": float((straight - resumed).abs().max()),
+            "params": resumed.tolist()}
+
+
+def ddp_options(kind: str, **kw: Any) -> Dict[str, Any]:
+    """find_unused_parameters, frozen parameters and static_graph, 3 steps each, vs uncompressed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: Dict[str, Any] = {}
+    for label, build in {
+        "unused": lambda: DDP(net(unused_branch=True), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True),
+        "frozen": lambda: DDP(_frozen(net()), bucket_cap_mb=BUCKET_MB),
+        "static": lambda: DDP(net(), bucket_cap_mb=BUCKET_MB, static_graph=True),
+        "unused_on_one_rank": lambda: DDP(net(unused_branch=True, spare_on=0), bucket_cap_mb=BUCKET_MB,
+                                          find_unused_parameters=True),
+    }.items():
+        model = build()
+        state = gc_ddp.register(model, compression=make_compression(kind, **kw))
+        rels = []
+        for step in range(3):
+            model.zero_grad()
+            loss_of(model, *batch(rank, step)).backward()
+            g = flat_grads(model.module)
+            ref_model = net(unused_branch=label.startswith("unused"), spare_on=0 if label == "unused_on_one_rank" else -1)
+            if label == "frozen":
+                _frozen(ref_model)
+            total = None
+            for r in range(world):
+                ref_model.zero_grad()
+                _as_rank[0] = r
+                loss_of(ref_model, *batch(r, step)).backward()
+                _as_rank[0] = None
+                rg = _grads_like(ref_model, model.module)
+                total = rg if total is None else total + rg
+            rels.append(rel(g, total / world))
+        out[label] = {"rels": rels, "grad": g.tolist(), "exchanges": state.iter,
+                      "frozen_grad_none": model.module.fc1.weight.grad is None if label == "frozen" else None,
+                      "spare_grad": (None if model.module.spare is None or model.module.spare.weight.grad is None
+                                     else float(model.module.spare.weight.grad.abs().sum()))}
+    return out
+
+
+def _grads_like(ref: nn.Module, model: nn.Module) -> torch.Tensor:
+    """ref's gradients for the parameters that have one in ``model`` (zeros where ref has none)."""
+    return torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1)
+                      for p, q in zip(model.parameters(), ref.parameters()) if p.grad is not None])
+
+
+def _frozen(m: Net) -> Net:
+    for p in m.fc1.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def nonfinite(kind: str, **kw: Any) -> Dict[str, Any]:
+    """Rank 1 has an Inf in its loss: every rank gets a non-finite gradient and nobody hangs."""
+    rank = dist.get_rank()
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    state = gc_ddp.register(model, compression=make_compression(kind, **kw))
+    loss = loss_of(model, *batch(rank, 0))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        (loss * (float("inf") if rank == 1 else 1.0)).backward()
+    bad = not bool(torch.isfinite(flat_grads(model.module)).all())
+    model.zero_grad()
+    loss_of(model, *batch(rank, 1)).backward()  # the next step is fine again
+    return {"nonfinite": bad, "count": state.nonfinite_exchanges,
+            "next_finite": bool(torch.isfinite(flat_grads(model.module)).all())}
+
+
+def errors() -> Dict[str, Any]:
+    """Bad arguments: each gives a clear error."""
+    out: Dict[str, Any] = {}
+
+    def catch(label: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+            out[label] = "no error"
+        except (ValueError, TypeError, RuntimeError) as err:
+            out[label] = f"{type(err).__name__}: {err}"
+
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    catch("not_ddp", lambda: gc_ddp.register(net()))
+    catch("bad_compression", lambda: gc_ddp.register(model, compression="topk"))
+    catch("bad_start", lambda: gc_ddp.GradCompState(None, None, start_compress_iter=-1))
+    catch("no_names", lambda: gc_ddp.GradCompState(None, gc.TopK()))
+    shared = gc.TopK()
+    gc_ddp.GradCompState(None, shared, named_parameters=model.module.named_parameters())
+    catch("shared", lambda: gc_ddp.GradCompState(None, shared, named_parameters=model.module.named_parameters()))
+    state = gc_ddp.GradCompState(None, gc.QSGD(), named_parameters=model.module.named_parameters())
+    sd = state.state_dict()
+    catch("wrong_rank", lambda: state.load_state_dict({**sd, "rank": 1 - sd["rank"]}))
+    catch("wrong_kind", lambda: state.load_state_dict({**sd, "compressor": "TopK"}))
+    catch("acc_steps", lambda: gc_ddp.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 0))
+    acc = gc_ddp.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    catch("acc_outside", lambda: acc.backward(loss_of(model, *batch(0, 0))))
+    return out
+
+
+def die(after: int) -> Dict[str, Any]:
+    """Rank 1 exits abruptly in the middle of training; the job must end non-zero, soon."""
+    rank = dist.get_rank()
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    gc_ddp.register(model, compression=gc.TopKQSGD(ratio=0.05))
+    for step in range(1000):
+        if rank == 1 and step == after:
+            os._exit(3)
+        model.zero_grad()
+        loss_of(model, *batch(rank, step)).backward()
+    return {}
+
+
+SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
+             "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
+             "die": die}
+
+
+def main() -> None:
+    jobs, outdir = json.loads(sys.argv[1]), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    results = []
+    try:
+        for job in jobs:
+            job = dict(job)
+            results.append(SCENARIOS[job.pop("fn")](**job))
+    except BaseException:
+        print(f"[rank {rank}] FAILED in {job}", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    (outdir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""The DDP communication hook on 2 Gloo ranks under torchrun (tests/ddp_workers.py is the rank side).
+
+One job runs every scenario (a "battery": starting ranks costs seconds); each test asserts
+on its part. Expectations are independent: the uncompressed reference gradient is
+recomputed locally from every rank's batch.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from tests.harness import ROOT, launch, rank_env
+
+pytestmark = pytest.mark.multirank
+WORKERS = str(ROOT / "tests" / "ddp_workers.py")
+_cache: Dict[str, List[Any]] = {}
+
+# Relative error of one exchange against the uncompressed average (measured ~0.49, 0.065, 0.6).
+ONE_STEP_TOL = {"topkqsgd": 0.6, "qsgd8": 0.1, "qsgd4": 0.8}
+SCENARIOS: Dict[str, Dict[str, Any]] = {
+    "none": {"fn": "one_step", "kind": "none"},
+    "fp16": {"fn": "one_step", "kind": "fp16"},
+    "topk-all": {"fn": "one_step", "kind": "topk", "ratio": 1.0},
+    "topkqsgd": {"fn": "one_step", "kind": "topkqsgd", "ratio": 0.05},
+    "qsgd8": {"fn": "one_step", "kind": "qsgd", "bits": 8},
+    "qsgd4": {"fn": "one_step", "kind": "qsgd", "bits": 4},
+    "ef-topk": {"fn": "ef_average", "kind": "topk", "ratio": 0.1, "steps": 30},
+    "ef-qsgd4": {"fn": "ef_average", "kind": "qsgd", "bits": 4, "steps": 30},
+    "acc-none": {"fn": "accumulation", "kind": "none"},
+    "acc-topkqsgd": {"fn": "accumulation", "kind": "topkqsgd", "ratio": 0.05},
+    "acc-qsgd": {"fn": "accumulation", "kind": "qsgd", "bits": 8},
+    "acc-tail": {"fn": "accumulation", "kind": "topkqsgd", "ratio": 0.05, "tail": 3},
+    "raw-no-sync": {"fn": "raw_no_sync"},
+    "ckpt-topkqsgd": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05},
+    "ckpt-qsgd4": {"fn": "checkpoint", "kind": "qsgd", "bits": 4},
+    "options-none": {"fn": "ddp_options", "kind": "none"},
+    "options-topk-all": {"fn": "ddp_options", "kind": "topk", "ratio": 1.0},
+    "options-qsgd8": {"fn": "ddp_options", "kind": "qsgd", "bits": 8},
+    "nonfinite-topkqsgd": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05},
+    "nonfinite-qsgd": {"fn": "nonfinite", "kind": "qsgd", "bits": 8},
+    "errors": {"fn": "errors"},
+}
+
+
+def run_job(jobs: List[Dict[str, Any]], timeout: float = 300, expect_fail: bool = False) -> Any:
+    """torchrun 2 ranks over ``jobs``; the per-rank result lists (or the failed process)."""
+    with tempfile.TemporaryDirectory(prefix="hvdgc-ddp-") as outdir:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                WORKERS, json.dumps(jobs), outdir]
+        res = launch(argv, timeout, rank_env())
+        if expect_fail:
+            return res
+        if res.returncode != 0:
+            pytest.fail(f"DDP job exited {res.returncode}\n--- output of all ranks ---\n{res.stdout}")
+        return [json.loads((Path(outdir) / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def battery(tmp_path_factory) -> Dict[str, List[Any]]:
+    if "all" not in _cache:
+        ckpt = tmp_path_factory.mktemp("ckpt")
+        ids = list(SCENARIOS)
+        jobs = [dict(SCENARIOS[i], **({"ckpt": str(ckpt / i)} if SCENARIOS[i]["fn"] == "checkpoint" else {}))
+                for i in ids]
+        for job in jobs:
+            if "ckpt" in job:
+                Path(job["ckpt"]).mkdir()
+        per_rank = run_job(jobs)
+        _cache["all"] = {i: [per_rank[0][j], per_rank[1][j]] for j, i in enumerate(ids)}
+    return _cache["all"]
+
+
+@pytest.mark.parametrize("sid", ["none", "fp16", "topk-all", "topkqsgd", "qsgd8", "qsgd4"])
+def test_every_rank_ends_with_identical_gradients(battery, sid):
+    r0, r1 = battery[sid]
+    assert r0["grad"] == r1["grad"]
+
+
+@pytest.mark.parametrize("sid,tol", [("none", 1e-6), ("topk-all", 1e-6), ("fp16", 2e-3)])
+def test_lossless_settings_match_uncompressed_reference(battery, sid, tol):
+    assert battery[sid][0]["rel"] <= tol
+
+
+@pytest.mark.parametrize("sid", list(ONE_STEP_TOL))
+def test_compressed_step_is_near_reference_and_smaller(battery, sid):
+    r = battery[sid][0]
+    assert 0 < r["rel"] <= ONE_STEP_TOL[sid]
+    assert r["bytes"] < r["raw"] / 2.5
+    assert r["ratio"] > 2.5
+
+
+def test_uncompressed_bytes_are_the_raw_bytes(battery):
+    r = battery["none"][0]
+    assert r["bytes"] == r["raw"] and r["ratio"] == 1.0
+
+
+@pytest.mark.parametrize("sid", ["ef-topk", "ef-qsgd4"])
+def test_error_feedback_mean_converges_to_the_reference(battery, sid):
+    r = battery[sid][0]
+    # 30 exchanges of the same gradient: the mean error shrinks about 1/steps (measured 0.06, 0.15).
+    assert r["rel_mean"] < r["rel_first"] / 3
+    assert r["rel_mean"] < 0.25
+
+
+def test_no_sync_accumulation_equals_one_big_batch_uncompressed(battery):
+    assert battery["acc-none"][0]["rel"] <= 1e-5
+    assert battery["raw-no-sync"][0]["rel"] <= 1e-5
+    assert battery["raw-no-sync"][0]["exchanges"] == 1
+
+
+@pytest.mark.parametrize("sid", ["acc-topkqsgd", "acc-qsgd"])
+def test_compressed_accumulation_equals_compressing_the_big_batch(battery, sid):
+    # Documented equivalence: the summed micro-batch gradient is compressed once, as the big
+    # batch's would be; only float summation order differs (a TopK near-tie could flip).
+    r = battery[sid][0]
+    assert r["rel"] <= 1e-5 and r["steps"] == 1 and not r["flushed"]
+
+
+def test_flush_averages_a_partial_window(battery):
+    r = battery["acc-tail"][0]
+    assert r["flushed"] and r["steps"] == 1 and r["rel"] <= 1e-5
+
+
+@pytest.mark.parametrize("sid", ["ckpt-topkqsgd", "ckpt-qsgd4"])
+def test_checkpoint_resume_is_bit_identical(battery, sid):
+    r0, r1 = battery[sid]
+    assert r0["identical"] and r1["identical"], (r0["max_diff"], r1["max_diff"])
+    assert r0["params"] == r1["params"]
+
+
+@pytest.mark.parametrize("label", ["unused", "unused_on_one_rank", "frozen", "static"])
+def test_unused_frozen_and_static_graph(battery, label):
+    for sid, tol in (("options-none", 1e-6), ("options-topk-all", 1e-6), ("options-qsgd8", 0.15)):
+        r0, r1 = battery[sid]
+        assert r0[label]["grad"] == r1[label]["grad"]
+        assert max(r0[label]["rels"]) <= tol, (sid, r0[label]["rels"])
+        assert r0[label]["exchanges"] == 3
+    assert battery["options-none"][0]["frozen"]["frozen_grad_none"] is True
+    # used on rank 0 only: rank 1 still receives the averaged gradient of the spare layer
+    assert battery["options-qsgd8"][1]["unused_on_one_rank"]["spare_grad"] > 0
+
+
+@pytest.mark.parametrize("sid", ["nonfinite-topkqsgd", "nonfinite-qsgd"])
+def test_nonfinite_gradient_on_one_rank_reaches_every_rank(battery, sid):
+    for r in battery[sid]:
+        assert r["nonfinite"] and r["count"] >= 1 and r["next_finite"]
+
+
+@pytest.mark.parametrize("key,words", [
+    ("not_ddp", "DistributedDataParallel"), ("bad_compression", "compression must be"),
+    ("bad_start", "start_compress_iter"), ("no_names", "named_parameters"), ("shared", "own compressor"),
+    ("wrong_rank", "own file"), ("wrong_kind", "same compression"), ("acc_steps", "steps must be"),
+    ("acc_outside", "accumulate()")])
+def test_bad_arguments_give_clear_errors(battery, key, words):
+    assert words in battery["errors"][0][key]
+
+
+def test_killed_rank_ends_the_job_nonzero_in_bounded_time():
+    t0 = time.monotonic()
+    res = run_job([{"fn": "die", "after": 3}], timeout=120, expect_fail=True)
+    assert res.returncode != 0, res.stdout
+    assert time.monotonic() - t0 < 60, res.stdout  # ~13 s here: Gloo sees the reset, torchrun stops the rest
+
+
+def test_register_outside_distributed_is_a_clear_error():
+    from hvd_gradcomp import ddp
+
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        ddp.register(torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ddp.GradCompState(None, None)
+
+
+def test_compression_from_env_maps_the_settings():
+    from hvd_gradcomp import ddp
+
+    assert ddp.compression_from_env({}) is None
+    assert ddp.compression_from_env({"HVDGC_COMPRESSION": "fp16"}) is torch.float16
+    c = ddp.compression_from_env({"HVDGC_COMPRESSION": "topk-qsgd", "HVDGC_RATIO": "0.02", "HVDGC_SEED": "3"})
+    assert (type(c).__name__, c.ratio, c.bits, c.seed) == ("TopKQSGD", 0.02, 8, 3)
+
+
+# ---------------------------------------------------------------- launcher and example
+def test_torchrun_command_is_exact():
+    from launchers.command import LaunchSpec, build_command
+
+    argv, env = build_command(LaunchSpec(command=("train_ddp.py", "--steps", "3"), np=2, launcher="torchrun",
+                                         python="/py", env={"HVDGC_COMPRESSION": "qsgd"}))
+    assert argv == ["torchrun", "--standalone", "--nproc-per-node", "2", "--no-python", "/py", "train_ddp.py",
+                    "--steps", "3"]
+    assert env == {"HVDGC_COMPRESSION": "qsgd"}
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"backend": "gloo"}, "the script picks the backend"),
+    ({"hosts": (("a", 2), ("b", 2)), "hosts_origin": "-H a:2,b:2"}, "this machine only"),
+    ({"hostfile": "h"}, "--hostfile does not apply"),
+    ({"start_timeout": 5}, "--start-timeout is a horovodrun option")])
+def test_torchrun_rejects_horovod_only_options(kwargs, words):
+    from launchers.command import LaunchError, LaunchSpec, build_command
+
+    with pytest.raises(LaunchError, match=words):
+        build_command(LaunchSpec(command=("t.py",), launcher="torchrun", **kwargs))
+
+
+def test_cli_torchrun_flag(monkeypatch):
+    from click.testing import CliRunner
+    from launchers import cli
+
+    monkeypatch.setattr(cli, "_find_tool", lambda name: f"/opt/bin/{name}")
+    monkeypatch.chdir(ROOT)
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    script = "examples/train_ddp.py"
+    res = CliRunner().invoke(cli.main, ["--dry-run", "--torchrun", "-np", "2", "--compression", "qsgd", script])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines()[-1] == (f"/opt/bin/torchrun --standalone --nproc-per-node 2 --no-python "
+                                          f"{sys.executable} {script}")
+    assert "export HVDGC_COMPRESSION=qsgd" in res.output
+    res = CliRunner().invoke(cli.main, ["--dry-run", "--torchrun", "--launcher", "mpirun", script])
+    assert res.exit_code != 0 and "--torchrun contradicts --launcher mpirun" in res.output
+
+
+def test_hvdgc_launch_torchrun_runs_the_ddp_example(tmp_path):
+    out = tmp_path / "summary.json"
+    argv = [sys.executable, "-m", "launchers.cli", "--torchrun", "-np", "2", "--compression", "topk-qsgd",
+            "--accumulate", "2", str(ROOT / "examples" / "train_ddp.py"), "--data", "digits", "--steps", "12",
+            "--micro-batch", "16", "--log-every", "4", "--out", str(out)]
+    res = launch(argv, 180, rank_env())
+    assert res.returncode == 0, res.stdout
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 12 and summary["ranks"] == 2
+    assert summary["compression"].startswith("TopKQSGD(ratio=0.01")
+    assert summary["ratio"] > 20 and 0 < summary["bytes_per_step"] < 85_002 * 4 / 20
+    assert summary["val_loss"] < 2.3  # below chance level (ln 10 = 2.30) after 12 steps
+
+
+def test_ddp_module_imports_no_horovod():
+    """At run time: the hook, its settings and the codecs load without Horovod."""
+    import subprocess
+
+    code = ("import sys, hvd_gradcomp as gc\nfrom hvd_gradcomp import ddp\n"
+            "ddp.compression_from_env({'HVDGC_COMPRESSION': 'topk-qsgd'}); gc.TopKQSGD(); gc.QSGD()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'horovod'))")
+    out = subprocess.run([sys.executable, "-c", code], env=rank_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_ddp_speed_benchmark_quick(tmp_path):
+    """A smoke test of benchmarks/bench_ddp.py (timings on this machine mean nothing; bytes do)."""
+    out = tmp_path / "ddp.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(ROOT / "benchmarks" / "bench_ddp.py"), "--quick", "--json", str(out)]
+    res = launch(argv, 240, rank_env())
+    assert res.returncode == 0, res.stdout
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8"]
+    assert rows["ddp"]["ratio"] == 1.0 and rows["fp16"]["ratio"] == 2.0
+    assert rows["powersgd-1"]["ratio"] > rows["powersgd-4"]["ratio"] > 2
+    assert rows["topkqsgd"]["ratio"] > 50 and 3.5 < rows["qsgd8"]["ratio"] < 4.1
+    assert all(r["step_s"] > 0 and 0 <= r["comm_share"] < 1 for r in rows.values())
