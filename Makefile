@@ -1,12 +1,14 @@
 # Two commands do everything on a fresh Debian machine (root or sudo):
 #   make demo   -- set up, then a 2-rank compressed training run with a summary
-#   make test   -- set up, then the whole test suite (Gloo, MPI and a local Slurm)
+#   make test   -- set up, then the whole test suite (Gloo, MPI, a local Slurm and two hosts:
+#                  network namespaces hvdgc-a/hvdgc-b with ssh and a two-node Slurm, torn
+#                  down again by the tests' session fixture)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 
-.PHONY: setup demo test bench slurm-up clean
+.PHONY: setup demo test bench slurm-up two-hosts-up two-hosts-down clean
 
 setup:
 	@bash scripts/setup.sh
@@ -14,10 +16,16 @@ setup:
 slurm-up: setup
 	@bash scripts/slurm_up.sh
 
+two-hosts-up: slurm-up
+	@bash scripts/two_hosts.sh up
+
+two-hosts-down:
+	@bash scripts/two_hosts.sh down
+
 demo: setup
 	@$(PY) examples/demo.py
 
-test: setup slurm-up
+test: setup slurm-up two-hosts-up
 	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp launchers examples benchmarks
 
 bench: setup

@@ -2,8 +2,11 @@
 
 1. Speed: ``examples/synthetic_benchmark.py`` (25M parameters by default) on 2 ranks inside a
    network namespace whose loopback is limited by ``tc tbf`` to each ``--rates`` value:
-   uncompressed Horovod, Horovod fp16, QSGD 8-bit, QSGD 4-bit, TopK 1%, TopKQSGD(1%, 8).
+   uncompressed Horovod, Horovod fp16, QSGD 8-bit, QSGD 4-bit, TopK 1%, TopKQSGD(1%, 8), Auto.
    Reports step time, the share spent in ``synchronize()``, bytes per step and speedups.
+   With ``--two-hosts`` the two ranks run on the two hosts of ``scripts/two_hosts.sh`` instead
+   (network namespaces hvdgc-a and hvdgc-b joined by a veth link limited per direction, as
+   between two machines); each table says which way it ran.
 2. Convergence: ``examples/train.py`` with the same steps and seed, uncompressed, fp16,
    each compressor with error feedback, and TopKQSGD without; final loss and accuracy.
 
@@ -16,6 +19,7 @@ Examples::
     make bench                                  # everything (~20 minutes on 2 CPU cores)
     python -m benchmarks --quick                # a small smoke run (< 3 minutes), written under runs/bench-quick
     python -m benchmarks --rates 1gbit --skip-convergence
+    python -m benchmarks --two-hosts --skip-convergence   # speed rows across the two-host link
     python -m benchmarks --dry-run              # print the commands, run nothing
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any, Dict, Optional
 import click
 
 from .markdown import write_report
-from .plan import Plan, build_plan, planned_commands
+from .plan import DEFAULT_RATES, Plan, build_plan, planned_commands
 from .runner import machine_description, run_convergence, run_speed
 
 
@@ -42,7 +46,7 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]}, help=__doc__.split("\n\n")[0])
 @click.option("--quick", is_flag=True, help="small smoke run (< 3 min), written under runs/bench-quick/")
-@click.option("--rates", default=None, help="link rates, comma-separated tc units  [default: 1gbit,10gbit]")
+@click.option("--rates", default=None, help=f"link rates, comma-separated tc units  [default: {DEFAULT_RATES}]")
 @click.option("--params", type=float, default=None, callback=_positive, help="synthetic model size [default: 25e6]")
 @click.option("--iters", type=int, default=None, callback=_positive, help="timed iterations per setting [default: 10]")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="warm-up iterations [default: 3]")
@@ -55,18 +59,21 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
               help="seconds before one 2-rank job is killed")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "0", "1"]), default="auto", show_default=True,
               help="HVDGC_COMPILE for the ranks (torch.compile of the large-tensor kernels)")
+@click.option("--two-hosts", is_flag=True,
+              help="speed rows with one rank on each host of scripts/two_hosts.sh (network namespaces hvdgc-a and "
+                   "hvdgc-b), across their veth link limited to each rate per direction; needs root")
 @click.option("--dry-run", is_flag=True, help="print the commands and exit")
 @click.option("--render-only", is_flag=True,
               help="rewrite BENCHMARKS.md and the plots from DOCS_DIR/data/bench.json without running anything")
 def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int], warmup: Optional[int],
          steps: Optional[int], seed: int, skip_speed: bool, skip_convergence: bool, docs_dir: Optional[str],
-         job_timeout: float, compile_mode: str, dry_run: bool, render_only: bool) -> None:
+         job_timeout: float, compile_mode: str, two_hosts: bool, dry_run: bool, render_only: bool) -> None:
     """Entry point of ``python -m benchmarks`` (``make bench``)."""
     if skip_speed and skip_convergence:
         raise click.UsageError("--skip-speed and --skip-convergence together leave nothing to run")
     try:
         plan = build_plan(quick, rates, params, iters, warmup, steps, seed, skip_speed, skip_convergence, docs_dir,
-                          job_timeout, compile_mode)
+                          job_timeout, compile_mode, two_hosts)
     except click.BadParameter as exc:
         raise click.UsageError(f"--rates: {exc.message}") from None
     if dry_run:

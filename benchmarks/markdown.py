@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 import click
 
-from .netns import TBF
+from .netns import LINK_MODES, TBF
 from .plan import CONVERGENCE_LABELS, CONVERGENCE_SETTINGS, MOMENTUM_CORRECTION, ROOT, SPEED_LABELS, Plan
 from .plots import plot_all
 from .tables import convergence_rows, render_convergence_table, render_speed_table, speed_rows, target_lines
@@ -60,6 +60,12 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
     else:
         link = ("**Unthrottled**: the network namespace could not be created (see the command's output), so "
                 "the ranks talked over the host's loopback and the rate labels below do not apply.")
+    if any(block.get("mode") == "two-hosts" for block in speed.values()):
+        link = ("Tables titled *two hosts* ran as `bash scripts/two_hosts.sh exec hvdgc-a horovodrun -np 2 "
+                "-H hvdgc-a:1,hvdgc-b:1 --network-interface hvdgc0 --gloo ...` (`python -m benchmarks --two-hosts`): "
+                "one rank in each of two network namespaces joined by a veth pair, each end limited by `tc qdisc "
+                f"replace dev hvdgc0 root tbf rate RATE burst {TBF['burst']} latency {TBF['latency']}`, so each "
+                "direction has its own link, as between two machines. " + link)
     return [
         f"- {link}",
         f"- Speed: `examples/synthetic_benchmark.py --params {plan.params:g} --batch-size {plan.batch_size} "
@@ -106,8 +112,11 @@ def _speed_section(plan: Plan, speed: Dict[str, Any], images: Dict[str, str]) ->
     if "step_time" in images:
         out += [f"![step time per setting]({images['step_time']})", ""]
     for rate, block in speed.items():
-        title = rate if block["throttled"] else f"{rate} requested, ran unthrottled"
-        out += [f"### {title}", "", render_speed_table(speed_rows(block["results"], plan.speed)), ""]
+        mode = block.get("mode", "loopback" if block["throttled"] else "unthrottled")
+        title = f"{rate}, {LINK_MODES[mode]}" if mode != "unthrottled" else f"{rate} requested, ran unthrottled"
+        rows = speed_rows(block["results"], plan.speed)
+        out += [f"### {title}", "", render_speed_table(rows), ""]
+        out += [f"- Auto's decisions: {r['auto']}" for r in rows if r.get("auto")]
         out += [f"- {SPEED_LABELS.get(k, k)}: failed: `{v.splitlines()[0]}`" for k, v in block["failures"].items()]
     return out
 

@@ -14,6 +14,14 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 TBF = {"burst": "256kb", "latency": "50ms"}
 
+# How the speed rows of one table ran: the link their traffic crossed (the tables' titles).
+LINK_MODES = {
+    "two-hosts": "two hosts: one rank in each of two network namespaces, across a veth link rate-limited per "
+                 "direction",
+    "loopback": "one namespace: both ranks on one rate-limited loopback, shared by both directions",
+    "unthrottled": "unthrottled: the host's loopback, no rate limit",
+}
+
 
 def netns_setup_commands(name: str, rate: str, burst: str = TBF["burst"], latency: str = TBF["latency"]) -> List[List[str]]:
     """Commands that create namespace ``name`` with a loopback limited to ``rate``.

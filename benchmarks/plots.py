@@ -9,7 +9,8 @@ from .tables import speed_rows
 
 
 def plot_all(speed: Dict[str, Any], conv: Optional[Dict[str, Any]], img_dir: Path, params: float) -> Dict[str, Path]:
-    """PNG plots: step time per setting, loss against step and against wall time."""
+    """PNG plots: step time per setting (stacked: compute, codec, exposed communication), loss against
+    step and against wall time."""
     import matplotlib
     matplotlib.use("Agg")
     img_dir.mkdir(parents=True, exist_ok=True)
@@ -29,15 +30,19 @@ def _plot_step_time(speed: Dict[str, Any], path: Path, params: float) -> Path:
     rates = list(speed)
     keys = [s.key for s in SPEED_SETTINGS if any(s.key in speed[r]["results"] for r in rates)]
     width = 0.8 / max(len(rates), 1)
+    hatches = {"compute_s": "", "codec_s": "//", "exposed_s": ".."}
+    names = {"compute_s": "compute", "codec_s": "codec", "exposed_s": "exposed comm"}
     for i, rate in enumerate(rates):
         rows = speed_rows(speed[rate]["results"], SPEED_SETTINGS)
         xs = [keys.index(r["key"]) + (i - (len(rates) - 1) / 2) * width for r in rows]
-        ax.bar(xs, [r["step_s"] - r["comm_s"] for r in rows], width, label=f"{rate}: outside synchronize()",
-               color=f"C{2 * i}")
-        ax.bar(xs, [r["comm_s"] for r in rows], width, bottom=[r["step_s"] - r["comm_s"] for r in rows],
-               label=f"{rate}: in synchronize()", color=f"C{2 * i + 1}")
+        bottom = [0.0] * len(rows)
+        for part in ("compute_s", "codec_s", "exposed_s"):   # stacked: the three parts sum to the step time
+            vals = [r[part] for r in rows]
+            ax.bar(xs, vals, width, bottom=bottom, color=f"C{i}", hatch=hatches[part], edgecolor="black",
+                   linewidth=0.3, alpha=1.0 if part == "compute_s" else 0.55, label=f"{rate}: {names[part]}")
+            bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(keys)), [SPEED_LABELS[k] for k in keys], rotation=15, fontsize=8)
-    ax.set_ylabel("step time (s)")
+    ax.set_ylabel("step time (s): compute, codec, exposed communication")
     ax.set_title(f"{params / 1e6:g}M-parameter synthetic model, 2 ranks: step time per setting")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -7,10 +7,12 @@ import datetime
 import json
 import os
 import platform
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 from launchers.jobs import rank_env, run_job, tail
+from launchers.two_hosts import horovodrun_across, two_hosts
 
 from .netns import in_netns, rate_limited_netns
 from .plan import ROOT, Plan, Setting, horovodrun, speed_program, train_program
@@ -31,16 +33,30 @@ def run_logged(argv: List[str], plan: Plan, log_path: Path) -> float:
     return res.seconds
 
 
+@contextmanager
+def speed_link(plan: Plan, rate: str, say: Any) -> Iterator[Tuple[Any, str]]:
+    """``(wrap, mode)`` for the speed jobs at ``rate``: ``wrap(program)`` is the command to run,
+    ``mode`` a key of :data:`benchmarks.netns.LINK_MODES` (the link the traffic crosses)."""
+    if plan.two_hosts:
+        with two_hosts(rate, say) as ok:
+            if ok:
+                yield horovodrun_across, "two-hosts"
+                return
+        say("falling back to one rate-limited namespace")
+    with rate_limited_netns(rate, say) as ns:
+        yield (lambda program: in_netns(ns, horovodrun(program))), ("loopback" if ns else "unthrottled")
+
+
 def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
-    """Every speed setting at every rate: {rate: {"throttled": bool, "results": {key: json}}}."""
+    """Every speed setting at every rate: {rate: {"throttled": bool, "mode": str, "results": {key: json}}}."""
     out: Dict[str, Any] = {}
     for rate in plan.rates:
-        with rate_limited_netns(rate, say) as ns:
+        with speed_link(plan, rate, say) as (wrap, mode):
             results, failures = {}, {}
             for setting in plan.speed:
                 bar.set_description(f"speed {rate} {setting.label}")
                 path = plan.runs_dir / "speed" / f"{rate}-{setting.key}.json"
-                argv = in_netns(ns, horovodrun(speed_program(plan, setting, path)))
+                argv = wrap(speed_program(plan, setting, path))
                 try:
                     run_logged(argv, plan, path.with_suffix(".log"))
                     results[setting.key] = json.loads(path.read_text())
@@ -49,7 +65,7 @@ def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
                     failures[setting.key] = str(exc)
                     say(f"{rate} {setting.label}: FAILED {exc}")
                 bar.update(1)
-            out[rate] = {"throttled": ns is not None, "results": results, "failures": failures}
+            out[rate] = {"throttled": mode != "unthrottled", "mode": mode, "results": results, "failures": failures}
     return out
 
 

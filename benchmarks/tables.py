@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from .plan import (SPEED_SETTINGS, TARGET_COMM_SHARE, TARGET_LOSS_GAP, TARGET_SPEEDUP_VS_FP16,
-                   TARGET_SPEEDUP_VS_HOROVOD, CONVERGENCE_SETTINGS, Setting)
+from .plan import (SPEED_LABELS, SPEED_SETTINGS, TARGET_AUTO, TARGET_COMM_SHARE, TARGET_LOSS_GAP,
+                   TARGET_SPEEDUP_VS_FP16, TARGET_SPEEDUP_VS_HOROVOD, CONVERGENCE_SETTINGS, Setting)
 
 
 def speed_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) -> List[Dict[str, Any]]:
     """Table rows with speedups over uncompressed Horovod and over fp16 (None when a baseline is missing).
+
+    The step splits into compute, codec (encode + decode) and exposed communication; a run
+    without ``codec_s``/``exposed_comm_s`` (uncompressed Horovod) counts all of ``comm_s`` as
+    exposed. ``auto`` is Auto's summary of its decisions, when the row is Auto.
 
     >>> rs = speed_rows({"horovod": {"step_s": 2.0, "comm_s": 1.0, "bytes_per_step": 8, "ratio": 1.0,
     ...                  "samples_per_s_total_mean": 4.0, "samples_per_s_total_conf": 0.1}},
@@ -23,7 +27,11 @@ def speed_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) 
         r = results.get(s.key)
         if r is None:
             continue
+        codec = r.get("codec_s", 0.0)
+        exposed = r.get("exposed_comm_s", r["comm_s"])
         rows.append({"key": s.key, "label": s.label, "step_s": r["step_s"], "comm_s": r["comm_s"],
+                     "codec_s": codec, "exposed_s": exposed, "compute_s": max(r["step_s"] - codec - exposed, 0.0),
+                     "auto": (r.get("auto") or {}).get("summary"),
                      "comm_share": r["comm_s"] / r["step_s"], "bytes_per_step": r["bytes_per_step"],
                      "ratio": r["ratio"], "samples_s": r["samples_per_s_total_mean"],
                      "samples_s_conf": r["samples_per_s_total_conf"],
@@ -106,12 +114,36 @@ def target_lines(speed: Dict[str, Any], conv_rows: List[Dict[str, Any]]) -> List
         share = t["comm_share"]
         lines.append(f"- TopKQSGD(1%, 8) communication share of the step at {rate}: {100 * share:.1f}% "
                      f"(target < {100 * TARGET_COMM_SHARE:g}%): **{'MET' if share < TARGET_COMM_SHARE else 'MISSED'}**")
+    lines += auto_target_lines(speed)
     c = {r["key"]: r for r in conv_rows}
     if "topkqsgd" in c and c["topkqsgd"]["val_rel"] is not None:
         rel = c["topkqsgd"]["val_rel"]
         lines.append(f"- TopKQSGD with error feedback, held-out loss relative to uncompressed: {100 * rel:+.2f}% "
                      f"(target within {100 * TARGET_LOSS_GAP:g}%): "
                      f"**{'MET' if abs(rel) <= TARGET_LOSS_GAP else 'MISSED'}**")
+    return lines
+
+
+def auto_target_lines(speed: Dict[str, Any]) -> List[str]:
+    """Auto against the best fixed setting at 1gbit and against uncompressed Horovod at 10gbit (within 5%).
+
+    >>> r = lambda s: {"step_s": s, "comm_s": 0.0, "bytes_per_step": 1, "ratio": 1.0,
+    ...                "samples_per_s_total_mean": 1.0, "samples_per_s_total_conf": 0.0}
+    >>> auto_target_lines({"10gbit": {"results": {"horovod": r(1.0), "topkqsgd": r(1.2), "auto": r(1.04)}}})
+    ['- Auto step time vs uncompressed Horovod at 10gbit: 0.96x (target >= 0.95x): **MET**']
+    """
+    lines = []
+    for rate, against in (("1gbit", "best"), ("10gbit", "horovod")):
+        results = speed.get(rate, {}).get("results", {})
+        if "auto" not in results:
+            continue
+        fixed = {k: v["step_s"] for k, v in results.items() if k != "auto"}
+        key = min(fixed, key=fixed.get) if against == "best" and fixed else against
+        if key not in fixed:
+            continue
+        what = f"best fixed setting ({SPEED_LABELS.get(key, key)})" if against == "best" else "uncompressed Horovod"
+        lines.append(_target(f"Auto step time vs {what} at {rate}", fixed[key] / results["auto"]["step_s"],
+                             TARGET_AUTO, "x"))
     return lines
 
 

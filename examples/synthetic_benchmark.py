@@ -94,15 +94,18 @@ class StepTimer:
         self.raw_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.acc = gc.GradientAccumulator(opt, steps=cfg.accumulate, micro_batch=batch) if kind == "gc" else None
 
-    def step(self) -> Tuple[float, float, int]:
-        """(seconds, seconds in synchronize, bytes this rank handed to Horovod)."""
+    def step(self) -> Tuple[float, float, int, float, float]:
+        """(seconds, seconds in synchronize, bytes this rank handed to Horovod, codec seconds, codec
+        seconds inside synchronize); Horovod's own optimizer: no codec time is measured."""
         t0 = time.perf_counter()
         if self.kind == "stock":
-            return self._stock_step(t0)
-        before = self.opt.comm_wait_s
+            return (*self._stock_step(t0), 0.0, 0.0)
+        before, timing = self.opt.comm_wait_s, self.opt.exchange_timing
+        codec0, sync0 = timing.codec_s, timing.codec_sync_s
         for _ in range(self.cfg.accumulate):
             self.acc.backward(F.cross_entropy(self.model(self.x), self.y))
-        return time.perf_counter() - t0, self.opt.comm_wait_s - before, self.opt.last_step_bytes
+        return (time.perf_counter() - t0, self.opt.comm_wait_s - before, self.opt.last_step_bytes,
+                timing.codec_s - codec0, timing.codec_sync_s - sync0)
 
     def _stock_step(self, t0: float) -> Tuple[float, float, int]:
         self.opt.zero_grad()
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     for _ in range(args.warmup * args.batches_per_iter):
         timer.step()
     say(f"Warm-up: {args.warmup} iterations, {time.perf_counter() - t_warm:.1f}s", flush=True)
-    steps: List[Tuple[float, float, int]] = []
+    steps: List[Tuple[float, float, int, float, float]] = []
     rates: List[float] = []
     samples = args.batch_size * cfg.accumulate * args.batches_per_iter
     for i in range(args.iters):
@@ -156,18 +159,21 @@ def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
 
 
 def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, timer: StepTimer,
-            steps: List[Tuple[float, float, int]], rates: List[float], say: Any) -> Dict[str, Any]:
+            steps: List[Tuple[float, float, int, float, float]], rates: List[float], say: Any) -> Dict[str, Any]:
     mean, conf = confidence(rates)
     size = hvd.size()
-    step_s = _across_ranks([sum(s for s, _, _ in steps) / len(steps)], "bench.step")[0]
-    comm_s = _across_ranks([sum(c for _, c, _ in steps) / len(steps)], "bench.comm")[0]
-    bytes_step = sum(b for _, _, b in steps) / len(steps)
+    step_s, comm_s, codec_s, codec_sync_s = _across_ranks(
+        [sum(st[i] for st in steps) / len(steps) for i in (0, 1, 3, 4)], "bench.times")
+    bytes_step = sum(st[2] for st in steps) / len(steps)
     say(f"Samples/sec per rank: {mean:.1f} +-{conf:.1f}")
     say(f"Total samples/sec on {size} rank(s): {size * mean:.1f} +-{size * conf:.1f}")
     say(f"Step time: {step_s * 1e3:.1f} ms, of which in synchronize(): {comm_s * 1e3:.1f} ms "
         f"({100 * comm_s / step_s:.1f}%)")
     say(f"Bytes handed to Horovod per step per rank: {bytes_step:,.0f} (raw gradients {timer.raw_bytes:,}, "
         f"ratio {timer.raw_bytes / bytes_step if bytes_step else 0:.1f}x)")
+    comp = getattr(timer.opt, "compression", None) or getattr(timer.opt, "_compression", None)
+    if isinstance(comp, gc.Auto):
+        say(f"Auto: {comp.report()['summary']}")
     result = {
         "label": args.label or cfg.compression, "optimizer": args.optimizer, "config": vars_cfg(cfg),
         "compressor": repr(cfg.make_compressor()), "ranks": size, "params": sum(p.numel() for p in model.parameters()),
@@ -175,9 +181,12 @@ def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, 
         "batches_per_iter": args.batches_per_iter, "samples_per_s_rank_mean": mean, "samples_per_s_rank_conf": conf,
         "samples_per_s_total_mean": size * mean, "samples_per_s_total_conf": size * conf,
         "step_s": step_s, "comm_s": comm_s, "comm_share": comm_s / step_s if step_s else 0.0,
+        # codec: encode + decode wherever it ran; exposed: synchronize() minus the codec work done there
+        "codec_s": codec_s, "exposed_comm_s": max(comm_s - codec_sync_s, 0.0),
+        "auto": comp.report() if isinstance(comp, gc.Auto) else None,
         "bytes_per_step": bytes_step, "raw_bytes_per_step": timer.raw_bytes,
         "ratio": timer.raw_bytes / bytes_step if bytes_step else 0.0,
-        "step_times_s": [s for s, _, _ in steps], "torch": torch.__version__, "python": platform.python_version(),
+        "step_times_s": [st[0] for st in steps], "torch": torch.__version__, "python": platform.python_version(),
     }
     if args.json and hvd.rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

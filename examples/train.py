@@ -52,7 +52,7 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
     """The compression flags shared by the examples; None means "take it from the environment"."""
     g = parser.add_argument_group("compression (defaults: HVDGC_* variables set by hvdgc-launch)")
     g.add_argument("--compression", choices=COMPRESSIONS, default=None,
-                   help="none | fp16 | qsgd | topk | topk-qsgd (env HVDGC_COMPRESSION, else none)")
+                   help="none | fp16 | qsgd | topk | topk-qsgd | auto (env HVDGC_COMPRESSION, else none)")
     g.add_argument("--ratio", type=float, default=None, help="TopK fraction of elements sent, in (0, 1]")
     g.add_argument("--bits", type=int, default=None, help="QSGD bits per value, 2..8")
     g.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,

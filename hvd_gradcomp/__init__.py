@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it (see "How it is built" in the README).
 _LAZY = {
+    "Auto": "auto",
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "HorovodIntegrationError": "horovod",
     "GradientCompressor": "compressors",
     "ResidualStore": "feedback",

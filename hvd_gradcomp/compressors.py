@@ -132,8 +132,8 @@ class GradientCompressor:
         h = self._own_header(payload)
         return self._decode(h, wire.SectionReader(payload, h)).view(h.shape)
 
-    def _own_header(self, payload: torch.Tensor) -> wire.Header:
-        h = wire.read_header(payload)
+    def _own_header(self, payload: torch.Tensor, header: Optional[wire.Header] = None) -> wire.Header:
+        h = wire.read_header(payload) if header is None else header
         if h.kind != self.kind:
             raise wire.WireFormatError(f"{type(self).__name__} cannot decode a payload of kind {h.kind}")
         if self._checksummed and not h.checksum:
@@ -142,16 +142,18 @@ class GradientCompressor:
         wire.verify_checksum(payload, h)
         return h
 
-    def decode_parts(self, payload: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    def decode_parts(self, payload: torch.Tensor, header: Optional[wire.Header] = None
+                     ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
         """(indices, values) of a sparse payload, or (None, flat dense values) of a dense one.
 
         Summing payloads from many ranks then costs one pass over the output (index_add)
-        instead of one dense decode per rank.
+        instead of one dense decode per rank. ``header``: the payload's header when the caller
+        already parsed it (each read is a device-to-host copy on GPU).
         """
         sparse = getattr(self, "_decode_sparse", None)
+        h = self._own_header(payload, header)
         if sparse is None:
-            return None, self.decode(payload).reshape(-1)
-        h = self._own_header(payload)
+            return None, self._decode(h, wire.SectionReader(payload, h)).reshape(-1)
         return sparse(h, wire.SectionReader(payload, h))
 
     # ------------------------------------------------------------ error feedback

@@ -57,6 +57,11 @@ class ResidualStore:
     def commit(self, name: str, new_residual: torch.Tensor) -> None:
         self._residuals[name] = new_residual
 
+    def pop(self, name: str) -> Optional[torch.Tensor]:
+        """Remove and return the residual of ``name`` (None if there is none): for a caller that
+        sends it another way (e.g. :class:`hvd_gradcomp.Auto` switching a tensor's road)."""
+        return self._residuals.pop(name, None)
+
     def clear(self) -> None:
         self._residuals.clear()
         self._shapes.clear()

@@ -67,6 +67,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.comm_stats = ByteStats()   # bytes this rank hands to Horovod, all steps
         self.last_step_bytes = 0        # ... in the last synchronize()
         self.comm_wait_s = 0.0          # time synchronize() spent waiting for the network
+        self.exchange_timing = self._compressed  # .codec_s / .codec_sync_s / .wait_s, all steps
         self._step_bytes = 0
         self._register_hooks()
 

@@ -57,7 +57,7 @@ def check_settings(compression: str, ratio: Any, bits: Any, accumulate: Any) -> 
 
 
 # ---------------------------------------------------------------- HVDGC_* variables
-COMPRESSIONS = ("none", "fp16", "qsgd", "topk", "topk-qsgd")
+COMPRESSIONS = ("none", "fp16", "qsgd", "topk", "topk-qsgd", "auto")
 
 ENV_COMPRESSION = "HVDGC_COMPRESSION"
 ENV_RATIO = "HVDGC_RATIO"
@@ -68,7 +68,7 @@ ENV_SEED = "HVDGC_SEED"
 ENV_COMPILE = "HVDGC_COMPILE"
 
 VARIABLES = {
-    ENV_COMPRESSION: ("compression", "none | fp16 | qsgd | topk | topk-qsgd", "none"),
+    ENV_COMPRESSION: ("compression", "none | fp16 | qsgd | topk | topk-qsgd | auto", "none"),
     ENV_RATIO: ("ratio", "TopK ratio, in (0, 1]", "0.01"),
     ENV_BITS: ("bits", "QSGD bits, 2..8", "8"),
     ENV_ACCUMULATE: ("accumulate", "backward passes per optimizer step, >= 1", "1"),

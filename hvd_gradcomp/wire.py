@@ -110,7 +110,19 @@ def read_header(payload: torch.Tensor) -> Header:
     if payload.numel() < HEADER_BYTES:
         raise WireFormatError(f"payload of {payload.numel()} bytes is shorter than the {HEADER_BYTES}-byte header")
     raw = payload[:HEADER_BYTES].cpu().numpy().tobytes()
-    magic, version, kind, dtype, bits, mode, ndim, numel, k, total, bucket, crc = _HEADER.unpack(raw)
+    ndim = raw[7]
+    if ndim <= MAX_NDIM and payload.numel() >= HEADER_BYTES + 8 * ndim:
+        raw += payload[HEADER_BYTES:HEADER_BYTES + 8 * ndim].cpu().numpy().tobytes()
+    return parse_header(raw, payload.numel())
+
+
+def parse_header(raw: bytes, available: int) -> Header:
+    """Parse and check a header from host bytes (40 bytes, then 8 per dimension), for a payload
+    of ``available`` bytes: where the header bytes were already copied to the host in bulk (one
+    device-to-host copy for many payloads, see :class:`hvd_gradcomp.exchange.FusedAllgatherExchange`)."""
+    if len(raw) < HEADER_BYTES:
+        raise WireFormatError(f"payload of {len(raw)} bytes is shorter than the {HEADER_BYTES}-byte header")
+    magic, version, kind, dtype, bits, mode, ndim, numel, k, total, bucket, crc = _HEADER.unpack(raw[:HEADER_BYTES])
     if magic != MAGIC:
         raise WireFormatError(f"not an hvd-gradcomp payload (magic {magic!r})")
     if version not in READ_VERSIONS:
@@ -122,15 +134,14 @@ def read_header(payload: torch.Tensor) -> Header:
                               f"in a version {version} header")
     if dtype >= len(DTYPES):
         raise WireFormatError(f"unknown dtype code {dtype}")
-    if ndim > MAX_NDIM or payload.numel() < HEADER_BYTES + 8 * ndim:
+    if ndim > MAX_NDIM or available < HEADER_BYTES + 8 * ndim or len(raw) < HEADER_BYTES + 8 * ndim:
         raise WireFormatError(f"corrupt or truncated payload: {ndim} dimensions declared, "
-                              f"{payload.numel()} bytes present")
-    shape_raw = payload[HEADER_BYTES:HEADER_BYTES + 8 * ndim].cpu().numpy().tobytes()
-    shape = struct.unpack(f"<{ndim}q", shape_raw)
+                              f"{available} bytes present")
+    shape = struct.unpack(f"<{ndim}q", raw[HEADER_BYTES:HEADER_BYTES + 8 * ndim])
     if any(d < 0 for d in shape) or math.prod(shape) != numel:
         raise WireFormatError(f"corrupt payload: shape {shape} does not hold {numel} elements")
-    if not padded(HEADER_BYTES + 8 * ndim) <= total <= payload.numel():
-        raise WireFormatError(f"corrupt or truncated payload: {total} bytes declared, {payload.numel()} present")
+    if not padded(HEADER_BYTES + 8 * ndim) <= total <= available:
+        raise WireFormatError(f"corrupt or truncated payload: {total} bytes declared, {available} present")
     h = Header(kind, DTYPES[dtype], bits, mode & _MODE_MASK, tuple(shape), numel, k, total, bucket,
                bool(flags & FLAG_CRC32))
     _check_fields(h)
@@ -289,10 +300,16 @@ def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def split_payloads(blob: torch.Tensor) -> List[torch.Tensor]:
     """Split concatenated payloads (e.g. the output of an allgather) into single payloads."""
+    return [p for p, _ in split_with_headers(blob)]
+
+
+def split_with_headers(blob: torch.Tensor) -> List[Tuple[torch.Tensor, Header]]:
+    """Concatenated payloads as (payload, its header): each header is read once, and the decoder
+    reuses it instead of reading it again (a device-to-host copy each, on GPU)."""
     out, pos, n = [], 0, blob.numel()
     while pos < n:
         h = read_header(blob[pos:])
-        out.append(blob[pos:pos + h.total_bytes])
+        out.append((blob[pos:pos + h.total_bytes], h))
         pos += h.total_bytes
     return out
 

@@ -14,21 +14,25 @@ The compression settings reach every rank as ``HVDGC_*`` environment variables t
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import click
 
 from hvd_gradcomp import config  # the settings module only: importing it loads no torch
-from .command import FORWARDED_ENV, LAUNCHERS, Host, LaunchError, LaunchSpec, build_command, parse_hostfile_text, \
-    parse_hosts, resolve_np
+from .command import FORWARDED_ENV, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec, build_command, \
+    parse_hostfile_text, parse_hosts, resolve_np
 from .slurm import BatchJob, allocation_from_env, render_sbatch, submit
+from .watch import JobWatch, is_local, rank_hosts
 
 _TOOL_HINTS = {
     "horovodrun": "install Horovod (bash scripts/setup.sh, or pip install horovod) or use --launcher mpirun",
@@ -50,13 +54,30 @@ def _find_tool(name: str) -> str:
     return found
 
 
+def _split_launcher_args(command: Sequence[str]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """``(launcher args, script and its args)``: ``[-- ARGS... --] SCRIPT ...`` passes ARGS verbatim.
+
+    >>> _split_launcher_args(["--mca", "btl", "tcp,self", "--", "train.py", "--", "x"])
+    (('--mca', 'btl', 'tcp,self'), ('train.py', '--', 'x'))
+    >>> _split_launcher_args(["train.py", "--", "x"])
+    ((), ('train.py', '--', 'x'))
+    """
+    if not command or not command[0].startswith("-") or "--" not in command:
+        return (), tuple(command)
+    cut = list(command).index("--")
+    return tuple(command[:cut]), tuple(command[cut + 1:])
+
+
 def _check_script(command: Sequence[str]) -> None:
     """Fail early on a missing script instead of once per rank."""
     if not command:
         raise click.UsageError("missing training script; usage: hvdgc-launch [OPTIONS] SCRIPT [ARGS]...")
     script = command[0]
     if script.startswith("-"):
-        raise click.UsageError(f"unknown option {script}; options go before the script (see hvdgc-launch --help)")
+        raise click.UsageError(
+            f"unknown option {script}; hvdgc-launch's own options go before the script (see hvdgc-launch --help), "
+            f"and options for the launcher itself go between two '--': hvdgc-launch [OPTIONS] -- {script} ... "
+            "-- SCRIPT [ARGS]...")
     if script.endswith(".py") or os.sep in script:
         if not Path(script).is_file():
             raise click.UsageError(f"script not found: {script}; check the path (relative to {os.getcwd()})")
@@ -64,14 +85,43 @@ def _check_script(command: Sequence[str]) -> None:
         raise click.UsageError(f"script not found: {script} is neither a file nor a program on the PATH")
 
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _extra_env(items: Sequence[str], owned: Sequence[str],
+               environ: Mapping[str, str]) -> Tuple[Dict[str, str], Tuple[str, ...]]:
+    """``-x NAME=VALUE`` (set on every rank) and ``-x NAME`` (this value, exported to every rank)."""
+    added: Dict[str, str] = {}
+    forwarded: List[str] = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not _ENV_NAME.match(name):
+            raise LaunchError(f"malformed -x {item!r}; write -x NAME=VALUE or -x NAME (a variable set here)")
+        if name in owned:
+            raise LaunchError(f"-x {name}: hvdgc-launch sets {name} from its own options (see --help); use them")
+        if sep:
+            added[name] = value
+        elif name in environ:
+            forwarded.append(name)
+        else:
+            raise LaunchError(f"-x {name}: {name} is not set here; export it first or write -x {name}=VALUE")
+    return added, tuple(forwarded)
+
+
 def _compression_env(compression: str, ratio: float, bits: int, accumulate: int,
-                     error_feedback: bool, seed: Optional[int]) -> Dict[str, str]:
+                     error_feedback: bool, seed: Optional[int]) -> Tuple[Dict[str, str], Tuple[str, ...]]:
+    """The ``HVDGC_*`` variables for these settings, and every name the launcher owns.
+
+    Owned names that these settings leave unset (``HVDGC_SEED`` without ``--seed``) are
+    removed from the job's environment, so a stale value in the shell cannot reach the ranks.
+    """
     try:
         cfg = config.CompressionConfig(compression=compression, ratio=ratio, bits=bits, accumulate=accumulate,
                                        error_feedback=error_feedback, seed=seed)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    return cfg.to_env()
+    owned = tuple(config.CompressionConfig(seed=0).to_env())
+    return cfg.to_env(), owned
 
 
 def _hosts(hosts: Optional[str], hostfile: Optional[str],
@@ -89,20 +139,38 @@ def _hosts(hosts: Optional[str], hostfile: Optional[str],
     return alloc.hosts, f"the Slurm allocation ({alloc.nodelist})", alloc.ntasks
 
 
-def _print_command(argv: List[str], env: Mapping[str, str], err: bool = False) -> None:
-    """Copy-pasteable: the variables the launch adds, then the command."""
+def _print_command(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (),
+                   inherited: Mapping[str, str] = (), err: bool = False) -> None:
+    """Copy-pasteable: the variables the launch adds and removes, then the command.
+
+    ``inherited`` lists the other ``HVDGC_*`` variables of this shell, which reach the ranks
+    as they are, so that nothing the ranks read is hidden.
+    """
     click.echo("# environment added:", err=err)
     for key in sorted(env):
         click.echo(f"export {key}={shlex.quote(env[key])}", err=err)
+    if unset:
+        click.echo("# environment removed (set by hvdgc-launch options only):", err=err)
+        click.echo(f"unset {' '.join(sorted(unset))}", err=err)
+    if inherited:
+        click.echo("# HVDGC_* variables passed on from this shell:", err=err)
+        for key in sorted(inherited):
+            click.echo(f"export {key}={shlex.quote(inherited[key])}", err=err)
     click.echo("# command:", err=err)
     click.echo(shlex.join(argv), err=err)
 
 
-def run(argv: List[str], env: Mapping[str, str]) -> int:
-    """Run argv (no shell) with ``env`` added; forward SIGINT/SIGTERM to its process group.
+def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watch: Optional[JobWatch] = None,
+        kill_after: float = 10.0) -> int:
+    """Run argv (no shell) with ``env`` added and ``unset`` removed; forward SIGINT/SIGTERM.
 
     Returns the job's exit code (128+N when it died of signal N). A third signal kills the
-    group outright, for a launcher that hangs while shutting down.
+    group outright, for a launcher that hangs while shutting down. The job runs in its own
+    process group and gets SIGTERM from the kernel if this process dies, whatever kills it
+    (even SIGKILL, which no handler sees), so no job outlives its launcher.
+
+    With a ``watch`` the job's output is relayed through it, and a host it reports lost ends
+    the job (SIGTERM, then SIGKILL after ``kill_after`` s); a failed job ends with its summary.
     """
     received: List[int] = []
     children: List[subprocess.Popen] = []
@@ -112,17 +180,67 @@ def run(argv: List[str], env: Mapping[str, str]) -> int:
         for child in children:
             _signal_group(child.pid, signal.SIGKILL if len(received) >= 3 else signum)
 
+    def end_job(host: str) -> None:
+        click.echo(watch.lost_message(host), err=True)
+        for child in children:
+            _signal_group(child.pid, signal.SIGTERM)
+            timer = threading.Timer(kill_after, _signal_group, (child.pid, signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
+
+    child_env = {k: v for k, v in os.environ.items() if k not in unset}
+    child_env.update(env)
+    pipes = [os.pipe(), os.pipe()] if watch else []
+    sys.stdout.flush()
+    sys.stderr.flush()
     # Handlers go in before the child starts, so a Ctrl-C in between cannot orphan it.
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        children.append(subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True))
+        children.append(subprocess.Popen(argv, env=child_env, start_new_session=True,
+                                         stdout=pipes[0][1] if pipes else None,
+                                         stderr=pipes[1][1] if pipes else None,
+                                         preexec_fn=_die_with_parent(os.getpid())))
         for signum in received:
             _signal_group(children[0].pid, signum)
+        if watch:
+            for (read_end, write_end), target in zip(pipes, (1, 2)):
+                os.close(write_end)
+                watch.relay(read_end, target)
+            watch.start_watchdog(end_job)
         code = children[0].wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return code if code >= 0 else 128 - code
+    code = code if code >= 0 else 128 - code
+    if watch:
+        watch.stop()
+        code = code or (1 if watch.lost else 0)
+        summary = watch.summary(code)
+        if summary:
+            click.echo(summary, err=True)
+    return code
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn`` asking the kernel to SIGTERM the child when ``parent`` dies.
+
+    horovodrun, mpirun and srun all end their ranks on SIGTERM. Linux only; elsewhere the
+    launcher still forwards the signals it can catch.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may not load libraries
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
+            os._exit(143)
+    return preexec
 
 
 def _signal_group(pgid: int, signum: int) -> None:
@@ -141,13 +259,28 @@ def _self_command() -> List[str]:
 
 
 @click.command(name="hvdgc-launch", context_settings={
-    "ignore_unknown_options": True, "allow_interspersed_args": False, "help_option_names": ["-h", "--help"]})
+    "ignore_unknown_options": True, "allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+    epilog="Options of horovodrun/mpirun/srun that have no hvdgc-launch option go between two '--': "
+           "hvdgc-launch -np 2 --launcher mpirun -- --mca btl_tcp_links 2 -- train.py")
 @click.option("-np", "--num-proc", "np", type=int, help="Number of ranks [default: all slots, or SLURM_NTASKS, or 1].")
 @click.option("-H", "--hosts", help="Hosts and slots, e.g. node1:4,node2:4 [default: localhost:NP].")
-@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), help="File with 'host slots=N' lines.")
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False),
+              help="File with one 'host slots=N', 'host:N' or 'host' per line ('#' comments).")
 @click.option("--gloo/--mpi", "gloo", default=None, help="Horovod controller [default: Horovod's choice].")
 @click.option("-p", "--ssh-port", type=int, help="SSH port of the remote hosts.")
 @click.option("--start-timeout", type=int, help="Seconds horovodrun waits for all ranks to start.")
+@click.option("--network-interface", metavar="IF[,IF...]",
+              help="Network interfaces between the hosts (horovodrun --network-interface; "
+                   "Open MPI btl_tcp_if_include and oob_tcp_if_include).")
+@click.option("--tcp", is_flag=True, help="TCP only (horovodrun --tcp; Open MPI --mca btl tcp,self).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+              help="Horovod's log level (horovodrun --log-level, else HOROVOD_LOG_LEVEL).")
+@click.option("--timeline-filename", metavar="FILE",
+              help="Horovod timeline file (horovodrun --timeline-filename, else HOROVOD_TIMELINE).")
+@click.option("-x", "--env", "env_vars", multiple=True, metavar="NAME[=VALUE]",
+              help="Set NAME=VALUE on every rank, or export this shell's NAME to every rank; repeatable.")
+@click.option("--lost-host-timeout", type=click.FloatRange(min=0), default=20, show_default=True, metavar="S",
+              help="End the job when a remote host has not answered on its ssh port for S seconds (0: never).")
 @click.option("--verbose", is_flag=True, help="Print the command and make the launcher verbose.")
 @click.option("--launcher", type=click.Choice(LAUNCHERS), default="horovodrun", show_default=True,
               help="What starts the ranks; srun (--mpi=pmix) only inside a Slurm allocation; torchrun "
@@ -161,7 +294,7 @@ def _self_command() -> List[str]:
 @click.option("--error-feedback/--no-error-feedback", default=True, show_default=True,
               help="Keep what compression dropped and add it to the next gradient.")
 @click.option("--seed", type=int, help="Seed of QSGD's stochastic rounding.")
-@click.option("--dry-run", is_flag=True, help="Print the command and the environment it adds; run nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the command and the environment it changes; run nothing.")
 @click.option("--sbatch", is_flag=True, help="Write a Slurm batch script for this run instead of running it.")
 @click.option("--nodes", type=int, default=1, show_default=True, help="--sbatch: nodes to ask for.")
 @click.option("--ntasks-per-node", type=int, default=1, show_default=True, help="--sbatch: ranks per node.")
@@ -172,29 +305,32 @@ def _self_command() -> List[str]:
 @click.option("--sbatch-file", type=click.Path(dir_okay=False), help="--sbatch: write the script here "
               "[default: print it, or pipe it to sbatch with --submit].")
 @click.option("--submit", is_flag=True, help="--sbatch: submit the script with sbatch.")
-@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- LAUNCHER_ARGS... --] SCRIPT [ARGS]...")
 @click.pass_context
 def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
     """Run SCRIPT [ARGS]... on NP Horovod ranks (PyTorch DDP ranks with --torchrun); ARGS go to it untouched."""
+    launcher_args, command = _split_launcher_args(command)
     _check_script(command)
     _check_sbatch_only(ctx)
     _torchrun_flag(ctx, opts)
-    env = _compression_env(opts["compression"], opts["ratio"], opts["bits"], opts["accumulate"],
-                           opts["error_feedback"], opts["seed"])
+    env, owned = _compression_env(opts["compression"], opts["ratio"], opts["bits"], opts["accumulate"],
+                                  opts["error_feedback"], opts["seed"])
     try:
         if opts["sbatch"]:
-            _sbatch(ctx, command, opts)
+            _sbatch(ctx, command, launcher_args, env, owned, opts)
             return
-        argv, added = _plan(command, env, opts, os.environ)
+        argv, added, spec = _plan(command, launcher_args, env, owned, opts, os.environ)
     except LaunchError as err:
         raise click.UsageError(str(err)) from None
+    unset = [name for name in owned if name in os.environ and name not in added]
+    inherited = {k: v for k, v in os.environ.items() if k.startswith("HVDGC_") and k not in owned and k not in added}
     if opts["dry_run"]:
-        _print_command(argv, added)
+        _print_command(argv, added, unset, inherited)
         return
     if opts["verbose"]:
-        _print_command(argv, added, err=True)
+        _print_command(argv, added, unset, inherited, err=True)
     try:
-        ctx.exit(run(argv, added))
+        ctx.exit(run(argv, added, unset, _watch(spec, float(opts["lost_host_timeout"]))))
     except OSError as err:
         raise click.ClickException(f"cannot start {argv[0]}: {err.strerror}") from None
 
@@ -224,8 +360,26 @@ def _check_sbatch_only(ctx: click.Context) -> None:
         raise click.UsageError(f"{option} only applies with --sbatch; add --sbatch or drop it")
 
 
-def _plan(command: Tuple[str, ...], env: Dict[str, str], opts: Mapping[str, object],
-          environ: Mapping[str, str]) -> Tuple[List[str], Dict[str, str]]:
+def _spec(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[str, str], owned: Sequence[str],
+          opts: Mapping[str, object], environ: Mapping[str, str], hosts: Optional[Tuple[Host, ...]],
+          origin: str, np: Optional[int]) -> LaunchSpec:
+    """The LaunchSpec for these options; the one place that maps options to it."""
+    extra, forwarded = _extra_env(opts["env_vars"], owned, environ)
+    log_level = opts["log_level"]
+    return LaunchSpec(
+        command=command, np=np, hosts=hosts, hosts_origin=origin, hostfile=opts["hostfile"],
+        launcher=str(opts["launcher"]),
+        backend=None if opts["gloo"] is None else ("gloo" if opts["gloo"] else "mpi"),
+        ssh_port=opts["ssh_port"], start_timeout=opts["start_timeout"], verbose=bool(opts["verbose"]),
+        python=sys.executable, env={**env, **extra},
+        forward_env=tuple(n for n in FORWARDED_ENV if n in environ) + forwarded,
+        as_root=os.geteuid() == 0, network_interface=opts["network_interface"],
+        log_level=str(log_level).upper() if log_level else None, tcp=bool(opts["tcp"]),
+        timeline=opts["timeline_filename"], launcher_args=launcher_args)
+
+
+def _plan(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[str, str], owned: Sequence[str],
+          opts: Mapping[str, object], environ: Mapping[str, str]) -> Tuple[List[str], Dict[str, str]]:
     """Gather the facts (hosts, tool, euid) into a LaunchSpec and build it."""
     launcher = str(opts["launcher"])
     hosts, origin, slurm_ntasks = _hosts(opts["hosts"], opts["hostfile"], environ)
@@ -234,15 +388,17 @@ def _plan(command: Tuple[str, ...], env: Dict[str, str], opts: Mapping[str, obje
             raise LaunchError("--launcher srun runs inside a Slurm allocation (salloc/sbatch) and takes no -H; "
                               "use --sbatch to write one, or --launcher horovodrun")
     np = opts["np"] if opts["np"] is not None else slurm_ntasks
-    spec = LaunchSpec(
-        command=command, np=np, hosts=hosts, hosts_origin=origin, hostfile=opts["hostfile"],
-        launcher=launcher,
-        backend=None if opts["gloo"] is None else ("gloo" if opts["gloo"] else "mpi"),
-        ssh_port=opts["ssh_port"], start_timeout=opts["start_timeout"], verbose=bool(opts["verbose"]),
-        python=sys.executable, env=env, forward_env=tuple(n for n in FORWARDED_ENV if n in environ),
-        as_root=os.geteuid() == 0)
+    spec = _spec(command, launcher_args, env, owned, opts, environ, hosts, origin, np)
     argv, added = build_command(spec)
-    return [_find_tool(launcher), *argv[1:]], added
+    return [_find_tool(launcher), *argv[1:]], added, spec
+
+
+def _watch(spec: LaunchSpec, lost_host_timeout: float) -> JobWatch:
+    """What watches this job: which rank runs where, and which hosts to probe (ssh launchers only)."""
+    np = resolve_np(spec.np, spec.hosts)
+    hosts = spec.hosts or (("localhost", np),)
+    remote = [] if spec.launcher == "srun" else [name for name, _ in hosts if not is_local(name)]
+    return JobWatch(rank_hosts(hosts, np), remote, spec.ssh_port or 22, lost_host_timeout)
 
 
 def _relaunch_args(ctx: click.Context) -> List[str]:
@@ -258,22 +414,37 @@ def _relaunch_args(ctx: click.Context) -> List[str]:
             args.append(param.opts[0] if value else param.secondary_opts[0])
         elif param.is_flag:
             args += [param.opts[0]] if value else []
+        elif param.multiple:                            # -x A=1 -x B
+            args += [item for one in value for item in (param.opts[0], str(one))]
         elif value is not None:
             args += [param.opts[0], str(value)]
     return args
 
 
-def _sbatch(ctx: click.Context, command: Tuple[str, ...], opts: Mapping[str, object]) -> None:
-    """Write (and maybe submit) a batch script that runs this launch inside the allocation."""
+def _sbatch(ctx: click.Context, command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[str, str],
+            owned: Sequence[str], opts: Mapping[str, object]) -> None:
+    """Write (and maybe submit) a batch script that runs this launch inside the allocation.
+
+    The launch is validated here as it will run there (same checks as a direct launch, on
+    the allocation asked for), so a script never carries options the launcher refuses.
+    """
     if opts["hosts"] is not None or opts["hostfile"] is not None:
         raise LaunchError("-H/--hostfile do not combine with --sbatch: the allocation gives the hosts; "
                           "use --nodes and --ntasks-per-node")
-    slots = int(opts["nodes"]) * int(opts["ntasks_per_node"])
-    resolve_np(opts["np"], [("allocation", slots)],
-               f"--nodes {opts['nodes']} x --ntasks-per-node {opts['ntasks_per_node']}")
-    inner = _self_command() + _relaunch_args(ctx) + list(command)
+    nodes, per_node = int(opts["nodes"]), int(opts["ntasks_per_node"])
+    if nodes < 1 or per_node < 1:
+        raise LaunchError("--nodes and --ntasks-per-node must be at least 1")
+    origin = f"--nodes {nodes} x --ntasks-per-node {per_node}"
+    resolve_np(opts["np"], [("allocation", nodes * per_node)], origin)
+    # Node names are Slurm's to choose; any names validate the same way.
+    planned = tuple((f"node{i}", per_node) for i in range(1, nodes + 1))
+    build_command(_spec(command, launcher_args, env, owned, opts, os.environ, planned, origin, opts["np"]))
+    inner = _self_command() + _relaunch_args(ctx)
+    if launcher_args:
+        inner += ["--", *launcher_args, "--"]
+    inner += list(command)
     script = render_sbatch(BatchJob(
-        command=tuple(inner), nodes=int(opts["nodes"]), ntasks_per_node=int(opts["ntasks_per_node"]),
+        command=tuple(inner), nodes=nodes, ntasks_per_node=per_node,
         time=opts["time_limit"], partition=opts["partition"], job_name=str(opts["job_name"]),
         output=opts["output"], workdir=os.getcwd()))
     path = opts["sbatch_file"]

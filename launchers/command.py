@@ -25,6 +25,7 @@ Host = Tuple[str, int]
 
 LAUNCHERS = ("horovodrun", "mpirun", "srun", "torchrun")
 BACKENDS = ("gloo", "mpi")
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 # Variables every mpirun rank needs to find the same Python and libraries on remote hosts.
 FORWARDED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
 
@@ -43,8 +44,16 @@ class LaunchSpec:
     ``command`` is the training script and its arguments, forwarded untouched. ``hosts``
     are the slots to validate ``np`` against (from ``-H``, a hostfile or Slurm);
     ``hosts_origin`` names where they came from, for error messages. With ``hostfile`` set
-    the tool gets ``--hostfile`` instead of ``-H``. ``env`` is what the launch adds to the environment;
-    ``forward_env`` names further variables that mpirun must export to remote ranks.
+    the hosts still reach the tool as ``-H`` (normalised: horovodrun and Open MPI read hostfile
+    lines differently), and ``hostfile`` only names where they came from. ``env`` is what the
+    launch adds to the environment; ``forward_env`` names further variables that mpirun must
+    export to remote ranks.
+
+    The mapped launcher options: ``network_interface`` (horovodrun ``--network-interface``,
+    Open MPI ``btl_tcp_if_include``/``oob_tcp_if_include``), ``log_level`` (horovodrun
+    ``--log-level``, else ``HOROVOD_LOG_LEVEL``), ``tcp`` (horovodrun ``--tcp``, Open MPI
+    ``btl tcp,self``), ``timeline`` (horovodrun ``--timeline-filename``, else
+    ``HOROVOD_TIMELINE``). ``launcher_args`` go to the launcher verbatim, before the program.
     """
 
     command: Tuple[str, ...]
@@ -61,6 +70,11 @@ class LaunchSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     forward_env: Tuple[str, ...] = ()
     as_root: bool = False
+    network_interface: Optional[str] = None
+    log_level: Optional[str] = None
+    tcp: bool = False
+    timeline: Optional[str] = None
+    launcher_args: Tuple[str, ...] = ()
 
 
 def parse_hosts(spec: str) -> List[Host]:
@@ -78,12 +92,14 @@ def parse_hosts(spec: str) -> List[Host]:
 
 
 def parse_hostfile_text(text: str, name: str = "hostfile") -> List[Host]:
-    """Parse a horovodrun/Open MPI hostfile: ``host slots=N`` (or ``host:N``, ``host``) per line.
+    """Parse a hostfile: ``host slots=N``, ``host:N`` or a bare ``host`` (1 slot) per line.
 
-    Blank lines and ``#`` comments are skipped.
+    Blank lines and ``#`` comments are skipped. The result reaches the launcher as ``-H``,
+    which horovodrun and Open MPI read alike (their own hostfile readers do not: horovodrun
+    fails on ``host:N`` and bare hosts, Open MPI reads ``host:N`` as a host name).
 
-    >>> parse_hostfile_text("node1 slots=4\\n# spare\\nnode2 slots=2\\n")
-    [('node1', 4), ('node2', 2)]
+    >>> parse_hostfile_text("node1 slots=4\\n# spare\\nnode2:2\\nnode3\\n")
+    [('node1', 4), ('node2', 2), ('node3', 1)]
     """
     hosts = []
     for lineno, raw in enumerate(text.splitlines(), 1):
@@ -175,17 +191,41 @@ def build_command(spec: LaunchSpec) -> Tuple[List[str], Dict[str, str]]:
         raise LaunchError(f"unknown launcher {spec.launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     if spec.backend not in (None, *BACKENDS):
         raise LaunchError(f"unknown backend {spec.backend!r}; use --gloo or --mpi")
+    if spec.log_level is not None and spec.log_level not in LOG_LEVELS:
+        raise LaunchError(f"unknown --log-level {spec.log_level!r}; choose one of {', '.join(LOG_LEVELS)}")
+    if spec.network_interface is not None and not _IFACE_RE.match(spec.network_interface):
+        raise LaunchError(f"malformed --network-interface {spec.network_interface!r}; give interface names "
+                          "separated by commas, e.g. eth0 or eth0,ib0")
     builders = {"horovodrun": _horovodrun_argv, "mpirun": _mpirun_argv, "srun": _srun_argv,
                 "torchrun": _torchrun_argv}
-    argv = builders[spec.launcher](spec)
-    return argv + program_argv(spec.command, spec.python), dict(spec.env)
+    argv = builders[spec.launcher](spec) + list(spec.launcher_args)
+    env = dict(spec.env)
+    if spec.launcher != "horovodrun":  # horovodrun maps these itself; the others read Horovod's variables
+        env.update({name: value for name, value in (("HOROVOD_LOG_LEVEL", spec.log_level),
+                                                    ("HOROVOD_TIMELINE", spec.timeline)) if value})
+    if spec.launcher == "srun":  # no mpirun command line here: Open MPI reads OMPI_MCA_* instead
+        env.update(_mca_env(spec))
+    return argv + program_argv(spec.command, spec.python), env
+
+
+_IFACE_RE = re.compile(r"^[A-Za-z0-9_.:@\-]+(,[A-Za-z0-9_.:@\-]+)*$")
+
+
+def _mca(spec: LaunchSpec) -> List[Tuple[str, str]]:
+    """Open MPI parameters for the mapped options: TCP only, and which interfaces to use."""
+    params = [("btl", "tcp,self")] if spec.tcp else []
+    if spec.network_interface:
+        params += [("btl_tcp_if_include", spec.network_interface), ("oob_tcp_if_include", spec.network_interface)]
+    return params
+
+
+def _mca_env(spec: LaunchSpec) -> Dict[str, str]:
+    return {f"OMPI_MCA_{name}": value for name, value in _mca(spec)}
 
 
 def _np_and_hosts(spec: LaunchSpec) -> Tuple[int, List[str]]:
-    """``-np N`` plus ``-H ...`` or ``--hostfile F``; localhost when neither was given."""
+    """``-np N`` plus ``-H ...`` (from -H or a hostfile); localhost when neither was given."""
     np = resolve_np(spec.np, spec.hosts, spec.hosts_origin or "the hosts")
-    if spec.hostfile:
-        return np, ["--hostfile", spec.hostfile]
     return np, ["-H", format_hosts(spec.hosts or [("localhost", np)])]
 
 
@@ -200,6 +240,14 @@ def _horovodrun_argv(spec: LaunchSpec) -> List[str]:
         argv += ["--start-timeout", str(spec.start_timeout)]
     if spec.verbose:
         argv.append("--verbose")
+    if spec.network_interface:
+        argv += ["--network-interface", spec.network_interface]
+    if spec.log_level:
+        argv += ["--log-level", spec.log_level]
+    if spec.tcp:
+        argv.append("--tcp")
+    if spec.timeline:
+        argv += ["--timeline-filename", spec.timeline]
     return argv
 
 
@@ -214,7 +262,12 @@ def _mpirun_argv(spec: LaunchSpec) -> List[str]:
         argv += ["-mca", "plm_rsh_args", f"-p {spec.ssh_port}"]
     if spec.verbose:
         argv.append("--display-map")
-    exported = sorted(spec.env) + [name for name in spec.forward_env if name not in spec.env]
+    for name, value in _mca(spec):
+        argv += ["-mca", name, value]
+    mapped = [name for name, value in (("HOROVOD_LOG_LEVEL", spec.log_level), ("HOROVOD_TIMELINE", spec.timeline))
+              if value]
+    exported = sorted({*spec.env, *mapped}) + [name for name in spec.forward_env
+                                                if name not in spec.env and name not in mapped]
     for name in exported:
         argv += ["-x", name]  # -x NAME exports the value mpirun itself was started with
     return argv

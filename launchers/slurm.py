@@ -17,7 +17,7 @@ import re
 import shlex
 import subprocess
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .command import Host, LaunchError
 
@@ -26,6 +26,9 @@ ENV_NODELIST = "SLURM_JOB_NODELIST"
 ENV_NTASKS = "SLURM_NTASKS"
 ENV_NTASKS_PER_NODE = "SLURM_NTASKS_PER_NODE"
 ENV_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+ENV_NUM_NODES = "SLURM_JOB_NUM_NODES"
+# Beyond any machine a launcher here would start; a node list naming more is a mistake.
+MAX_NODES = 100_000
 
 _NAME_CHARS = re.compile(r"^[A-Za-z0-9_.\-]*$")
 # Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
@@ -46,21 +49,38 @@ class Allocation:
     nodelist: str
 
 
-def expand_nodelist(spec: str) -> List[str]:
+def expand_nodelist(spec: str, limit: Optional[int] = None) -> List[str]:
     """Expand a Slurm host list, as ``scontrol show hostnames`` does.
+
+    The names are counted before any is made, so a list naming more than ``limit`` nodes
+    (default :data:`MAX_NODES`) fails at once instead of filling memory.
 
     >>> expand_nodelist("node[01-03,07],gpu5")
     ['node01', 'node02', 'node03', 'node07', 'gpu5']
     >>> expand_nodelist("r[1-2]n[1-2]")
     ['r1n1', 'r1n2', 'r2n1', 'r2n2']
+    >>> expand_nodelist("node[1-1000000000]", limit=2)
+    Traceback (most recent call last):
+    ...
+    launchers.slurm.SlurmError: SLURM_JOB_NODELIST='node[1-1000000000]' names 1000000000 nodes, more than 2
+    """
+    limit = MAX_NODES if limit is None else limit
+    total = count_nodelist(spec)
+    if total > limit:
+        raise SlurmError(f"{ENV_NODELIST}={spec!r} names {total} nodes, more than {limit}")
+    return [host for item in _split_top_level(spec) for host in _expand_item(item, spec)]
+
+
+def count_nodelist(spec: str) -> int:
+    """How many hosts a Slurm host list names, without making them.
+
+    >>> count_nodelist("node[1-1000000000],gpu[1-2]")
+    1000000002
     """
     items = _split_top_level(spec)
     if not spec.strip() or any(not item for item in items):
         raise SlurmError(f"{ENV_NODELIST}={spec!r} is malformed: empty host name")
-    hosts: List[str] = []
-    for item in items:
-        hosts += _expand_item(item, spec)
-    return hosts
+    return sum(_count_item(item, spec) for item in items)
 
 
 def _split_top_level(spec: str) -> List[str]:
@@ -78,22 +98,42 @@ def _split_top_level(spec: str) -> List[str]:
     return items + [spec[start:].strip()]
 
 
-def _expand_item(item: str, spec: str) -> List[str]:
+def _parse_item(item: str, spec: str) -> Optional[Tuple[str, List[Tuple[int, int, int]], str]]:
+    """``prefix[ranges]rest`` -> (prefix, [(low, high, width)], rest); None for a plain name."""
     match = re.match(r"^([^\[\]]*)\[([^\]]*)\](.*)$", item)
     if not match:
         if not _NAME_CHARS.match(item):
             raise SlurmError(f"{ENV_NODELIST}={spec!r} is malformed: bad host name {item!r}")
-        return [item]
+        return None
     prefix, ranges, rest = match.groups()
     if not _NAME_CHARS.match(prefix):
         raise SlurmError(f"{ENV_NODELIST}={spec!r} is malformed: bad host name {prefix!r}")
-    tails = _expand_item(rest, spec) if rest else [""]
-    return [f"{prefix}{number}{tail}" for number in _expand_ranges(ranges, spec) for tail in tails]
+    return prefix, _parse_ranges(ranges, spec), rest
 
 
-def _expand_ranges(ranges: str, spec: str) -> List[str]:
-    """``01-03,07`` -> ``['01', '02', '03', '07']``; the low end's width sets zero padding."""
-    numbers = []
+def _count_item(item: str, spec: str) -> int:
+    parsed = _parse_item(item, spec)
+    if parsed is None:
+        return 1
+    _, ranges, rest = parsed
+    return sum(high - low + 1 for low, high, _ in ranges) * (_count_item(rest, spec) if rest else 1)
+
+
+def _expand_item(item: str, spec: str) -> Iterator[str]:
+    parsed = _parse_item(item, spec)
+    if parsed is None:
+        yield item
+        return
+    prefix, ranges, rest = parsed
+    for low, high, width in ranges:
+        for number in range(low, high + 1):
+            for tail in (_expand_item(rest, spec) if rest else [""]):
+                yield f"{prefix}{str(number).zfill(width)}{tail}"
+
+
+def _parse_ranges(ranges: str, spec: str) -> List[Tuple[int, int, int]]:
+    """``01-03,07`` -> ``[(1, 3, 2), (7, 7, 2)]``; the low end's width sets zero padding."""
+    parsed = []
     for part in ranges.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
         if not match:
@@ -101,25 +141,29 @@ def _expand_ranges(ranges: str, spec: str) -> List[str]:
         low, high = match.group(1), match.group(2) or match.group(1)
         if int(high) < int(low):
             raise SlurmError(f"{ENV_NODELIST}={spec!r} is malformed: range {part!r} runs backwards")
-        numbers += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
-    return numbers
+        parsed.append((int(low), int(high), len(low)))
+    return parsed
 
 
-def parse_tasks_per_node(spec: str, name: str = ENV_TASKS_PER_NODE) -> List[int]:
-    """Expand Slurm's compressed tasks-per-node list.
+def parse_tasks_per_node(spec: str, name: str = ENV_TASKS_PER_NODE, limit: int = MAX_NODES,
+                         limit_from: str = "hvdgc-launch handles") -> List[int]:
+    """Expand Slurm's compressed tasks-per-node list (at most ``limit`` nodes).
 
     >>> parse_tasks_per_node("4(x2),2")
     [4, 4, 2]
     >>> parse_tasks_per_node("8")
     [8]
     """
-    counts: List[int] = []
+    parts = []
     for part in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not match or int(match.group(1)) < 1 or (match.group(2) and int(match.group(2)) < 1):
             raise SlurmError(f"{name}={spec!r} is malformed: expected forms like 4 or 4(x2),2")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts
+        parts.append((int(match.group(1)), int(match.group(2) or 1)))
+    total = sum(repeat for _, repeat in parts)
+    if total > limit:
+        raise SlurmError(f"{name}={spec!r} gives {total} nodes, more than the {limit} {limit_from}; they must match")
+    return [count for count, repeat in parts for _ in range(repeat)]
 
 
 def allocation_from_env(env: Mapping[str, str]) -> Optional[Allocation]:
@@ -135,10 +179,28 @@ def allocation_from_env(env: Mapping[str, str]) -> Optional[Allocation]:
     if not nodelist:
         raise SlurmError(f"{ENV_JOB_ID} is set but {ENV_NODELIST} is not; run inside salloc/sbatch, "
                          f"or unset {ENV_JOB_ID} to launch outside Slurm")
-    nodes = expand_nodelist(nodelist)
+    nodes = expand_nodelist(nodelist, _num_nodes(env, nodelist))
     slots = _slots(env, len(nodes))
     hosts = tuple(zip(nodes, slots))  # _slots returns one count per node
     return Allocation(job_id=job_id, hosts=hosts, ntasks=_ntasks(env), nodelist=nodelist)
+
+
+def _num_nodes(env: Mapping[str, str], nodelist: str) -> int:
+    """``SLURM_JOB_NUM_NODES`` (else ``SLURM_NNODES``), which bounds the node list; MAX_NODES if unset.
+
+    A node list that names another number of nodes is an error (a copied or stale variable).
+    """
+    name = ENV_NUM_NODES if env.get(ENV_NUM_NODES) else "SLURM_NNODES"
+    raw = env.get(name, "")
+    if not raw:
+        return MAX_NODES
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise SlurmError(f"{name}={raw!r} is malformed: expected a whole number >= 1")
+    count = count_nodelist(nodelist)
+    if count != int(raw):
+        raise SlurmError(f"{ENV_NODELIST}={nodelist!r} names {count} nodes but {name}={raw}; they must match "
+                         "(run inside the allocation, or unset the stale variables)")
+    return int(raw)
 
 
 def _slots(env: Mapping[str, str], n_nodes: int) -> List[int]:
@@ -146,7 +208,7 @@ def _slots(env: Mapping[str, str], n_nodes: int) -> List[int]:
     if not env.get(name):
         raise SlurmError(f"neither {ENV_NTASKS_PER_NODE} nor {ENV_TASKS_PER_NODE} is set; "
                          "ask Slurm for tasks, e.g. sbatch --ntasks-per-node=4")
-    counts = parse_tasks_per_node(env[name], name)
+    counts = parse_tasks_per_node(env[name], name, n_nodes, f"in {ENV_NODELIST}")
     if len(counts) == 1:
         return counts * n_nodes
     if len(counts) != n_nodes:

@@ -8,6 +8,12 @@
 # /var/lib/slurm, /var/spool/slurmd, /var/log/slurm and /run, never in the repository.
 #
 # On failure it prints why (the daemons' log tails) and exits non-zero.
+#
+# `slurm_up.sh --two-hosts` (run by scripts/two_hosts.sh up) starts a second, separate
+# cluster "hvdgc2" on the two test hosts: slurmctld and `slurmd -N hvdgc-a` in namespace
+# hvdgc-a, `slurmd -N hvdgc-b` in hvdgc-b. Its slurm.conf lives in /etc/netns/NAME/slurm/,
+# which `ip netns exec` mounts over /etc/slurm, so sbatch/srun/sinfo run on those hosts see
+# it and the one-node cluster is left alone. scripts/two_hosts.sh down stops it.
 set -euo pipefail
 
 NODE="$(hostname -s)"
@@ -162,4 +168,113 @@ main() {
   wait_idle
 }
 
-main "$@"
+# ---------------------------------------------------------------- two hosts
+TWO_HOSTS=(hvdgc-a hvdgc-b)
+TWO_ADDRS=(10.99.14.1 10.99.14.2)  # scripts/two_hosts.sh's addresses
+TWO_RUN=/run/hvdgc-two-hosts
+TWO_LOG=/var/log/hvdgc-two-hosts
+TWO_STATE=/var/lib/hvdgc-two-hosts-slurm
+TWO_SPOOL=/var/spool/hvdgc-two-hosts
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+on() { bash "$HERE/two_hosts.sh" exec "$@"; }
+
+render_two_conf() {
+  cat <<EOF
+# Written by hvd-gradcomp scripts/slurm_up.sh --two-hosts: a two-node test cluster.
+ClusterName=hvdgc2
+SlurmctldHost=${TWO_HOSTS[0]}(${TWO_ADDRS[0]})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+StateSaveLocation=$TWO_STATE
+SlurmdSpoolDir=$TWO_SPOOL/%n
+SlurmctldPidFile=$TWO_RUN/slurmctld.pid
+SlurmdPidFile=$TWO_RUN/slurmd-%n.pid
+SlurmctldLogFile=$TWO_LOG/slurmctld.log
+SlurmdLogFile=$TWO_LOG/slurmd-%n.log
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+MinJobAge=300
+KillWait=5
+NodeName=${TWO_HOSTS[0]} NodeAddr=${TWO_ADDRS[0]} CPUs=$CPUS State=UNKNOWN
+NodeName=${TWO_HOSTS[1]} NodeAddr=${TWO_ADDRS[1]} CPUs=$CPUS State=UNKNOWN
+PartitionName=two Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+}
+
+pid_alive() { local pid; pid="$(cat "$1" 2>/dev/null || true)"; [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; }
+
+two_states() { on "${TWO_HOSTS[0]}" sinfo -h -N -o '%N %t' 2>/dev/null | sort -u; }
+
+two_die() {
+  printf '[slurm_up] ERROR: %s\n' "$*" >&2
+  for f in "$TWO_LOG"/*.log; do
+    [ -r "$f" ] && { printf -- '--- last lines of %s ---\n' "$f" >&2; tail -15 "$f" >&2; }
+  done
+  exit 1
+}
+
+two_hosts_main() {
+  ensure_packages
+  ensure_munge
+  local name f mpi changed="" want
+  want="$(render_two_conf)"
+  install -d -m 0755 "$TWO_RUN" "$TWO_LOG" "$TWO_STATE"
+  for name in "${TWO_HOSTS[@]}"; do
+    [ -d "/etc/netns/$name" ] || two_die "host $name is not up; run: bash $HERE/two_hosts.sh up"
+    install -d -m 0755 "/etc/netns/$name/slurm" "$TWO_SPOOL/$name" "$TWO_SPOOL/$name/pmix"
+    # The hosts share /tmp, where PMIx would put both nodes' step directories under one
+    # name ("Cannot create directory /tmp/spmix_appdir_0_2.0: File exists"): one per node.
+    mpi="PMIxCliTmpDirBase=$TWO_SPOOL/$name/pmix"
+    if [ "$(cat "/etc/netns/$name/slurm/slurm.conf" 2>/dev/null)" != "$want" ] \
+        || [ "$(cat "/etc/netns/$name/slurm/mpi.conf" 2>/dev/null)" != "$mpi" ]; then
+      printf '%s\n' "$want" >"/etc/netns/$name/slurm/slurm.conf"
+      printf '%s\n' "$mpi" >"/etc/netns/$name/slurm/mpi.conf"
+      changed=1
+    fi
+  done
+  if [ -n "$changed" ]; then  # the daemons read their configuration at start only
+    for f in "$TWO_RUN"/slurmd-*.pid "$TWO_RUN/slurmctld.pid"; do
+      if pid_alive "$f"; then kill "$(cat "$f")"; fi
+    done
+    sleep 1
+  fi
+  if ! pid_alive "$TWO_RUN/slurmctld.pid"; then
+    log "starting slurmctld on ${TWO_HOSTS[0]}"
+    on "${TWO_HOSTS[0]}" /usr/sbin/slurmctld -i || two_die "slurmctld on ${TWO_HOSTS[0]} did not start"
+  fi
+  for name in "${TWO_HOSTS[@]}"; do
+    pid_alive "$TWO_RUN/slurmd-$name.pid" && continue
+    log "starting slurmd -N $name on $name"
+    on "$name" /usr/sbin/slurmd -N "$name" || two_die "slurmd on $name did not start"
+  done
+  local states=""
+  for _ in $(seq $(( WAIT_S * 2 ))); do
+    states="$(two_states)"
+    if [ "$(grep -cE ' (idle|mix|alloc|comp)$' <<<"$states")" -eq ${#TWO_HOSTS[@]} ]; then
+      log "two-node cluster hvdgc2 ready: $(tr '\n' ' ' <<<"$states")"
+      return
+    fi
+    if grep -qE ' (down|drain|fail)' <<<"$states"; then
+      on "${TWO_HOSTS[0]}" scontrol update NodeName="${TWO_HOSTS[0]},${TWO_HOSTS[1]}" State=RESUME >/dev/null 2>&1 || true
+    fi
+    sleep 0.5
+  done
+  two_die "two-node cluster not ready after ${WAIT_S}s (states: $(tr '\n' ' ' <<<"$states"))"
+}
+
+if [ "${1:-}" = "--two-hosts" ]; then
+  two_hosts_main
+else
+  main "$@"
+fi

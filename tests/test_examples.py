@@ -107,7 +107,22 @@ def test_synthetic_benchmark_tiny_json(tmp_path: Path) -> None:
     assert 0 < r["bytes_per_step"] < r["raw_bytes_per_step"] / 10 and r["ratio"] > 10
     assert r["samples_per_s_total_mean"] == pytest.approx(2 * r["samples_per_s_rank_mean"])
     assert 0 <= r["comm_s"] <= r["step_s"] and r["comm_share"] == pytest.approx(r["comm_s"] / r["step_s"])
+    assert 0 < r["codec_s"] < r["step_s"] and 0 <= r["exposed_comm_s"] <= r["comm_s"] and r["auto"] is None
     assert "Total samples/sec on 2 rank(s)" in text
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_synthetic_benchmark_auto_decides_during_warmup(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    text = _run_2_ranks([BENCH, "--params", "1e5", "--width", "128", "--warmup", "9", "--iters", "2",
+                         "--compression", "auto", "--json", str(out)])
+    r = json.loads(out.read_text())
+    auto = r["auto"]
+    assert auto["step"] >= 11 and auto["link"]["bandwidth_Bps"] > 0   # 8 exploring steps, then decided
+    assert len(auto["decisions"]) == 7 and set(auto["decisions"].values()) <= {"sparse", "qsgd", "fp16", "dense"}
+    assert all(len(t["codec_ms"]) == 4 for t in auto["tensors"].values())
+    assert f"Auto: step {auto['step']}:" in text
 
 
 @pytest.mark.multirank

@@ -1,4 +1,5 @@
 """Unit tests of hvdgc-launch: command building (exact argv/env) and the CLI's input checks."""
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -94,7 +95,7 @@ def test_horovodrun_hostfile_and_mpi():
     spec = LaunchSpec(command=("train.py",), hosts=(("a", 2), ("b", 2)), hostfile="hosts.txt", backend="mpi",
                       python="/py")
     argv, _ = build_command(spec)
-    assert argv == ["horovodrun", "-np", "4", "--hostfile", "hosts.txt", "--mpi", "/py", "train.py"]
+    assert argv == ["horovodrun", "-np", "4", "-H", "a:2,b:2", "--mpi", "/py", "train.py"]
 
 
 def test_arguments_are_forwarded_untouched():
@@ -125,7 +126,7 @@ def test_mpirun_ssh_port_verbose_hostfile_not_root():
     spec = LaunchSpec(command=("./run.sh",), hosts=(("a", 2),), hostfile="h", launcher="mpirun", ssh_port=2222,
                       verbose=True, backend="mpi")
     argv, _ = build_command(spec)
-    assert argv == ["mpirun", "-np", "2", "--hostfile", "h", "-bind-to", "none", "-map-by", "slot",
+    assert argv == ["mpirun", "-np", "2", "-H", "a:2", "-bind-to", "none", "-map-by", "slot",
                     "-mca", "plm_rsh_args", "-p 2222", "--display-map", "./run.sh"]
 
 
@@ -169,7 +170,8 @@ def test_unknown_launcher_and_backend():
 def invoke(monkeypatch):
     """Run hvdgc-launch in-process outside Slurm, with launcher tools at fixed fake paths."""
     for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
-                 "SLURM_TASKS_PER_NODE"):
+                 "SLURM_TASKS_PER_NODE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES",
+                 *(k for k in os.environ if k.startswith("HVDGC_"))):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cli, "_find_tool", lambda name: f"/opt/bin/{name}")
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
@@ -223,7 +225,7 @@ def test_cli_hostfile(invoke, tmp_path):
     res = invoke("--dry-run", "--hostfile", str(hostfile), SCRIPT)
     assert res.exit_code == 0, res.output
     assert res.output.splitlines()[-1] == shlex.join(
-        ["/opt/bin/horovodrun", "-np", "4", "--hostfile", str(hostfile), sys.executable, SCRIPT])
+        ["/opt/bin/horovodrun", "-np", "4", "-H", "a:2,b:2", sys.executable, SCRIPT])
 
 
 def test_cli_inside_slurm_takes_hosts_and_np(invoke):
@@ -257,7 +259,7 @@ def test_cli_inside_slurm_takes_hosts_and_np(invoke):
     ((SCRIPT,), {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2", "SLURM_TASKS_PER_NODE": "1"},
      "Error: SLURM_JOB_NODELIST='n[1-2' is malformed: unclosed '['"),
     ((SCRIPT,), {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x3)"},
-     "Error: SLURM_TASKS_PER_NODE='2(x3)' gives 3 nodes but SLURM_JOB_NODELIST has 2"),
+     "Error: SLURM_TASKS_PER_NODE='2(x3)' gives 3 nodes, more than the 2 in SLURM_JOB_NODELIST"),
     ((SCRIPT,), {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "2", "SLURM_NTASKS": "x"},
      "Error: SLURM_NTASKS='x' is malformed"),
     (("-np", "4", SCRIPT), {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS_PER_NODE": "2"},

@@ -161,12 +161,14 @@ def test_dry_run_prints_and_runs_nothing(tmp_path):
     assert res.returncode == 0, res.stdout
     assert not marker.exists()
     lines = res.stdout.splitlines()
-    assert lines[:7] == ["# environment added:", "export HVDGC_ACCUMULATE=1", "export HVDGC_BITS=4",
+    assert lines[:9] == ["# environment added:", "export HVDGC_ACCUMULATE=1", "export HVDGC_BITS=4",
                          "export HVDGC_COMPRESSION=qsgd", "export HVDGC_ERROR_FEEDBACK=1", "export HVDGC_RATIO=0.01",
+                         # rank_env() sets HVDGC_COMPILE=0: shown, since every rank reads it
+                         "# HVDGC_* variables passed on from this shell:", "export HVDGC_COMPILE=0",
                          "# command:"]
-    assert lines[7].endswith(" -np 2 -H localhost:2 -bind-to none -map-by slot -x HVDGC_ACCUMULATE -x HVDGC_BITS "
+    assert lines[9].endswith(" -np 2 -H localhost:2 -bind-to none -map-by slot -x HVDGC_ACCUMULATE -x HVDGC_BITS "
                              "-x HVDGC_COMPRESSION -x HVDGC_ERROR_FEEDBACK -x HVDGC_RATIO -x PATH -x PYTHONPATH "
-                             f"/usr/bin/touch {marker}"), lines[7]
+                             f"/usr/bin/touch {marker}"), lines[9]
 
 
 @pytest.mark.parametrize("args, env, message", [

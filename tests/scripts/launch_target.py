@@ -7,13 +7,18 @@ compressor the ``HVDGC_*`` variables name when the hvd_gradcomp compressors impo
 prints ``done rank=R steps=N loss=L params=P``; P is identical on every rank when the
 gradients really were averaged.
 
+Each rank also prints ``rank=R host=H netns=NS pid=P`` (host name and network namespace), so
+multi-host tests can check where each rank ran.
+
 Options for the tests (read leniently; everything stays in args=[...]):
-``--steps N``, ``--sleep S`` (print ``pid=`` and sleep, for Ctrl-C), ``--exit-code K``
+``--steps N``, ``--step-sleep S`` (pause after each step; ``rank=R trained step 1`` is
+printed after the first), ``--sleep S`` (print ``pid=`` and sleep, for Ctrl-C), ``--exit-code K``
 with ``--fail-rank R`` (rank R exits with K).
 """
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 
@@ -29,6 +34,7 @@ def _options() -> argparse.Namespace:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     return parser.parse_known_args()[0]
 
 
@@ -40,7 +46,7 @@ def _compressor(cfg):
         return hvd.Compression.none, f"unavailable ({err})"
 
 
-def _train(cfg, steps: int) -> tuple:
+def _train(cfg, steps: int, step_sleep: float = 0.0) -> tuple:
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 1)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -51,15 +57,27 @@ def _train(cfg, steps: int) -> tuple:
                                    backward_passes_per_step=cfg.accumulate)
     gen = torch.Generator().manual_seed(100 + hvd.rank())  # different data on each rank
     loss = torch.tensor(0.0)
-    for _ in range(steps):
+    for step in range(steps):
         for _ in range(cfg.accumulate):
             x = torch.randn(32, 16, generator=gen)
             loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
             loss.backward()
         opt.step()
         opt.zero_grad()
+        if step == 0:
+            print(f"rank={hvd.rank()} trained step 1", flush=True)
+        time.sleep(step_sleep)
     params = sum(float(p.detach().double().sum()) for p in model.parameters())
     return float(loss.detach()), params
+
+
+def _netns() -> str:
+    """The name of this process's network namespace (as ``ip netns`` names it), or ``-``."""
+    try:
+        mine = os.stat("/proc/self/ns/net").st_ino
+        return next((n for n in sorted(os.listdir("/run/netns")) if os.stat(f"/run/netns/{n}").st_ino == mine), "-")
+    except OSError:
+        return "-"
 
 
 def main() -> int:
@@ -69,6 +87,7 @@ def main() -> int:
     print(f"rank={hvd.rank()} size={hvd.size()} compression={cfg.compression} ratio={cfg.ratio} "
           f"bits={cfg.bits} accumulate={cfg.accumulate} error_feedback={int(cfg.error_feedback)} "
           f"args={json.dumps(sys.argv[1:])}", flush=True)
+    print(f"rank={hvd.rank()} host={socket.gethostname()} netns={_netns()} pid={os.getpid()}", flush=True)
     if opts.sleep:
         print(f"rank={hvd.rank()} pid={os.getpid()}", flush=True)
         time.sleep(opts.sleep)
@@ -76,7 +95,7 @@ def main() -> int:
         print(f"rank={hvd.rank()} exiting with {opts.exit_code}", flush=True)
         sys.stdout.flush()
         os._exit(opts.exit_code)  # no Horovod shutdown: a crashed rank, as the launcher sees it
-    loss, params = _train(cfg, opts.steps)
+    loss, params = _train(cfg, opts.steps, opts.step_sleep)
     print(f"done rank={hvd.rank()} steps={opts.steps} loss={loss:.6f} params={params:.10f}", flush=True)
     return 0
 

@@ -1,0 +1,434 @@
+"""``gc.Auto()``: pick, per tensor and while training runs, the road that costs least.
+
+Compression pays only when the bytes it saves take longer to send than its codec takes to
+run: on a slow link TopKQSGD wins by far, on a fast one (or on many ranks, where an allgather
+grows with the rank count) the plain allreduce does. ``Auto`` measures instead of guessing:
+
+1. **Explore**: for ``explore_steps`` steps each, every tensor takes each road in turn
+   (``sparse``: TopKQSGD allgather, ``qsgd``: QSGD compressed allreduce, or allgather inside
+   stock Horovod, ``fp16``, ``dense``), and its encode + decode seconds and payload bytes are
+   measured.
+2. **Probe** the link: two timed allreduces (a tiny one for latency, ``probe_numel`` float32
+   values for bandwidth).
+3. **Decide**: the model of :mod:`hvd_gradcomp.policy` (codec + latency x rounds + bytes /
+   bandwidth, with the rank count in the bytes, so the road switches past the crossover)
+   picks each tensor's road. Measurements are averaged over ranks (allreduce) and rank 0's
+   decisions are broadcast: every rank takes the same road for every tensor.
+4. **Re-decide** every ``interval`` steps (re-probe, codec costs of the roads in use
+   refreshed), switching a tensor only when the new road is ``hysteresis`` faster.
+
+Error feedback across switches: what a compressed road left behind (its residual) is added
+to the tensor's next send, whatever road that takes, and dropped from the old compressor; so
+nothing is lost or sent twice. For QSGD's compressed allreduce, the residual of the re-quantised
+reduced chunk this rank owns goes back in at its place, times the number of ranks under
+``hvd.Average`` (it was a residual of the average).
+
+Example::
+
+    opt = gc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression=gc.Auto())
+    # or stock: hvd.DistributedOptimizer(opt, named_parameters=..., compression=gc.Auto())
+    ...
+    print(opt.compression.report()["summary"])
+    # step 120: sparse x6, dense x1; link 0.96 Gbit/s, latency 0.11 ms
+
+Decisions and measurements: :meth:`Auto.report`.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import policy
+from .compressors import QSGD, TopKQSGD, _compressible, payload_size
+from .exchange import (AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange,
+                       TimedExchange, chunk_bounds, wait_done)
+from .feedback import residual_dtype
+from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE, Link, TensorCosts
+
+OURS_ROADS = (SPARSE, QSGD_AR, FP16, DENSE)   # exploration order: the dense road last, so the
+STOCK_ROADS = (SPARSE, QSGD_AG, FP16, DENSE)  # residuals are flushed when exploration ends
+SAMPLES = 5
+
+
+def _hvd():
+    import horovod.torch as hvd
+    return hvd
+
+
+@dataclass
+class _Setup:
+    """Where Auto runs: set at the first exchange (hvd_gradcomp's optimizer or stock Horovod's)."""
+
+    mode: str
+    process_set: Any
+    op: Any
+    roads: Tuple[str, ...]
+
+    @property
+    def ranks(self) -> int:
+        return self.process_set.size()
+
+    @property
+    def rank(self) -> int:
+        return self.process_set.rank()
+
+
+class Auto:
+    """Automatic road per tensor: dense, fp16, QSGD or TopKQSGD, measured and re-decided.
+
+    Args:
+        ratio, bits: TopKQSGD's settings for the sparse road.
+        qsgd_bits: QSGD's bits for the compressed-allreduce road.
+        roads: the roads allowed (default all: ``"sparse", "qsgd", "fp16", "dense"``).
+        explore_steps: steps each road is tried for at the start (the first call of a road
+            pays one-off costs; the least of the samples is used).
+        interval: steps between re-decisions.
+        hysteresis: a tensor switches only if the new road is this fraction faster.
+        probe_numel: float32 values of the bandwidth probe's allreduce.
+        error_feedback, seed: as for the compressors.
+        named_parameters: for stock Horovod, as the compressors' (see :meth:`bind`).
+
+    >>> Auto()
+    Auto(roads=('sparse', 'qsgd', 'fp16', 'dense'), ratio=0.01, bits=8, qsgd_bits=8, interval=200)
+    """
+
+    def __init__(self, ratio: float = 0.01, bits: int = 8, qsgd_bits: int = 8,
+                 roads: Optional[Sequence[str]] = None, explore_steps: int = 2, interval: int = 200,
+                 hysteresis: float = 0.1, probe_numel: int = 1 << 20, error_feedback: bool = True,
+                 seed: Optional[int] = None, named_parameters: Any = None) -> None:
+        self.sparse = TopKQSGD(ratio=ratio, bits=bits, error_feedback=error_feedback, seed=seed)
+        self.qsgd = QSGD(bits=qsgd_bits, error_feedback=error_feedback, seed=seed)
+        self.roads = _check_roads(roads)
+        for arg, value, low in (("explore_steps", explore_steps, 1), ("interval", interval, 1),
+                                ("probe_numel", probe_numel, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
+            raise ValueError(f"hysteresis must be a number in [0, 1) (a fraction), got {hysteresis!r}")
+        self.explore_steps, self.interval = explore_steps, interval
+        self.hysteresis, self.probe_numel = float(hysteresis), probe_numel
+        self.step = 0                       # steps begun (the first exchange of a step starts it)
+        self.decisions: Dict[str, str] = {}  # tensor name -> road, identical on every rank
+        self.costs: Dict[str, TensorCosts] = {}
+        self.link: Optional[Link] = None
+        self.history: List[Tuple[int, str, Optional[str], str]] = []  # (step, name, from, to)
+        self.last_wait_s: Dict[str, float] = {}
+        self._counts: Dict[str, int] = {}
+        self._samples: Dict[Tuple[str, str], Deque[float]] = {}
+        self._setup: Optional[_Setup] = None
+        self._names: Optional[Dict[torch.Tensor, str]] = None
+        if named_parameters is not None:
+            self.bind(named_parameters)
+
+    def __repr__(self) -> str:
+        return (f"Auto(roads={self.roads or OURS_ROADS}, ratio={self.sparse.ratio}, bits={self.sparse.bits}, "
+                f"qsgd_bits={self.qsgd.bits}, interval={self.interval})")
+
+    # ------------------------------------------------------------ set-up
+    def make_exchange(self, op: Any, process_set: Any) -> "AutoExchange":
+        """Called by ``hvd_gradcomp.DistributedOptimizer``: the exchange that routes each tensor."""
+        self._configure("ours", op, process_set)
+        return AutoExchange(self, op, process_set)
+
+    def _configure(self, mode: str, op: Any, process_set: Any) -> None:
+        if self._setup is not None:
+            if self._setup.mode != mode:
+                raise ValueError("this Auto() is already used by another optimizer; give each optimizer its own")
+            return
+        allowed = OURS_ROADS if mode == "ours" else STOCK_ROADS
+        roads = self.roads or allowed
+        # "qsgd" names QSGD's road in either optimizer: the compressed allreduce in ours, the
+        # allgather inside stock Horovod.
+        roads = tuple((QSGD_AG if mode == "stock" else QSGD_AR) if r in (QSGD_AR, QSGD_AG) else r for r in roads)
+        self._setup = _Setup(mode, process_set, op, roads)
+        self.sparse.stream = self.qsgd.stream = process_set.rank()  # independent noise per rank
+
+    # ------------------------------------------------------------ the schedule
+    @property
+    def exploring(self) -> bool:
+        return self.step <= self.explore_steps * len(self._setup.roads)
+
+    def road_for(self, name: str) -> str:
+        """Begin a step on the first exchange of it (deciding when due), and give ``name``'s road."""
+        count = self._counts[name] = self._counts.get(name, 0) + 1
+        if count > self.step:
+            self.step = count
+            self._on_new_step()
+        if self.exploring:
+            return self._setup.roads[(self.step - 1) // self.explore_steps]
+        return self.decisions.get(name, DENSE)
+
+    @property
+    def measuring(self) -> bool:
+        """Exploring, or in the ``explore_steps`` steps before a re-decision: codec times then
+        count, and on GPU they are taken with the device synchronised."""
+        done = self.step - 1 - self.explore_steps * len(self._setup.roads)
+        return done < 0 or done % self.interval >= self.interval - self.explore_steps
+
+    def _on_new_step(self) -> None:
+        """All exchanges of the previous step are done on every rank: the link is idle."""
+        done = self.step - 1 - self.explore_steps * len(self._setup.roads)
+        if done >= 0 and done % self.interval == 0:
+            self.decide()
+
+    # ------------------------------------------------------------ measure
+    def record(self, name: str, road: str, numel: int, itemsize: int, codec_s: float, wait_s: float,
+               payload: float, measured: bool = True) -> None:
+        """One finished exchange: its codec seconds, its exposed wait, its payload bytes.
+        ``measured=False``: the codec time was taken without synchronising the device (GPU, not
+        measuring): only the wait and the payload count."""
+        self.last_wait_s[name] = wait_s
+        if not measured:
+            return
+        self._samples.setdefault((name, road), deque(maxlen=SAMPLES)).append(codec_s)
+        c = self.costs.setdefault(name, TensorCosts(numel, itemsize))
+        c.codec_s[road] = min(self._samples[(name, road)])
+        c.payload[road] = payload
+
+    # ------------------------------------------------------------ decide
+    def decide(self) -> Dict[str, str]:
+        """Probe the link, average the measurements over ranks, decide every tensor's road on
+        rank 0 and broadcast: a collective, called on every rank at the same step."""
+        hvd = _hvd()
+        s = self._setup
+        names = sorted(self.costs)
+        roads = s.roads
+        small, large = self._probe()
+        meas = torch.full((len(names) * len(roads) * 2 + 2,), -1.0, dtype=torch.float64)
+        for i, n in enumerate(names):
+            for j, r in enumerate(roads):
+                k = 2 * (i * len(roads) + j)
+                if r in self.costs[n].codec_s:
+                    meas[k], meas[k + 1] = self.costs[n].codec_s[r], self.costs[n].payload.get(r, 0.0)
+        meas[-2], meas[-1] = small, large
+        meas = hvd.allreduce(meas, op=hvd.Average, name=f"hvdgc.auto.meas.{self.step}", process_set=s.process_set)
+        self.link = policy.link_from_probe(s.ranks, float(meas[-2]), float(meas[-1]), self.probe_numel)
+        codes = torch.zeros(len(names), dtype=torch.int32)
+        for i, n in enumerate(names):
+            c = TensorCosts(self.costs[n].numel, self.costs[n].itemsize)
+            for j, r in enumerate(roads):
+                k = 2 * (i * len(roads) + j)
+                if float(meas[k]) >= 0:
+                    c.codec_s[r], c.payload[r] = float(meas[k]), float(meas[k + 1])
+            choice = policy.decide(c, s.ranks, self.link, roads, self.decisions.get(n), self.hysteresis)
+            codes[i] = policy.ROADS.index(choice)
+        root = s.process_set.ranks[0] if getattr(s.process_set, "ranks", None) else 0
+        codes = hvd.broadcast(codes, root_rank=root, name=f"hvdgc.auto.decide.{self.step}",
+                              process_set=s.process_set)
+        for n, code in zip(names, codes.tolist()):
+            road = policy.ROADS[code]
+            if self.decisions.get(n) != road:
+                self.history.append((self.step, n, self.decisions.get(n), road))
+            self.decisions[n] = road
+        return dict(self.decisions)
+
+    def _probe(self) -> Tuple[float, float]:
+        """Seconds of a 1-value and of a ``probe_numel``-value float32 allreduce (least of 3 / 2)."""
+        hvd = _hvd()
+        ps = self._setup.process_set
+
+        def timed(numel: int, tag: str) -> float:
+            t = torch.zeros(numel)
+            t0 = time.perf_counter()
+            hvd.allreduce(t, name=f"hvdgc.auto.probe.{tag}.{self.step}", process_set=ps)
+            return time.perf_counter() - t0
+
+        small = min(timed(1, f"s{i}") for i in range(3))
+        large = min(timed(self.probe_numel, f"l{i}") for i in range(2))
+        return small, large
+
+    # ------------------------------------------------------------ error feedback across roads
+    def flush_residuals(self, name: str, grad: torch.Tensor, road: str) -> torch.Tensor:
+        """``grad`` plus whatever residual another road left for ``name`` (then dropped there)."""
+        s = self._setup
+        extra = []
+        if road != SPARSE:
+            extra.append((self.sparse.residuals.pop(name), 0, 1.0))
+        if road not in (QSGD_AR, QSGD_AG):
+            extra.append((self.qsgd.residuals.pop(name), 0, 1.0))
+        if road != QSGD_AR and s.mode == "ours":
+            # The residual of this rank's reduced chunk belongs to the average at that chunk:
+            # sent from this rank alone it is averaged again, hence the factor P.
+            chunk = self.qsgd.residuals.pop(f"{name}#reduced{s.rank}")
+            scale = float(s.ranks) if s.op == _hvd().Average else 1.0
+            start = chunk_bounds(grad.numel(), s.ranks)[s.rank]
+            extra.append((chunk, start, scale))
+        extra = [e for e in extra if e[0] is not None]
+        if not extra:
+            return grad
+        flat = grad.reshape(-1).to(residual_dtype(grad.dtype), copy=True)
+        for res, start, scale in extra:
+            flat[start:start + res.numel()].add_(res.to(flat.device), alpha=scale)
+        return flat.to(grad.dtype).view(grad.shape)
+
+    # ------------------------------------------------------------ stock Horovod's protocol
+    def bind(self, named_parameters: Any) -> "Auto":
+        """Use these names for the gradients stock Horovod hands to compress() (as the
+        compressors' ``bind``); without it the names come from Horovod's optimizer. Returns self."""
+        from .horovod import name_map
+
+        self._names = name_map(named_parameters)
+        return self
+
+    def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
+        """Inside stock ``hvd.DistributedOptimizer``: the tensor's road (see :mod:`hvd_gradcomp.horovod`).
+        Anywhere else (e.g. hvd_gradcomp's fused small tensors) the tensor passes unchanged."""
+        from . import horovod
+
+        if not _compressible(tensor):
+            return tensor, None
+        call = horovod.find_horovod_call(tensor, self._names)
+        if call is None:
+            return tensor, None
+        self._configure("stock", call.op, call.process_set)
+        road = self.road_for(call.name)
+        tensor = self.flush_residuals(call.name, tensor, road)
+        t0 = time.perf_counter()
+        if road == DENSE:
+            out, inner, payload = tensor, None, tensor.numel() * tensor.element_size()
+        elif road == FP16:
+            out, inner = _hvd().Compression.fp16.compress(tensor)
+            payload = out.numel() * out.element_size()
+        else:
+            exchange = AllgatherExchange(self.sparse if road == SPARSE else self.qsgd, call.op, call.process_set)
+            inner = (exchange, exchange.start(call.name, tensor))
+            out, payload = tensor.new_empty(0), inner[1].bytes_sent
+        ctx = _StockCtx(call.name, road, inner, tensor, time.perf_counter() - t0, payload)
+        return out, ctx
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Inverse of :meth:`compress`: inside Horovod, the averaged (or summed) gradient."""
+        if ctx is None:
+            return tensor
+        wait = 0.0
+        if ctx.road in (SPARSE, QSGD_AG):
+            wait = wait_done(ctx.inner[1].handle)
+        t0 = time.perf_counter()
+        if ctx.road == DENSE:
+            out = tensor
+        elif ctx.road == FP16:
+            out = _hvd().Compression.fp16.decompress(tensor, ctx.inner)
+        else:
+            exchange, pending = ctx.inner
+            out = torch.empty(pending.shape, dtype=pending.dtype, device=ctx.like.device)
+            exchange.finish(pending, out)
+        self.record(ctx.name, ctx.road, ctx.like.numel(), ctx.like.element_size(),
+                    ctx.codec_s + time.perf_counter() - t0, wait, ctx.payload)
+        return out
+
+    # ------------------------------------------------------------ report / checkpoints
+    def report(self) -> Dict[str, Any]:
+        """Decisions, measured costs and the link, for logs and the benchmark.
+
+        ``tensors[name]``: the road, the codec milliseconds and payload bytes measured per road,
+        the modelled milliseconds per road and the exposed wait of the last exchange.
+        """
+        s = self._setup
+        ranks = s.ranks if s else 1
+        tensors = {}
+        for name, c in sorted(self.costs.items()):
+            model = policy.road_times(c, ranks, self.link, c.codec_s) if self.link else {}
+            tensors[name] = {"road": self.decisions.get(name), "numel": c.numel,
+                             "codec_ms": {r: 1e3 * v for r, v in c.codec_s.items()},
+                             "payload_bytes": dict(c.payload), "model_ms": {r: 1e3 * v for r, v in model.items()},
+                             "wait_ms": 1e3 * self.last_wait_s.get(name, 0.0)}
+        counts = Counter(self.decisions.values())
+        link = (f"link {8 * self.link.bandwidth / 1e9:.2f} Gbit/s, latency {1e3 * self.link.latency:.2f} ms"
+                if self.link else "link not probed yet")
+        state = "exploring" if s and self.exploring else ", ".join(f"{r} x{n}" for r, n in sorted(counts.items()))
+        return {"step": self.step, "ranks": ranks, "decisions": dict(self.decisions), "tensors": tensors,
+                "link": None if self.link is None else {"bandwidth_Bps": self.link.bandwidth,
+                                                        "latency_s": self.link.latency},
+                "switches": [list(h) for h in self.history],
+                "summary": f"step {self.step}: {state or 'no tensor yet'}; {link}"}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Both compressors' residuals and random state, the step, the decisions and the measured
+        costs (residuals differ per rank: one file per rank, as for the compressors).
+
+        >>> a = Auto(); b = Auto(); b.load_state_dict(a.state_dict()); b.step
+        0
+        """
+        return {"sparse": self.sparse.state_dict(), "qsgd": self.qsgd.state_dict(), "step": self.step,
+                "counts": dict(self._counts), "decisions": dict(self.decisions),
+                "costs": {n: {"numel": c.numel, "itemsize": c.itemsize, "payload": dict(c.payload),
+                              "codec_s": dict(c.codec_s)} for n, c in self.costs.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.sparse.load_state_dict(state["sparse"])
+        self.qsgd.load_state_dict(state["qsgd"])
+        self.step, self._counts = int(state["step"]), dict(state["counts"])
+        self.decisions = dict(state["decisions"])
+        self.costs = {n: TensorCosts(c["numel"], c["itemsize"], c["payload"], c["codec_s"])
+                      for n, c in state.get("costs", {}).items()}
+        self._samples = {(n, r): deque([v], maxlen=SAMPLES) for n, c in self.costs.items() for r, v in c.codec_s.items()}
+
+
+@dataclass
+class _StockCtx:
+    """decompress()'s context inside stock Horovod: the road and what is in flight on it."""
+
+    name: str
+    road: str
+    inner: Any
+    like: torch.Tensor
+    codec_s: float
+    payload: float
+
+
+def _check_roads(roads: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:
+    if roads is None:
+        return None
+    if isinstance(roads, str) or not roads:
+        raise ValueError(f"roads must be a non-empty list of {OURS_ROADS}, got {roads!r}")
+    bad = [r for r in roads if r not in policy.ROADS]
+    if bad or len(set(roads)) != len(roads):
+        raise ValueError(f"roads must be distinct names among {OURS_ROADS}, got {list(roads)}")
+    return tuple(roads)
+
+
+class AutoExchange:
+    """hvd_gradcomp.DistributedOptimizer's exchange for :class:`Auto`: routes each tensor to
+    its road's exchange, whose codec seconds are timed apart from the waits (:class:`TimedExchange`)."""
+
+    def __init__(self, auto: Auto, op: Any, process_set: Any) -> None:
+        hvd = _hvd()
+        self.auto = auto
+        self.exchanges = {road: TimedExchange(ex) for road, ex in (
+            (DENSE, DenseExchange(op, process_set, hvd.Compression.none)),
+            (FP16, DenseExchange(op, process_set, hvd.Compression.fp16)),
+            (QSGD_AR, ScatterReduceExchange(auto.qsgd, op, process_set)),
+            (SPARSE, FusedAllgatherExchange(auto.sparse, op, process_set)))}
+
+    codec_s = property(lambda self: sum(e.codec_s for e in self.exchanges.values()))
+    codec_sync_s = property(lambda self: sum(e.codec_sync_s for e in self.exchanges.values()))
+    wait_s = property(lambda self: sum(e.wait_s for e in self.exchanges.values()))
+
+    def start(self, name: str, grad: torch.Tensor) -> Pending:
+        road = self.auto.road_for(name)
+        grad = self.auto.flush_residuals(name, grad, road)
+        self.exchanges[road].device_sync = self.auto.measuring
+        p = self.exchanges[road].start(name, grad)
+        payload = (payload_size(self.auto.qsgd, (grad.numel(),)) if road == QSGD_AR else
+                   grad.numel() * (2 if road == FP16 else grad.element_size()) if road in (DENSE, FP16)
+                   else p.bytes_sent)
+        p.extra.update({"auto.road": road, "auto.payload": payload, "auto.itemsize": grad.element_size()})
+        return p
+
+    def progress(self, p: Pending) -> None:
+        self.exchanges[p.extra["auto.road"]].progress(p)
+
+    def advance(self, p: Pending) -> None:
+        self.exchanges[p.extra["auto.road"]].advance(p)
+
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        road = p.extra["auto.road"]
+        self.exchanges[road].finish(p, out)
+        timed = self.exchanges[road].device_sync or out.device.type != "cuda"
+        self.auto.record(p.name, road, out.numel(), p.extra["auto.itemsize"], p.extra.get("codec_s", 0.0),
+                         p.extra.get("wait_s", 0.0), p.extra["auto.payload"], measured=timed)

@@ -1,0 +1,135 @@
+"""gc.Auto: argument checks (fast) and, on 2 ranks, identical decisions and correct training
+across road switches, in hvd_gradcomp's optimizer and in stock Horovod's (one job per backend)."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+
+import hvd_gradcomp as gc
+from tests.harness import run_ranks
+
+_cache: Dict[str, Any] = {}
+
+
+def battery(backend: str):
+    if backend not in _cache:
+        _cache[backend] = run_ranks("auto:battery", backend=backend, timeout=300,
+                                    scenarios=[{"fn": "switching"}, {"fn": "switching", "stock": True},
+                                               {"fn": "fused"}])
+    return _cache[backend]
+
+
+@pytest.mark.parametrize("kw,match", [({"roads": ["zip"]}, "roads"), ({"roads": []}, "roads"),
+                                      ({"roads": "dense"}, "roads"), ({"interval": 0}, "interval"),
+                                      ({"explore_steps": 1.5}, "explore_steps"), ({"hysteresis": 1.0}, "hysteresis"),
+                                      ({"ratio": 2.0}, "ratio"), ({"bits": 1}, "bits")])
+def test_bad_arguments_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        gc.Auto(**kw)
+
+
+def test_outside_an_optimizer_tensors_pass_unchanged():
+    import torch
+
+    t = torch.randn(10)
+    out, ctx = gc.Auto().compress(t)
+    assert out is t and ctx is None and gc.Auto().decompress(out, ctx) is t
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("which", [0, 1], ids=["ours", "stock"])
+def test_same_decisions_and_correct_gradients_across_switches(backend, which):
+    r0, r1 = battery(backend)[0][which], battery(backend)[1][which]
+    # every applied gradient bit-identical on both ranks, at every step, across every switch
+    assert all(r0["equal"]) and all(r1["equal"]) and len(r0["equal"]) >= 8
+    # applied + still owed (residuals) == sum of true averaged gradients, at every step: error
+    # feedback loses nothing and sends nothing twice when the road changes
+    assert max(r0["gaps"]) < 1e-4, r0["gaps"]
+    # the same decisions, from the same measurements, on both ranks
+    assert r0["decisions"] == r1["decisions"] and r0["switches"] == r1["switches"]
+    assert r0["roads"][:3] == ["explore"] * 3 and r0["roads"] == r1["roads"]
+    assert set(r0["decisions"].values()) <= {"sparse", "qsgd", "qsgd-ag", "dense"} and r0["decisions"]
+    # every road was measured during exploration, the link was probed
+    assert all(len(v) == 3 for v in r0["codec_roads"].values())
+    assert r0["bandwidth"] > 0 and r0["step"] == 8
+
+
+@pytest.mark.multirank
+def test_fused_sparse_allgathers(backend):
+    for rank_result in battery(backend):
+        one, many = rank_result[2][str(1 << 30)], rank_result[2][str(96 * 80 * 4)]
+        for r in (one, many):
+            # bit-identical to one allgather per tensor, and on every rank
+            assert all(r["equal_to_unfused"]) and all(r["ranks_equal"])
+            # each of the 2 ranks' 4 payloads: its header parsed once, from the index; none re-read
+            assert r["parse_header_calls"] == [8, 8, 8] and r["read_header_calls"] == [0, 0, 0]
+        # 4 compressed tensors: one allgather per step instead of 4; from step 2 on it leaves
+        # with the last hook, before synchronize()
+        assert one["groups"] == [1, 1, 1] and one["launched_before_sync"] == [False, True, True]
+        assert all(g >= 2 for g in many["groups"]) and many["launched_before_sync"][1:] == [True, True]
+        # codec time measured apart from waiting; what synchronize() did is part of its time
+        codec, codec_sync, wait, in_sync = one["timing"]
+        assert 0 < codec_sync <= codec and wait >= 0 and codec_sync + wait <= in_sync
+
+
+class _FakeSet:
+    """A process set of 2 ranks, this one rank 1 (flush_residuals needs only size/rank)."""
+
+    ranks = [0, 1]
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 1
+
+
+def _configured(op: str = "average") -> gc.Auto:
+    import horovod.torch as hvd
+
+    auto = gc.Auto()
+    auto._configure("ours", hvd.Average if op == "average" else hvd.Sum, _FakeSet())
+    return auto
+
+
+@pytest.mark.parametrize("op,scale", [("average", 2.0), ("sum", 1.0)])
+def test_residuals_follow_the_tensor_to_its_new_road(op, scale):
+    import torch
+
+    auto = _configured(op)
+    g = torch.arange(6, dtype=torch.float32).view(2, 3)
+    auto.sparse.residuals.commit("w", torch.full((6,), 0.5))
+    auto.qsgd.residuals.commit("w#reduced1", torch.tensor([1.0, 2.0, 3.0]))   # rank 1's chunk: [3, 6)
+    out = auto.flush_residuals("w", g, "dense")
+    expect = g.reshape(-1) + 0.5
+    expect[3:] += scale * torch.tensor([1.0, 2.0, 3.0])   # a residual of the average: x P under Average
+    assert torch.equal(out.reshape(-1), expect) and out.shape == g.shape
+    assert auto.sparse.residuals.residual("w") is None and auto.qsgd.residuals.residual("w#reduced1") is None
+    assert torch.equal(g, torch.arange(6, dtype=torch.float32).view(2, 3))   # the gradient is not modified
+    # a road keeps its own residual: nothing to flush, the same tensor comes back
+    auto.sparse.residuals.commit("w", torch.full((6,), 0.5))
+    assert auto.flush_residuals("w", g, "sparse") is g and auto.sparse.residuals.residual("w") is not None
+
+
+def test_state_dict_round_trip_keeps_decisions_costs_and_residuals():
+    import torch
+
+    auto = _configured()
+    auto.record("w", "dense", 1000, 4, 0.001, 0.0, 4000)
+    auto.record("w", "sparse", 1000, 4, 0.004, 0.0, 60)
+    auto.decisions["w"] = "sparse"
+    auto.sparse.residuals.commit("w", torch.ones(1000))
+    other = gc.Auto()
+    other.load_state_dict(auto.state_dict())
+    assert other.decisions == {"w": "sparse"} and other.costs["w"].codec_s == {"dense": 0.001, "sparse": 0.004}
+    assert other.costs["w"].payload["sparse"] == 60 and torch.equal(other.sparse.residuals.residual("w"), torch.ones(1000))
+
+
+def test_report_before_and_after_measurements():
+    auto = _configured()
+    assert auto.report()["summary"].startswith("step 0: exploring")
+    auto.record("w", "dense", 1000, 4, 0.001, 0.002, 4000)
+    rep = auto.report()
+    assert rep["tensors"]["w"]["codec_ms"] == {"dense": 1.0} and rep["tensors"]["w"]["wait_ms"] == 2.0
+    assert rep["link"] is None and "link not probed yet" in rep["summary"]
