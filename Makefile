@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 
-.PHONY: setup demo test bench slurm-up two-hosts-up two-hosts-down clean
+.PHONY: setup demo test bench study slurm-up two-hosts-up two-hosts-down clean
 
 setup:
 	@bash scripts/setup.sh
@@ -30,6 +30,10 @@ test: setup slurm-up two-hosts-up
 
 bench: setup
 	@$(PY) -m benchmarks
+
+# Compressed vs uncompressed training, 4 tasks x 3 seeds x 7 settings on 2 ranks -> docs/STUDY.md
+study: setup
+	@$(PY) benchmarks/study/study.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

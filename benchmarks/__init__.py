@@ -11,5 +11,6 @@ package. One module per concern, in the order a run goes:
 - :mod:`benchmarks.markdown`: the page, from the run's data only;
 - :mod:`benchmarks.cli`: the command line (``python -m benchmarks --help``).
 
-The ``bench_*.py`` scripts beside them are micro-benchmarks of single pieces.
+The ``bench_*.py`` scripts beside them are micro-benchmarks of single pieces;
+:mod:`benchmarks.study` is the convergence study behind docs/STUDY.md (``make study``).
 """

@@ -78,7 +78,9 @@ def convergence_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Sett
         r = results.get(s.key)
         if r is None:
             continue
-        rows.append({"key": s.key, "label": s.label, "ef": s.error_feedback, "steps": r["steps"],
+        # The policy the run actually used (feedback="auto" turns error feedback off for low-bit QSGD).
+        ef = r["feedback"] not in (None, "none") if "feedback" in r else s.error_feedback
+        rows.append({"key": s.key, "label": s.label, "ef": ef, "steps": r["steps"],
                      "train_loss": r["final_train_loss"], "val_loss": r["val_loss"], "val_acc": r["val_accuracy"],
                      "val_rel": (r["val_loss"] - base) / base if base else None,
                      "bytes_per_step": r["bytes_per_step"], "ratio": r["ratio"], "wall_s": r["wall_s"],

@@ -14,10 +14,10 @@ one CSV row per optimizer step (``--out-dir``/``<run-name>.csv``), a JSON summar
 (``<run-name>.json``, with the ``--eval-every`` held-out losses) and TensorBoard scalars when
 ``torch.utils.tensorboard`` imports.
 
-Two techniques of Deep Gradient Compression (Lin et al., 2018) are implemented here, in the
-example, on top of the library: ``--momentum-correction`` (momentum applied per rank before
-TopK, so error feedback accumulates velocity) and ``--warmup-steps`` (TopK ratio decreasing
-geometrically from ``--warmup-ratio``; the compressor's ``ratio`` is a plain attribute).
+The error-feedback recipe is the library's: by default (``--feedback auto``) the compressor
+chooses it from the wrapped optimizer and says which on rank 0 (see
+:mod:`hvd_gradcomp.feedback`). ``--feedback momentum`` is DGC's momentum correction (Lin et
+al., 2018), ``--warmup-steps`` its sparsity warm-up (:class:`hvd_gradcomp.SparsityWarmup`).
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from models import CharMLP, digits_mlp  # noqa: E402  (shared with train_ddp.py)
 
 import horovod.torch as hvd  # noqa: E402
 import hvd_gradcomp as gc  # noqa: E402
+from hvd_gradcomp import feedback as gcfb  # noqa: E402
 from hvd_gradcomp.config import COMPRESSIONS, CompressionConfig, from_env  # noqa: E402
 
 CSV_FIELDS = ["step", "epoch", "loss", "samples_per_s", "step_s", "wall_s", "bytes_sent", "ratio", "comm_s", "lr"]
@@ -61,14 +62,13 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed of data order, model init and stochastic rounding")
     g.add_argument("--min-compress-numel", type=int, default=1024,
                    help="tensors smaller than this go uncompressed in one fused allreduce")
+    g.add_argument("--feedback", choices=("auto", *gcfb.POLICIES), default="auto",
+                   help="error-feedback policy of hvd_gradcomp compressors (auto: chosen from the optimizer)")
     g.add_argument("--momentum-correction", action="store_true",
-                   help="DGC momentum correction (Lin et al., 2018): each rank applies --momentum to its own "
-                        "gradient before compression (u = momentum*u + g; error feedback then accumulates u) "
-                        "and the wrapped SGD runs without momentum. Uncompressed, this is exactly SGD with "
-                        "--momentum. hvdgc-bench uses it, without masking, for its TopK rows")
-    g.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --momentum-correction and TopK: zero the local momentum of the coordinates "
-                        "sent each step (DGC's momentum factor masking)")
+                   help="same as --feedback momentum: the library's DGC momentum correction (Lin et al., 2018)")
+    g.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --feedback momentum: DGC's momentum factor masking (zero the local velocity of "
+                        "the coordinates sent)")
     g.add_argument("--warmup-steps", type=int, default=0,
                    help="topk/topk-qsgd: sparsity warm-up (DGC): the TopK ratio falls geometrically from "
                         "--warmup-ratio to --ratio over this many optimizer steps (more bytes sent then)")
@@ -152,75 +152,6 @@ def default_run_name(data: str, cfg: CompressionConfig) -> str:
         parts.append("noef")
     parts.append(f"acc{cfg.accumulate}")
     return "-".join(parts)
-
-
-def warmup_ratio(step: int, ratio: float, start: float, steps: int) -> float:
-    """TopK ratio of optimizer step ``step`` (0-based) under sparsity warm-up: geometric from
-    ``start`` at step 0 down to ``ratio`` at step ``steps``, then ``ratio``.
-
-    >>> [round(warmup_ratio(s, 0.01, 0.25, 4), 4) for s in (0, 2, 4, 9)]
-    [0.25, 0.05, 0.01, 0.01]
-    """
-    if steps <= 0 or step >= steps:
-        return ratio
-    return start * (ratio / start) ** (step / steps)
-
-
-class MomentumCorrection:
-    """DGC momentum correction and momentum factor masking, done in the example (Lin et al., 2018).
-
-    A post-accumulate-grad hook, registered *before* ``gc.DistributedOptimizer``'s own, turns
-    each rank's gradient g into its local velocity u = momentum * u + g before compression; the
-    compressor's error feedback then accumulates velocities (DGC's v += u) and the wrapped SGD
-    must run with momentum 0. After each step, the velocity of the coordinates TopK sent is
-    zeroed (the same exact top-k of u + residual that the compressor selected), so stale
-    momentum is not applied again. Tensors that go uncompressed keep their full velocity:
-    averaged over ranks, that is exactly SGD's momentum buffer.
-    """
-
-    def __init__(self, named_parameters: Sequence[Tuple[str, torch.Tensor]], momentum: float, compression: Any,
-                 min_compress_numel: int, masking: bool = True) -> None:
-        self.momentum = momentum
-        self.compression = compression
-        self.masking = masking and hasattr(compression, "ratio")
-        self.names: Dict[torch.Tensor, str] = {}
-        self.compressed: Dict[torch.Tensor, bool] = {}
-        self.velocity: Dict[torch.Tensor, torch.Tensor] = {}
-        self.window: Dict[torch.Tensor, torch.Tensor] = {}
-        self.before: Dict[torch.Tensor, Optional[torch.Tensor]] = {}
-        self.fresh: set = set()
-        min_numel = max(min_compress_numel, hvd.size())
-        for name, p in named_parameters:
-            if not p.requires_grad:
-                continue
-            self.names[p] = name
-            self.compressed[p] = compression is not None and p.is_floating_point() and p.numel() >= min_numel
-            self.fresh.add(p)
-            p.register_post_accumulate_grad_hook(self._hook)
-
-    def _hook(self, p: torch.Tensor) -> None:
-        if p in self.fresh:  # first backward pass of the window: add the carried momentum once
-            self.fresh.discard(p)
-            if p in self.velocity:
-                p.grad.add_(self.velocity[p], alpha=self.momentum)
-        self.window[p] = p.grad.detach().clone()  # this rank's velocity so far (p.grad gets averaged later)
-        if self.masking and self.compressed[p]:   # the residual the compressor is about to add
-            res = self.compression.residuals.residual(self.names[p])
-            self.before[p] = None if res is None else res.detach().clone()
-
-    def end_step(self) -> None:
-        """Call after every optimizer step, before the compressor's ratio changes."""
-        from hvd_gradcomp import kernels
-        for p, u in self.window.items():
-            if self.masking and self.compressed[p]:
-                flat = u.reshape(-1)
-                res = self.before.get(p)
-                acc = flat if res is None else flat + res.to(flat.dtype)
-                flat[kernels.topk_indices(acc, kernels.num_selected(self.compression.ratio, acc.numel()))] = 0
-            self.velocity[p] = u
-        self.window.clear()
-        self.before.clear()
-        self.fresh = set(self.names)
 
 
 # ---------------------------------------------------------------- task: model, batches, evaluation
@@ -372,24 +303,33 @@ def _fmt_bytes(n: float) -> str:
 
 
 # ---------------------------------------------------------------- training
-def build_optimizer(model: nn.Module, cfg: CompressionConfig, lr: float, momentum: float,
-                    min_compress_numel: int, momentum_correction: bool = False,
-                    momentum_masking: bool = True) -> Tuple[torch.optim.Optimizer, Any, Optional[MomentumCorrection]]:
-    """SGD wrapped by ``gc.DistributedOptimizer``, exactly as the README shows; returns (opt, compression,
-    momentum correction or None). With momentum correction the momentum is applied per rank before
-    compression (its hooks must come before the optimizer's), so the wrapped SGD has none."""
+def make_compression(cfg: CompressionConfig, feedback: str = "auto", masking: bool = False,
+                     warmup_steps: int = 0, warmup_ratio: float = 0.25) -> Any:
+    """The compressor the settings name, with the feedback policy and sparsity warm-up asked for.
+
+    >>> make_compression(CompressionConfig("topk-qsgd"), "momentum", warmup_steps=100).ratio_at(50)
+    0.05
+    """
     compression = cfg.make_compressor()
-    mc = None
-    if momentum_correction:
-        mc = MomentumCorrection(list(model.named_parameters()), momentum, compression, min_compress_numel,
-                                masking=momentum_masking)
-        momentum = 0.0
+    if not isinstance(compression, gc.GradientCompressor):
+        return compression
+    if feedback != "auto" and compression.error_feedback:
+        compression.set_feedback(gcfb.MomentumCorrection(masking=masking) if feedback == "momentum"
+                                 else feedback)
+    if warmup_steps:
+        compression.schedule = gc.SparsityWarmup(cfg.ratio, warmup_steps, warmup_ratio)
+    return compression
+
+
+def build_optimizer(model: nn.Module, compression: Any, cfg: CompressionConfig, lr: float, momentum: float,
+                    min_compress_numel: int) -> torch.optim.Optimizer:
+    """SGD wrapped by ``gc.DistributedOptimizer``, exactly as the README shows."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     opt = gc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression,
                                   backward_passes_per_step=cfg.accumulate, min_compress_numel=min_compress_numel)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    return opt, compression, mc
+    return opt
 
 
 def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
@@ -397,15 +337,9 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     torch.manual_seed(cfg.seed)
     task = text_task(args, cfg.seed) if args.data == "text" else digits_task(args, cfg.seed)
     model = task.model
-    opt, compression, mc = build_optimizer(model, cfg, args.lr, args.momentum, args.min_compress_numel,
-                                           args.momentum_correction, args.momentum_masking)
-    target_ratio = cfg.ratio
-
-    def set_ratio(step: int) -> None:  # sparsity warm-up: TopK's ratio is a plain attribute
-        if args.warmup_steps:
-            compression.ratio = warmup_ratio(step, target_ratio, args.warmup_ratio, args.warmup_steps)
-
-    set_ratio(0)
+    compression = make_compression(cfg, "momentum" if args.momentum_correction else args.feedback,
+                                   args.momentum_masking, args.warmup_steps, args.warmup_ratio)
+    opt = build_optimizer(model, compression, cfg, args.lr, args.momentum, args.min_compress_numel)
     evals: List[Dict[str, float]] = []
     acc = gc.GradientAccumulator(opt, steps=cfg.accumulate, micro_batch=args.micro_batch)
     raw_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -430,9 +364,6 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
             stepped = acc.backward(loss)
         if not stepped:
             continue
-        if mc is not None:
-            mc.end_step()
-        set_ratio(acc.optimizer_steps)
         now = time.perf_counter()
         row = _step_row(acc.optimizer_steps, epoch, window_loss, now - last, now - start, opt, raw_bytes,
                         opt.comm_wait_s - comm_before, args.lr, samples_per_step)
@@ -478,8 +409,8 @@ def _summary(args: argparse.Namespace, cfg: CompressionConfig, name: str, rows: 
         "run_name": name, "data": args.data, "config": asdict(cfg), "compressor": repr(compression),
         "ranks": hvd.size(), "micro_batch": args.micro_batch, "accumulate": cfg.accumulate,
         "effective_batch": acc.effective_batch(), "lr": args.lr, "momentum": args.momentum,
-        "momentum_correction": args.momentum_correction,
-        "momentum_masking": args.momentum_correction and args.momentum_masking,
+        "feedback": getattr(getattr(compression, "feedback", None), "key", None),
+        "momentum_masking": bool(getattr(getattr(compression, "feedback", None), "masking", False)),
         "warmup_steps": args.warmup_steps, "warmup_ratio": args.warmup_ratio if args.warmup_steps else None,
         "min_compress_numel": args.min_compress_numel, "steps": acc.optimizer_steps, "epochs_seen": epoch + 1,
         "params": sum(p.numel() for p in task.model.parameters()), "task": task.notes, "val_size": len(task.val_x),

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Auto": "auto",
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "HorovodIntegrationError": "horovod",
-    "GradientCompressor": "compressors",
+    "GradientCompressor": "compressors", "SparsityWarmup": "compressors",
     "ResidualStore": "feedback",
     "ByteStats": "stats",
     "WireFormatError": "wire",

@@ -4,8 +4,10 @@ Two layers, from low to high (nothing here knows Horovod):
 
 * ``encode(tensor) -> payload`` / ``decode(payload) -> tensor``: the exact bytes that travel
   (see :mod:`hvd_gradcomp.wire`), no state but the random stream.
-* ``compress_named(name, grad) -> payload``: error feedback around ``encode``: the residual
-  kept for ``name`` is added first, and what the payload does not carry becomes the new one.
+* ``compress_named(name, grad) -> payload``: the compressor's *feedback policy* around
+  ``encode`` (:mod:`hvd_gradcomp.feedback`): e.g. the residual kept for ``name`` is added
+  first, and what the payload does not carry becomes the new one. The exchanges hand the
+  averaged result back through ``received(name, avg)``.
 
 Horovod's compressor protocol (``compress``/``decompress``) is added on top by
 :mod:`hvd_gradcomp.horovod`, whose classes are the ones ``hvd_gradcomp`` exports.
@@ -24,19 +26,59 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from . import kernels, wire
-from .feedback import ResidualStore
+from . import feedback as fb
+from .feedback import Feedback
 from .stats import ByteStats
 from .settings import check_bits, check_bucket_size, check_ratio
 
-Sent = Union[kernels.QSGDDecoded, Tuple[torch.Tensor, torch.Tensor]]
+Sent = fb.Sent
 DEFAULT_BUCKET = 512
+DEFAULT_MIN_COMPRESS_NUMEL = 1024
+"""Tensors with fewer elements (biases, norms) go uncompressed on both DistributedOptimizers:
+a 1% top-k of a 16-element bias sends one value, and such tensors cost few bytes anyway."""
+
+
+@dataclass(frozen=True)
+class SparsityWarmup:
+    """A ``ratio`` schedule: DGC's sparsity warm-up (Lin et al., 2018). The share sent falls
+    geometrically from ``start`` to ``ratio`` over the first ``steps`` exchanges of each tensor
+    (optimizer steps), then stays at ``ratio``.
+
+    >>> w = SparsityWarmup(0.01, steps=4)
+    >>> [round(w(s), 4) for s in (0, 2, 4, 100)]
+    [0.25, 0.05, 0.01, 0.01]
+    >>> TopKQSGD(ratio=SparsityWarmup(0.01, steps=100)).ratio      # the target
+    0.01
+    """
+
+    ratio: float
+    steps: int
+    start: float = 0.25
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        check_ratio(self.start)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"SparsityWarmup steps must be an int >= 0, got {self.steps!r}")
+        if self.start < self.ratio:
+            raise ValueError(f"SparsityWarmup start ({self.start}) must be >= ratio ({self.ratio})")
+
+    def __call__(self, step: int) -> float:
+        if step >= self.steps:
+            return self.ratio
+        return self.start * (self.ratio / self.start) ** (step / self.steps)
+
+
+Ratio = Union[float, Callable[[int], float]]
+
 # A delta-coded sparse payload may stand for this many elements per payload byte, whatever
 # the decoder's ratio (ratios down to ~5e-6 stay below it); beyond, only as many as the
 # decoder's own ratio explains. A forged ``numel`` cannot make decode() allocate more.
@@ -60,7 +102,17 @@ class _Encoded:
 
 
 class GradientCompressor:
-    """Base class of the codecs: error feedback, random stream and byte statistics.
+    """Base class of the codecs: feedback policy, random stream and byte statistics.
+
+    Arguments shared by every compressor:
+
+    * ``error_feedback``: False is ``feedback="none"``;
+    * ``feedback``: ``"auto"`` (chosen from the wrapped optimizer by :meth:`attach`),
+      ``"none"``, ``"classic"``, ``"momentum"``, ``"update"`` or a
+      :class:`~hvd_gradcomp.feedback.Feedback` instance (see :mod:`hvd_gradcomp.feedback`);
+    * ``clip``: local gradient clipping: each rank scales each tensor's gradient to L2 norm
+      <= ``clip`` before compression (DGC);
+    * ``exclude``: a regular expression; parameters whose name matches go uncompressed.
 
     Subclasses implement ``_encode(flat, seed) -> _Encoded`` and
     ``_decode(header, reader) -> flat tensor``.
@@ -77,27 +129,126 @@ class GradientCompressor:
     kind: int = 0
 
     def __init__(self, error_feedback: bool = True, seed: Optional[int] = None,
-                 checksum: Optional[bool] = None) -> None:
+                 feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None) -> None:
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        self.error_feedback = error_feedback
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"clip must be None or a positive number (the largest L2 norm of each "
+                             f"tensor's local gradient), got {clip!r}")
+        if not error_feedback and feedback not in ("auto", "none"):
+            raise ValueError(f"error_feedback=False contradicts feedback={feedback!r}: pass only feedback=")
+        if not (isinstance(feedback, Feedback) or feedback == "auto"):
+            fb.make(feedback)  # validates the name now, not at the first step
         self.checksum = checksum
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
         self.stream = 0  # set to the rank by hvd_gradcomp.horovod on every road: ranks draw independent noise
-        self.residuals = ResidualStore()
+        self.clip = clip
+        try:
+            self.exclude = re.compile(exclude) if exclude is not None else None
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"exclude must be a regular expression matched against parameter names "
+                             f"(e.g. r'embed|norm'), got {exclude!r}: {exc}") from None
+        self._step_now = 0
+        self.feedback_choice: Union[str, Feedback] = "none" if not error_feedback else feedback
+        # Until an optimizer is attached, "auto" means classic error feedback.
+        self.feedback = fb.make("classic" if self.feedback_choice == "auto" else self.feedback_choice)
+        self._relay = fb.ErrorFeedback()  # re-quantisation in QSGD's compressed allreduce
+        self._attached: Any = None
         self.stats = ByteStats()
         self._steps: Dict[str, int] = {}
 
     @property
     def error_feedback(self) -> bool:
-        """Keep what a step did not send and add it to the next gradient of the same name."""
-        return self._error_feedback
+        """Whether anything the payload did not carry is kept (any policy but ``none``)."""
+        return self.feedback.key != "none"
 
     @error_feedback.setter
-    def error_feedback(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"error_feedback must be True or False, got {value!r}")
-        self._error_feedback = value
+    def error_feedback(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"error_feedback must be True or False, got {on!r}")
+        if on != self.error_feedback:
+            self.feedback_choice = "auto" if on else "none"
+            self.feedback = fb.make("classic" if on else "none")
+
+    def set_feedback(self, policy: Union[str, Feedback]) -> "GradientCompressor":
+        """Choose the feedback policy after construction (as ``feedback=``), before the first
+        exchange; returns self.
+
+        >>> TopK().set_feedback("momentum").feedback.key
+        'momentum'
+        """
+        if self._steps:
+            raise ValueError("set the feedback policy before the first exchange: the state of the "
+                             f"current one ({self.feedback.key!r}) would be lost")
+        policy = policy if isinstance(policy, Feedback) or policy == "auto" else fb.make(policy)
+        self.feedback_choice = policy
+        self.feedback = fb.make("classic" if policy == "auto" else policy)
+        self._attached = None
+        return self
+
+    @property
+    def residuals(self) -> fb.ResidualStore:
+        """The residuals of the feedback policy (what was not sent yet, per name)."""
+        return self.feedback.residuals
+
+    def attach(self, optimizer: Any, names: Dict[Any, str], rank: int = 0) -> None:
+        """Bind to the wrapped optimizer: with ``feedback="auto"`` choose the policy from its class
+        and settings (:func:`hvd_gradcomp.feedback.choose`) and say so once on rank 0.
+
+        Called by ``hvd_gradcomp.DistributedOptimizer`` and, inside ``hvd.DistributedOptimizer``,
+        at the first exchange; ``names`` maps each parameter to its name.
+        """
+        if self._attached is optimizer:
+            return
+        self._attached = optimizer
+        why = "chosen by the user"
+        if self.feedback_choice == "auto" and not self._restored:
+            key, why = fb.choose(optimizer, isinstance(self, QSGD), self._contracting)
+            if key != self.feedback.key:
+                self.feedback = fb.make(key)
+        for group in getattr(optimizer, "param_groups", []):
+            for p in group["params"]:
+                if p in names:
+                    self.feedback.bind(names[p], group, p, optimizer)
+        if rank == 0:
+            fb.announce(f"{self!r} with {type(optimizer).__name__}: feedback '{self.feedback.key}' "
+                        f"({self.feedback.describe()}; {why}). Override with feedback='none'|'classic'|"
+                        "'momentum'|'update'.")
+
+    @property
+    def _restored(self) -> bool:
+        return getattr(self, "_loaded_policy", False)
+
+    @property
+    def _contracting(self) -> bool:
+        return False
+
+    def compresses(self, name: str, numel: Optional[int] = None) -> bool:
+        """Whether tensor ``name`` (of ``numel`` elements) is compressed; False: ``exclude``
+        matches its name, or it has fewer than :data:`DEFAULT_MIN_COMPRESS_NUMEL` elements
+        (``hvd_gradcomp.DistributedOptimizer`` takes its ``min_compress_numel`` instead), and it
+        goes uncompressed in the dense allreduce.
+
+        >>> c = TopK(exclude=r"embed|norm")
+        >>> c.compresses("tok_embed.weight"), c.compresses("fc.bias", 64), c.compresses("fc.weight", 4096)
+        (False, False, True)
+        """
+        if numel is not None and numel < DEFAULT_MIN_COMPRESS_NUMEL:
+            return False
+        return self.exclude is None or not self.exclude.search(name)
+
+    def _extra_repr(self) -> str:
+        extra = ""
+        if self.feedback_choice not in ("auto", "none"):
+            extra += f", feedback={self.feedback.key!r}"
+        if self.clip is not None:
+            extra += f", clip={self.clip}"
+        if self.exclude is not None:
+            extra += f", exclude={self.exclude.pattern!r}"
+        return extra
 
     @property
     def checksum(self) -> Optional[bool]:
@@ -157,27 +308,44 @@ class GradientCompressor:
         return sparse(h, wire.SectionReader(payload, h))
 
     # ------------------------------------------------------------ error feedback
-    def compress_named(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """Payload for the gradient of tensor ``name``, with error feedback when enabled.
+    def compress_named(self, name: str, grad: torch.Tensor, relay: bool = False) -> torch.Tensor:
+        """Payload for the gradient of tensor ``name``, through the feedback policy.
 
-        Raises ``FloatingPointError`` (residual untouched) when ``grad`` holds NaN or Inf.
+        Raises ``FloatingPointError`` (state untouched) when ``grad`` holds NaN or Inf.
+        ``relay``: a re-quantisation inside QSGD's compressed allreduce (classic error
+        feedback, or none, whatever the policy).
         """
         _check_input(grad, name)
         if not name:
             raise ValueError("compress_named needs a non-empty tensor name")
         _check_finite(grad, name)
-        if not self.error_feedback:
-            self.residuals.check_shape(name, grad)
-            return self._encode_flat(grad.reshape(-1), grad.dtype, tuple(grad.shape), name)[0]
-        acc = self.residuals.compensate(name, grad)
-        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=True)
-        _subtract_sent(acc, sent)
-        self.residuals.commit(name, acc)
+        policy = self._relay_policy() if relay else self.feedback
+        acc = policy.prepare(name, self._clipped(grad))
+        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=policy.contract)
+        policy.sent(name, acc, sent)
         return payload
 
+    def _relay_policy(self) -> Feedback:
+        return self._relay if self.error_feedback else self.feedback
+
+    def _clipped(self, grad: torch.Tensor) -> torch.Tensor:
+        """Local gradient clipping (DGC): each rank scales a tensor's gradient to norm <= clip."""
+        if self.clip is None:
+            return grad
+        norm = float(grad.float().norm())
+        return grad if norm <= self.clip else grad * (self.clip / norm)
+
+    def received(self, name: str, avg: torch.Tensor) -> None:
+        """The average of all ranks' payloads for ``name`` (same on every rank), rewritten in place
+        by the feedback policy into what the optimizer sees."""
+        flat = avg.view(-1) if avg.is_contiguous() else avg.reshape(-1)
+        self.feedback.received(name, flat)
+        if flat.data_ptr() != avg.data_ptr():
+            avg.copy_(flat.view_as(avg))
+
     def compress_chunks(self, name: str, grad: torch.Tensor, bounds: List[int]) -> List[torch.Tensor]:
-        """One payload per chunk ``grad[bounds[i]:bounds[i+1]]`` (flattened), with error feedback
-        on the whole tensor: the chunks of QSGD's compressed allreduce.
+        """One payload per chunk ``grad[bounds[i]:bounds[i+1]]`` (flattened), with the feedback
+        policy on the whole tensor: the chunks of QSGD's compressed allreduce.
 
         ``bounds`` must cover the tensor and every chunk must be non-empty.
         """
@@ -185,25 +353,19 @@ class GradientCompressor:
         _check_finite(grad, name)
         if bounds[0] != 0 or bounds[-1] != grad.numel() or any(b >= e for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"chunk bounds {bounds} do not split {grad.numel()} elements into non-empty chunks")
-        if self.error_feedback:
-            acc = self.residuals.compensate(name, grad)
-        else:
-            self.residuals.check_shape(name, grad)
-            acc = grad.reshape(-1)
-        payloads = []
+        policy = self.feedback
+        acc = policy.prepare(name, self._clipped(grad))
+        payloads, sent = [], []
         for i, (b, e) in enumerate(zip(bounds, bounds[1:])):
-            part = acc[b:e]
-            payload, sent = self._encode_flat(part, grad.dtype, (e - b,), f"{name}#{i}",
-                                              contract=self.error_feedback)
-            if self.error_feedback:
-                _subtract_sent(part, sent)
+            payload, what = self._encode_flat(acc[b:e], grad.dtype, (e - b,), f"{name}#{i}", contract=policy.contract)
             payloads.append(payload)
-        if self.error_feedback:
-            self.residuals.commit(name, acc)
+            sent.append((b, e, what))
+        policy.sent(name, acc, sent)
         return payloads
 
     def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
                      name: str, contract: bool = False) -> Tuple[torch.Tensor, Sent]:
+        self._step_now = self._steps.get(name, 0)  # for ratio schedules
         enc = self._encode(flat, dtype, self._next_seed(name), contract)
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
                              enc.bucket_size, self._checksummed)
@@ -225,16 +387,25 @@ class GradientCompressor:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals and random state: restoring it continues the exact same sequence."""
-        res = self.residuals.state_dict()
+        """Feedback state (residuals, velocities, held rates) and random state: restoring it
+        continues the exact same sequence. ``residuals``/``shapes`` are the policy's residuals."""
+        state = self.feedback.state_dict()
         return {"seed": self.seed, "stream": self.stream, "steps": dict(self._steps),
-                "residuals": res["residuals"], "shapes": res["shapes"]}
+                "residuals": state.pop("residuals"), "shapes": state.pop("shapes"),
+                "feedback": state, "relay": self._relay.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.seed = int(state["seed"])
         self.stream = int(state["stream"])
         self._steps = dict(state["steps"])
-        self.residuals.load_state_dict({"residuals": state["residuals"], "shapes": state.get("shapes", {})})
+        extra = dict(state.get("feedback", {"policy": self.feedback.key}))
+        policy = extra.get("policy", self.feedback.key)
+        if self.feedback_choice == "auto" and policy != self.feedback.key:
+            self.feedback = fb.make(policy)  # "auto" chose it before the checkpoint: keep it
+        self._loaded_policy = self.feedback_choice == "auto"
+        self.feedback.load_state_dict({**extra, "residuals": state["residuals"], "shapes": state.get("shapes", {})})
+        if "relay" in state:
+            self._relay.load_state_dict(state["relay"])
 
     # ------------------------------------------------------------ to implement
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
@@ -275,7 +446,11 @@ class _Quantiser:
 
     @property
     def ef_scale(self) -> float:
-        return qsgd_ef_scale(self.bits, self.bucket_size) if self.error_feedback else 1.0
+        return qsgd_ef_scale(self.bits, self.bucket_size) if self.feedback.contract else 1.0
+
+    @property
+    def _contracting(self) -> bool:
+        return qsgd_ef_scale(self.bits, self.bucket_size) < 1.0
 
 
 class QSGD(_Quantiser, GradientCompressor):
@@ -295,12 +470,14 @@ class QSGD(_Quantiser, GradientCompressor):
     kind = wire.KIND_QSGD
 
     def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
-                 seed: Optional[int] = None, checksum: Optional[bool] = None) -> None:
-        super().__init__(error_feedback, seed, checksum)
+                 seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None) -> None:
+        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum)
         self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
-        return f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback})"
+        return (f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback}"
+                f"{self._extra_repr()})")
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
         n = flat.numel()
@@ -338,14 +515,19 @@ class TopK(GradientCompressor):
 
     kind = wire.KIND_TOPK
 
-    def __init__(self, ratio: float = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
-                 checksum: Optional[bool] = None) -> None:
-        super().__init__(error_feedback, seed, checksum)
+    def __init__(self, ratio: Ratio = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
+                 feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None) -> None:
+        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum)
+        self.schedule: Optional[Callable[[int], float]] = None
+        if callable(ratio):
+            self.schedule = ratio
+            ratio = getattr(ratio, "ratio", None) or ratio(0)
         self.ratio = ratio
 
     @property
     def ratio(self) -> float:
-        """The share of entries sent, in (0, 1]."""
+        """The share of entries sent, in (0, 1] (the target, with a schedule)."""
         return self._ratio
 
     @ratio.setter
@@ -353,10 +535,23 @@ class TopK(GradientCompressor):
         self._ratio = check_ratio(value)
 
     def __repr__(self) -> str:
-        return f"TopK(ratio={self.ratio}, error_feedback={self.error_feedback})"
+        return f"TopK(ratio={self._ratio_repr()}, error_feedback={self.error_feedback}{self._extra_repr()})"
+
+    def _ratio_repr(self) -> str:
+        return repr(self.schedule) if self.schedule is not None else repr(self.ratio)
+
+    def ratio_at(self, step: int) -> float:
+        """The share sent at exchange ``step`` (0-based, counted per tensor): ``ratio``, or the schedule's value.
+
+        >>> TopK(ratio=SparsityWarmup(0.01, steps=4)).ratio_at(2)
+        0.05
+        """
+        if self.schedule is None:
+            return self.ratio
+        return check_ratio(self.schedule(step))
 
     def _select(self, flat: torch.Tensor) -> Tuple[torch.Tensor, int, List[torch.Tensor]]:
-        idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio, flat.numel()))
+        idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()))
         mode, sections = wire.encode_indices(idx, flat.numel())
         return idx, mode, sections
 
@@ -394,14 +589,16 @@ class TopKQSGD(_Quantiser, TopK):
 
     kind = wire.KIND_TOPKQSGD
 
-    def __init__(self, ratio: float = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
-                 error_feedback: bool = True, seed: Optional[int] = None, checksum: Optional[bool] = None) -> None:
-        super().__init__(ratio, error_feedback, seed, checksum)
+    def __init__(self, ratio: Ratio = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
+                 error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
+                 clip: Optional[float] = None, exclude: Optional[str] = None,
+                 checksum: Optional[bool] = None) -> None:
+        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum)
         self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
-        return (f"TopKQSGD(ratio={self.ratio}, bits={self.bits}, bucket_size={self.bucket_size}, "
-                f"error_feedback={self.error_feedback})")
+        return (f"TopKQSGD(ratio={self._ratio_repr()}, bits={self.bits}, bucket_size={self.bucket_size}, "
+                f"error_feedback={self.error_feedback}{self._extra_repr()})")
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
         idx, mode, sections = self._select(flat)
@@ -451,15 +648,6 @@ def _read_qsgd(reader: wire.SectionReader, n: int, bits: int, bucket: int, dtype
         raise wire.WireFormatError(f"corrupt payload: a QSGD norm is negative, non-finite or beyond {dtype}'s range")
     codes = wire.unpack_bits(reader.take((n * bits + 7) // 8), bits, n).to(torch.uint8)
     return kernels.qsgd_decode(norms, codes, bits, bucket, dtype)
-
-
-def _subtract_sent(acc: torch.Tensor, sent: Sent) -> None:
-    """acc -= what the payload carries (dense QSGD codes or sparse (indices, values)), in place."""
-    if isinstance(sent, kernels.QSGDDecoded):
-        sent.subtract_from(acc)  # one fused pass, no dense decoded temporary
-    else:
-        idx, vals = sent
-        acc[idx] -= vals.to(acc.dtype)
 
 
 def _in_range(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

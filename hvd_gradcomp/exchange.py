@@ -106,6 +106,7 @@ class AllgatherExchange:
         if "parts" not in p.extra:
             self._decode(p)
         sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
+        self.compressor.received(p.name, out)
         p.finished = True
 
 
@@ -221,7 +222,7 @@ class ScatterReduceExchange:
         mine = reduce_payloads(self.compressor, [pl for pl, _ in split], is_average(self.op), self.process_set.size(),
                                p.dtype, headers=[h for _, h in split])
         rank = self.process_set.rank()
-        payload = self.compressor.compress_named(f"{p.name}#reduced{rank}", mine)
+        payload = self.compressor.compress_named(f"{p.name}#reduced{rank}", mine, relay=True)
         p.handle = hvd.allgather_async(payload, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
         p.bytes_sent += payload.numel()
         p.stage = 2
@@ -245,6 +246,7 @@ class ScatterReduceExchange:
             flat[b:e].copy_(chunk)
         if not out.is_contiguous():
             out.copy_(flat.view(out.shape))
+        self.compressor.received(p.name, out)
         p.finished = True
 
 

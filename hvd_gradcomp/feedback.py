@@ -1,22 +1,72 @@
-"""Error feedback: what a step did not send is kept per tensor and added to the next step.
+"""Error feedback: what each rank sends for a gradient, and what the optimizer gets back.
 
-Invariant, checked by the tests: ``sent + new_residual == input + old_residual`` (up to float
-rounding). Residuals are keyed by a stable name (the parameter name), never by tensor
-identity, so they survive re-created gradient tensors and checkpoints.
+A compressor (the codec: ``encode``/``decode``) is paired with a *feedback policy* that owns
+all state that lives across steps (residuals, velocities, held estimates). For every tensor
+and step the exchange calls, in this order:
+
+1. ``prepare(name, grad) -> acc``: the flat tensor to encode (e.g. gradient + residual);
+2. ``sent(name, acc, what)``: told what the payload *actually* carries (sparse
+   ``(indices, values)`` or the QSGD codes), so the policy acts on facts, not on a re-run of
+   top-k;
+3. ``received(name, avg)``: the average of every rank's decoded payload, identical on all
+   ranks; the policy may rewrite it in place into what the wrapped optimizer should see.
+
+Policies (``feedback=`` on every compressor; ``"auto"`` picks one from the wrapped optimizer,
+see :func:`choose`):
+
+* :class:`NoFeedback` (``"none"``): send the gradient as it is.
+* :class:`ErrorFeedback` (``"classic"``): Seide et al. 2014 / Stich et al. 2018. Invariant,
+  checked by the tests: ``sent + new_residual == input + old_residual``.
+* :class:`MomentumCorrection` (``"momentum"``): DGC's momentum correction (Lin et al., 2018)
+  for ``torch.optim.SGD(momentum=m)``, done at the gradient level so the optimizer is left
+  alone: each rank sends its own velocity ``u = m*u + g`` through error feedback; the
+  optimizer is handed ``(D_t - m*D_{t-1})/(1-dampening)`` where ``D_t`` is the averaged sent
+  velocity, so that SGD's own momentum buffer becomes exactly ``D_t``. At ratio 1 this is
+  bit-for-bit momentum SGD (also with weight decay, dampening and Nesterov).
+* :class:`LocalUpdate` (``"update"``): for adaptive optimizers (Adam, AdamW, ...): each rank
+  runs the optimizer's algorithm on its own gradient and the *parameter change* goes through
+  error feedback; the wrapped optimizer only applies decoupled weight decay. Adam normalises
+  per coordinate, so the spikes of error feedback on gradients (zero for ~1/ratio steps, then
+  the sum) shrink its steps; updates keep their total movement.
+
+Residuals are keyed by a stable name (the parameter name), never by tensor identity, so they
+survive re-created gradient tensors and checkpoints.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import inspect
+import logging
+import sys
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
+from . import kernels
+
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+Sent = Union["kernels.QSGDDecoded", Tuple[torch.Tensor, torch.Tensor]]
+log = logging.getLogger("hvd_gradcomp")
 
 
 def residual_dtype(dtype: torch.dtype) -> torch.dtype:
     """Residuals of 16-bit gradients are kept in float32: small leftovers would round away in
     bfloat16 (8 mantissa bits) and error feedback would silently stop working."""
     return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def subtract_sent(acc: torch.Tensor, sent: Any) -> None:
+    """acc -= what the payload carries (dense QSGD codes or sparse (indices, values)), in place.
+
+    ``sent`` may also be a list of ``(begin, end, what)``: the chunks of one tensor.
+    """
+    if isinstance(sent, list):
+        for b, e, what in sent:
+            subtract_sent(acc[b:e], what)
+    elif isinstance(sent, kernels.QSGDDecoded):
+        sent.subtract_from(acc)  # one fused pass, no dense decoded temporary
+    else:
+        idx, vals = sent
+        acc[idx] -= vals.to(acc.dtype)
 
 
 class ResidualStore:
@@ -76,3 +126,330 @@ class ResidualStore:
         self._residuals = {name: r.detach().clone() for name, r in state["residuals"].items()}
         self._shapes = {name: (tuple(shape), getattr(torch, dtype))
                         for name, (shape, dtype) in state["shapes"].items()}
+
+
+def plain_class(optimizer: Any) -> type:
+    """The user's optimizer class under a DistributedOptimizer (ours or Horovod's, both
+    subclass it at run time).
+
+    >>> plain_class(torch.optim.AdamW([torch.zeros(1, requires_grad=True)])).__name__
+    'AdamW'
+    """
+    for cls in type(optimizer).__mro__:
+        if not cls.__module__.startswith(("hvd_gradcomp", "horovod")):
+            return cls
+    raise TypeError(f"cannot find the optimizer class under {type(optimizer)!r}")
+
+
+def _clone_tensors(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in d.items()}
+
+
+class Feedback:
+    """Base policy: no state, the gradient goes out as it is (see the module docstring).
+
+    ``contract``: whether lossy dense codecs (low-bit QSGD) must shrink what they send so that
+    the residual stays bounded (see :func:`hvd_gradcomp.compressors.qsgd_ef_scale`).
+    """
+
+    key = "none"
+    contract = False
+
+    def __init__(self) -> None:
+        self.residuals = ResidualStore()  # also the per-name shape check of every policy
+
+    def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """The flat tensor to encode for ``grad`` (``grad`` itself is never modified)."""
+        self.residuals.check_shape(name, grad)
+        return grad.reshape(-1)
+
+    def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
+        """``acc`` (from :meth:`prepare`) went out as ``what``."""
+
+    def received(self, name: str, avg: torch.Tensor) -> None:
+        """``avg``: flat average of all ranks' payloads for ``name``; rewrite it in place if needed."""
+
+    def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
+             optimizer: Any = None) -> None:
+        """The optimizer's param group of tensor ``name`` (read live: schedulers change it), the
+        parameter and the optimizer."""
+
+    def describe(self) -> str:
+        return self.key
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"policy": self.key, **self.residuals.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("policy", self.key) != self.key:
+            raise ValueError(f"checkpoint holds state of feedback policy {state['policy']!r} but this "
+                             f"compressor uses {self.key!r}: build the compressor with "
+                             f"feedback={state['policy']!r} to resume it")
+        self.residuals.load_state_dict({"residuals": state.get("residuals", {}), "shapes": state.get("shapes", {})})
+
+
+class NoFeedback(Feedback):
+    """Send every gradient as it is; what the codec drops is lost (``feedback="none"``).
+
+    >>> NoFeedback().prepare("w", torch.ones(2, 2)).shape
+    torch.Size([4])
+    """
+
+
+class ErrorFeedback(Feedback):
+    """Classic error feedback (``feedback="classic"``): what was not sent is added next step.
+
+    >>> ef = ErrorFeedback()
+    >>> acc = ef.prepare("w", torch.tensor([3.0, 1.0]))
+    >>> ef.sent("w", acc, (torch.tensor([0]), torch.tensor([3.0])))
+    >>> ef.residuals.residual("w").tolist()
+    [0.0, 1.0]
+    """
+
+    key = "classic"
+    contract = True
+
+    def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        return self.residuals.compensate(name, grad)
+
+    def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
+        subtract_sent(acc, what)
+        self.residuals.commit(name, acc)
+
+
+class MomentumCorrection(ErrorFeedback):
+    """DGC momentum correction for ``torch.optim.SGD(momentum=m)`` (``feedback="momentum"``).
+
+    Each rank keeps its velocity ``u = m*u + (1-dampening)*g`` (``u = g`` on the first step,
+    as SGD's buffer) and sends ``u`` through error feedback; the optimizer receives
+    ``(D_t - m*D_{t-1}) / (1-dampening)`` (``D_t``: averaged sent velocity), which makes
+    SGD's momentum buffer equal ``D_t`` (weight decay is added by SGD on top, exactly). ``m``
+    and ``dampening`` are read from the optimizer's param group at every step, so momentum
+    schedules work. ``masking``: DGC's momentum factor masking (zero the velocity of the
+    coordinates sent); off by default, it measured worse (docs/STUDY.md). Chosen by
+    ``feedback="auto"`` for ``SGD(momentum > 0)``.
+
+    With ratio 1 (nothing dropped), training is exactly momentum SGD:
+
+    >>> mc = MomentumCorrection(momentum=0.9)
+    >>> for g in (torch.tensor([1.0]), torch.tensor([2.0])):
+    ...     acc = mc.prepare("w", g); what = acc.clone(); mc.sent("w", acc, (torch.tensor([0]), what))
+    ...     out = what.clone(); mc.received("w", out)
+    >>> out.tolist()      # SGD then forms buffer 0.9 * 1 + 2 = 2.9, as without compression
+    [2.0]
+    """
+
+    key = "momentum"
+
+    def __init__(self, momentum: Optional[float] = None, dampening: float = 0.0, masking: bool = False) -> None:
+        super().__init__()
+        self.momentum, self.dampening, self.masking = momentum, dampening, masking
+        self._groups: Dict[str, Dict[str, Any]] = {}
+        self.velocity: Dict[str, torch.Tensor] = {}
+        self.delivered: Dict[str, torch.Tensor] = {}
+
+    def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
+             optimizer: Any = None) -> None:
+        self._groups[name] = group
+
+    def _coefficients(self, name: str) -> Tuple[float, float]:
+        group = self._groups.get(name, {})
+        m = self.momentum if self.momentum is not None else float(group.get("momentum", 0.0))
+        d = float(group.get("dampening", self.dampening)) if self.momentum is None else self.dampening
+        if not 0.0 <= m < 1.0 or not 0.0 <= d < 1.0:
+            raise ValueError(f"momentum correction needs 0 <= momentum < 1 and 0 <= dampening < 1 for "
+                             f"{name!r}, got momentum={m}, dampening={d}: use feedback='classic'")
+        return m, d
+
+    def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        self.residuals.check_shape(name, grad)
+        m, d = self._coefficients(name)
+        flat = grad.reshape(-1).to(residual_dtype(grad.dtype))
+        u = self.velocity.get(name)
+        u = flat.clone() if u is None else u.mul_(m).add_(flat, alpha=1.0 - d)
+        self.velocity[name] = u
+        res = self.residuals.residual(name)
+        return u.clone() if res is None else u + res
+
+    def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
+        super().sent(name, acc, what)
+        if self.masking and isinstance(what, tuple):
+            idx = what[0]
+            self.velocity[name][idx] = 0
+            acc[idx] = 0
+
+    def received(self, name: str, avg: torch.Tensor) -> None:
+        m, d = self._coefficients(name)
+        prev = self.delivered.get(name)
+        now = avg.detach().clone()
+        if prev is not None:
+            avg.sub_(prev.to(avg.dtype), alpha=m).div_(1.0 - d)
+        self.delivered[name] = now
+
+    def describe(self) -> str:
+        m = "from the optimizer" if self.momentum is None else self.momentum
+        return f"momentum correction (DGC; momentum {m}, masking {'on' if self.masking else 'off'})"
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "velocity": _clone_tensors(self.velocity),
+                "delivered": _clone_tensors(self.delivered)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.velocity = _clone_tensors(state.get("velocity", {}))
+        self.delivered = _clone_tensors(state.get("delivered", {}))
+
+
+class LocalUpdate(ErrorFeedback):
+    """Compress the optimizer's update, not the gradient (``feedback="update"``), for Adam-type
+    optimizers.
+
+    Each rank runs the wrapped optimizer's own algorithm (a private instance of its class, with
+    the param group's live hyperparameters: learning-rate schedules apply) on its *local*
+    gradient, and sends the parameter change through error feedback. The average of what
+    arrives is added to the parameter, identically on every rank, and the wrapped optimizer is
+    handed a zero gradient for it, so it only applies decoupled weight decay (AdamW) and
+    otherwise leaves the parameter alone (its moments stay zero).
+
+    Why: Adam normalises each coordinate by its recent magnitude. Error feedback on gradients
+    hands it one spike every ~1/ratio steps, which it turns into one normalised step: the
+    parameter moves ~sqrt(ratio) times as far as without compression. Sending the update
+    instead keeps every coordinate's total movement (error feedback delays it, never drops it).
+    Each rank's moments are computed from its own gradient (a smaller batch), and are part of
+    this compressor's ``state_dict()``.
+
+    The change is applied when the exchange finishes (in ``synchronize()``), so anything done
+    to ``p.grad`` between ``synchronize()`` and ``step()`` (clipping, unscaling) no longer
+    reaches compressed tensors: use the compressor's ``clip=`` (local clipping) instead.
+    """
+
+    key = "update"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bound: Dict[str, Tuple[torch.Tensor, Dict[str, Any]]] = {}
+        self._factory: Any = None
+        self._local: Dict[str, Any] = {}
+        self._pending_state: Dict[str, Any] = {}
+
+    def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
+             optimizer: Any = None) -> None:
+        if param is not None:
+            self._bound[name] = (param, group)
+        if optimizer is not None:
+            self._factory = (plain_class(optimizer), dict(optimizer.defaults))
+
+    def _optimizer_for(self, name: str, param: torch.Tensor) -> Any:
+        local = self._local.get(name)
+        if local is None:
+            cls, defaults = self._factory
+            shadow = torch.zeros_like(param, dtype=residual_dtype(param.dtype))
+            accepted = inspect.signature(cls.__init__).parameters
+            kwargs = {k: v for k, v in defaults.items()
+                      if k in accepted and k not in ("foreach", "fused", "capturable", "differentiable")}
+            local = self._local[name] = cls([shadow], **kwargs)
+            if name in self._pending_state:
+                local.load_state_dict(self._pending_state.pop(name))
+        return local
+
+    def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        if name not in self._bound or self._factory is None:
+            raise RuntimeError(f"feedback='update' needs the wrapped optimizer to know parameter {name!r}: "
+                               "use it through hvd_gradcomp.DistributedOptimizer or hvd.DistributedOptimizer")
+        self.residuals.check_shape(name, grad)
+        param, group = self._bound[name]
+        local = self._optimizer_for(name, param)
+        lg = local.param_groups[0]
+        for k in lg:
+            if k != "params" and k in group:
+                lg[k] = group[k]
+        lg["weight_decay"] = 0.0  # decoupled decay stays with the wrapped optimizer (dense, exact)
+        shadow = lg["params"][0]
+        with torch.no_grad():
+            shadow.copy_(param)
+            shadow.grad = grad.detach().to(shadow.dtype).reshape(shadow.shape)
+            local.step()
+            shadow.grad = None
+            delta = shadow.reshape(-1) - param.reshape(-1).to(shadow.dtype)
+        res = self.residuals.residual(name)
+        return delta if res is None else delta.add_(res)
+
+    def received(self, name: str, avg: torch.Tensor) -> None:
+        param, _ = self._bound[name]
+        with torch.no_grad():
+            param.add_(avg.view(param.shape).to(param.dtype))
+        avg.zero_()
+
+    def describe(self) -> str:
+        return "compress the update (each rank steps its own copy of the optimizer; error feedback on the change)"
+
+    def state_dict(self) -> Dict[str, Any]:
+        local = {name: opt.state_dict() for name, opt in self._local.items()}
+        return {**super().state_dict(), "local": {**self._pending_state, **local}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._local.clear()
+        self._pending_state = dict(state.get("local", {}))
+
+
+POLICIES = {"none": NoFeedback, "classic": ErrorFeedback, "momentum": MomentumCorrection, "update": LocalUpdate}
+
+
+def make(policy: Union[str, Feedback]) -> Feedback:
+    """A feedback policy from its name (``none``, ``classic``, ``momentum``, ``update``) or as given.
+
+    >>> make("classic").describe()
+    'classic'
+    """
+    if isinstance(policy, Feedback):
+        return policy
+    if policy not in POLICIES:
+        raise ValueError(f"feedback must be 'auto', one of {sorted(POLICIES)} or a Feedback instance, got {policy!r}")
+    return POLICIES[policy]()
+
+
+ADAPTIVE = {"Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "Lion"}
+
+
+def choose(optimizer: Any, codec_is_dense: bool, contracting: bool) -> Tuple[str, str]:
+    """The policy ``feedback="auto"`` applies, and why, from the wrapped optimizer's class and settings.
+
+    * low-bit QSGD (4 and 2 bits), whose error feedback would need shrinking the payload:
+      ``none`` (QSGD is unbiased; plain QSGD trains, see docs/STUDY.md);
+    * other dense codecs (QSGD-8): ``classic``;
+    * Adam-type optimizers (normalising per coordinate) without coupled weight decay:
+      ``update``;
+    * ``SGD`` with momentum (dampening < 1): ``momentum`` (DGC momentum correction, no masking);
+    * everything else (plain SGD, Adam with coupled L2 weight decay, unknown optimizers):
+      ``classic``.
+
+    >>> w = [torch.zeros(1, requires_grad=True)]
+    >>> choose(torch.optim.AdamW(w), False, False)[0], choose(torch.optim.SGD(w, lr=0.1, momentum=0.9), False, False)[0]
+    ('update', 'momentum')
+    """
+    name = type(optimizer).__name__
+    if codec_is_dense:
+        if contracting:
+            return "none", "low-bit QSGD is unbiased; error feedback on it would need shrinking every payload"
+        return "classic", "dense codec"
+    names = {c.__name__ for c in type(optimizer).__mro__}
+    if names & ADAPTIVE:
+        groups = getattr(optimizer, "param_groups", [])
+        decoupled = "AdamW" in names or all(g.get("decoupled_weight_decay", False) for g in groups)
+        if not decoupled and any(float(g.get("weight_decay", 0.0)) != 0.0 for g in groups):
+            return "classic", (f"{name} with coupled weight decay (the update cannot be sent apart from it; "
+                               "AdamW decouples it)")
+        return "update", f"{name} normalises per coordinate"
+    if "SGD" in names and any(float(g.get("momentum", 0.0)) > 0 for g in getattr(optimizer, "param_groups", [])):
+        if all(float(g.get("dampening", 0.0)) < 1.0 for g in optimizer.param_groups):
+            return "momentum", f"{name} with momentum"
+    return "classic", name
+
+
+def announce(message: str) -> None:
+    """Say once, on rank 0, what the library chose: through logging, or on stderr when the
+    application configured no logging (so it is never silent)."""
+    log.info(message)
+    if not log.hasHandlers():
+        print(f"hvd_gradcomp: {message}", file=sys.stderr, flush=True)

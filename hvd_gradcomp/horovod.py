@@ -80,6 +80,8 @@ class HorovodCall:
     name: str
     op: Any
     process_set: Any
+    optimizer: Any = None
+    names: Optional[Dict[torch.Tensor, str]] = None
 
 
 @dataclass
@@ -221,7 +223,7 @@ def _call_from_frame(frame: Any, tensor: torch.Tensor, names: Optional[Dict[torc
     if not hasattr(opt, "op") or not hasattr(opt, "process_set"):
         raise HorovodIntegrationError(_advice(
             f"this Horovod's optimizer has no op/process_set (checked with Horovod {HOROVOD_CHECKED})"))
-    return HorovodCall(table[p], opt.op, opt.process_set)
+    return HorovodCall(table[p], opt.op, opt.process_set, opt, table)
 
 
 def _advice(why: str) -> str:
@@ -242,6 +244,10 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
     call = find_horovod_call(tensor, names)
     if call is not None:
         warn_unread_settings(compressor, what=f"hvd.DistributedOptimizer(compression={compressor!r})")
+        if not compressor.compresses(call.name, tensor.numel()):
+            return tensor, None  # small or excluded: Horovod's own allreduce takes it, uncompressed
+        # The feedback policy ("auto") is chosen from Horovod's optimizer (the user's class underneath).
+        compressor.attach(call.optimizer, call.names, call.process_set.rank())
         exchange = AllgatherExchange(compressor, call.op, call.process_set)
         return tensor.new_empty(0), StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
     if compressor.error_feedback:

@@ -32,12 +32,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .compressors import GradientCompressor
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
 from .exchange import DenseExchange, Pending, choose_exchange
 from .horovod import bind_noise_stream, warn_unread_settings
 from .stats import ByteStats
 
-DEFAULT_MIN_COMPRESS_NUMEL = 1024
 
 
 class _GradCompOptimizer(torch.optim.Optimizer):
@@ -54,6 +53,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
             bind_noise_stream(compression)  # independent rounding noise on each rank
+            # The feedback policy ("auto") is chosen from this optimizer's class and settings.
+            compression.attach(self, self._parameter_names, process_set.rank())
         warn_unread_settings(compression, backward_passes_per_step,
                              f"DistributedOptimizer(compression={compression!r}, "
                              f"backward_passes_per_step={backward_passes_per_step})")
@@ -104,7 +105,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self._compressed.progress(pending)
 
     def _is_small(self, p: torch.Tensor) -> bool:
-        return (not p.is_floating_point()) or p.numel() < self.min_compress_numel
+        """Exchanged uncompressed: small, not floating point, or excluded by the compressor's policy."""
+        if (not p.is_floating_point()) or p.numel() < self.min_compress_numel:
+            return True
+        return isinstance(self.compression, GradientCompressor) and \
+            not self.compression.compresses(self._parameter_names[p])
 
     def _start(self, p: torch.Tensor) -> None:
         if p.grad is None:  # unused on this rank: others may have a gradient, so send zeros

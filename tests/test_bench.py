@@ -226,3 +226,12 @@ def test_cli_two_hosts_dry_run() -> None:
     lines = res.output.splitlines()
     assert lines[0].endswith("scripts/two_hosts.sh up --rate 1gbit --no-slurm")
     assert sum("synthetic_benchmark.py" in ln and "hvdgc-a:1,hvdgc-b:1" in ln for ln in lines) == 4
+
+
+def test_convergence_rows_show_the_feedback_policy_the_run_used() -> None:
+    """A run that reports ``feedback`` (feedback="auto" turns error feedback off for low-bit QSGD)
+    is shown with what it used, not with what its setting asked for."""
+    results = {"none": _conv(2.5, "none"), "qsgd4": {**_conv(2.6, "qsgd4"), "feedback": "none"},
+               "qsgd8": {**_conv(2.55, "qsgd8"), "feedback": "residual"}}
+    rows = {r["key"]: r for r in tables.convergence_rows(results, bplan.CONVERGENCE_SETTINGS)}
+    assert (rows["none"]["ef"], rows["qsgd4"]["ef"], rows["qsgd8"]["ef"]) == (None, False, True)

@@ -70,9 +70,13 @@ def compressed_gradient(kind: str, stock: bool = False, op: str = "average", **k
     wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
     opt = wrap(base, named_parameters=model.named_parameters(), compression=comp, op=hvd_op)
     x, y = batch(hvd.rank(), 0)
+    # The local gradient from a twin model: stock Horovod allreduces uncompressed tensors (small
+    # ones here) in place on p.grad in its background thread, so p.grad cannot be read back.
+    twin = make_model()
+    F.cross_entropy(twin(x), y).backward()
+    local = grads_of(twin)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
-    local = grads_of(model)
     opt.synchronize()
     out: Dict[str, Any] = {"names": [], "identical": [], "max_err": [], "bound": [], "rel_err": []}
     for name, p in model.named_parameters():
@@ -94,7 +98,7 @@ def error_bound(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: 
     reduced chunk), and a bucket's norm is at most the tensor's norm. fp16: relative 2**-11.
     """
     scale = hvd.size() if op == hvd.Sum else 1
-    if g.numel() < 1024 and not stock:  # below min_compress_numel: uncompressed (fp16 still casts)
+    if g.numel() < 1024:  # below min_compress_numel: uncompressed on both wrappers (fp16 still casts)
         kind = "fp16" if kind == "fp16" else "none"
     gmax_norm = hvd.allreduce(g.norm().reshape(1), op=hvd.Max).item()
     if kind in ("qsgd", "topkqsgd"):
@@ -107,9 +111,10 @@ def error_bound(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: 
 
 
 def ef_shrink(kind: str, n: int, kw: Dict[str, Any], stock: bool) -> float:
-    """Error feedback scales low-bit QSGD payloads by 1/(1+w) (see qsgd_ef_scale): the factor for a
-    tensor of n elements, applied once per quantisation (twice on the compressed-allreduce road)."""
-    if kind != "qsgd" or not kw.get("error_feedback", True) or (n < 1024 and not stock):
+    """Classic error feedback scales low-bit QSGD payloads by 1/(1+w) (see qsgd_ef_scale): the factor
+    for a tensor of n elements, applied once per quantisation (twice on the compressed-allreduce
+    road). With feedback="auto" (the default) low-bit QSGD runs without error feedback: no scale."""
+    if kind != "qsgd" or kw.get("feedback") != "classic" or n < 1024:
         return 1.0
     piece = n if stock else n // hvd.size()
     scale = qsgd_ef_scale(kw.get("bits", 8), min(piece, kw.get("bucket_size", 512)))
@@ -119,7 +124,7 @@ def ef_shrink(kind: str, n: int, kw: Dict[str, Any], stock: bool) -> float:
 def expected(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: bool = False) -> torch.Tensor:
     """What the exchange should produce, computed independently of the library (torch.topk)."""
     flat = g.reshape(-1) * ef_shrink(kind, g.numel(), kw, stock)
-    if kind in ("topk", "topkqsgd") and (flat.numel() >= 1024 or stock):
+    if kind in ("topk", "topkqsgd") and flat.numel() >= 1024:
         k = max(1, math.ceil(kw.get("ratio", 0.01) * flat.numel() - 1e-9))
         keep = torch.zeros_like(flat, dtype=torch.bool)
         keep[torch.topk(flat.abs(), k).indices] = True

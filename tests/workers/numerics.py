@@ -22,8 +22,14 @@ def channels_last_gradient(kind: str, stock: bool = False) -> Dict[str, Any]:
     opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                compression=make_compressor(kind, **kw))
     x = torch.randn(4, 8, 10, 10, generator=torch.Generator().manual_seed(hvd.rank()))
+    # The local gradient from a twin model: stock Horovod allreduces uncompressed tensors (the
+    # biases) in place on p.grad in its background thread, so p.grad cannot be read back.
+    torch.manual_seed(0)
+    twin = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3), torch.nn.Tanh(), torch.nn.Conv2d(16, 32, 3))
+    twin = twin.to(memory_format=torch.channels_last)
+    twin(x.to(memory_format=torch.channels_last)).pow(2).mean().backward()
+    local = grads_of(twin)
     model(x.to(memory_format=torch.channels_last)).pow(2).mean().backward()
-    local = grads_of(model)
     weights = [p for p in model.parameters() if p.dim() == 4]
     channels_last = all(p.grad.is_contiguous(memory_format=torch.channels_last) and not p.grad.is_contiguous()
                         for p in weights)

@@ -1,0 +1,217 @@
+"""docs/STUDY.md and docs/img/study_*.png from the study's JSON results (generated, never typed)."""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+TASK_TEXT = {
+    "transformer": "4-layer decoder-only character transformer (d=64, 4 heads, context 32) on the standard "
+                   "library's sources; AdamW lr 3e-3, weight decay 0.1, 10% linear warm-up then cosine decay; "
+                   "`hvd_gradcomp.DistributedOptimizer`",
+    "cnn-sgd": "CNN (2 conv + 2 linear) on scikit-learn's digits; SGD lr 0.05, momentum 0.9, 5% warm-up then "
+               "cosine; stock `hvd.DistributedOptimizer`",
+    "cnn-adam": "the same CNN with Adam lr 2e-3, 5% warm-up then cosine; stock `hvd.DistributedOptimizer`",
+    "char-mlp": "the char-level MLP of `examples/train.py` on the standard library's sources; SGD lr 0.05, "
+                "momentum 0.9, cosine decay, 2 micro-batches accumulated per step (`GradientAccumulator`); "
+                "`hvd_gradcomp.DistributedOptimizer`",
+}
+ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tq1", "tq01", "tq1-classic", "tq1-momentum"]
+
+
+def load(out: Path) -> Dict[Tuple[str, str], List[dict]]:
+    runs: Dict[Tuple[str, str], List[dict]] = defaultdict(list)
+    for path in sorted(out.glob("*.json")):
+        r = json.loads(path.read_text())
+        runs[(r["task"], r["setting"])].append(r)
+    return runs
+
+
+def _mean_sd(xs: List[float]) -> Tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _last_quarter_change(runs: List[dict]) -> float:
+    """Relative change of the seed-mean held-out loss over the last quarter of the steps (%)."""
+    curves = [{e["step"]: e["val_loss"] for e in r["evals"]} for r in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    end = steps[-1]
+    q = min(steps, key=lambda s: abs(s - 0.75 * end))
+    at = lambda s: statistics.fmean(c[s] for c in curves)  # noqa: E731
+    return (at(q) - at(end)) / at(end) * 100
+
+
+def table(task: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
+    base = runs.get((task, "none"), [])
+    b_mean, b_sd = _mean_sd([r["val_loss"] for r in base]) if base else (float("nan"), 0.0)
+    spread = b_sd / b_mean * 100 if base else float("nan")
+    lines = ["| setting | feedback (auto) | seeds | held-out loss | accuracy | gap vs uncompressed | "
+             "uncompressed seed spread | bytes ratio, 2nd half |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by_seed = {r["seed"]: r["val_loss"] for r in base}
+    for setting in ORDER:
+        rs = runs.get((task, setting))
+        if not rs:
+            continue
+        lm, ls = _mean_sd([r["val_loss"] for r in rs])
+        am, as_ = _mean_sd([r["val_accuracy"] for r in rs])
+        # Paired: each seed against the uncompressed run of the same seed, then the mean.
+        gaps = [(r["val_loss"] / by_seed[r["seed"]] - 1) * 100 for r in rs if r["seed"] in by_seed]
+        gap = f"{statistics.fmean(gaps):+.2f}%" if gaps else "-"
+        ratio = statistics.fmean(r["ratio_second_half"] for r in rs)
+        seeds = ",".join(str(r["seed"]) for r in sorted(rs, key=lambda r: r["seed"]))
+        lines.append(f"| {rs[0]['label']} | {rs[0]['feedback'] or '-'} | {seeds} | {lm:.4f} +- {ls:.4f} | "
+                     f"{am:.3f} +- {as_:.3f} | {gap} | +-{spread:.2f}% | {ratio:.0f}x |")
+    return lines
+
+
+def _paired_gap(task: str, setting: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[float, int]:
+    base = {r["seed"]: r["val_loss"] for r in runs.get((task, "none"), [])}
+    gaps = [(r["val_loss"] / base[r["seed"]] - 1) * 100 for r in runs.get((task, setting), []) if r["seed"] in base]
+    return (statistics.fmean(gaps) if gaps else float("nan")), len(gaps)
+
+
+def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
+    """The issue's targets against the library's default rows (momentum correction on the SGD tasks)."""
+    lines = ["## Against the targets", "",
+             "Targets: TopKQSGD(1%, 8) within 1% of uncompressed held-out loss, TopKQSGD(0.1%, 8) within 2%, "
+             ">= 100x fewer bytes than fp32 over the second half (50x where small tensors go uncompressed). "
+             "For momentum SGD the library's default is now momentum correction, measured here only at 1% "
+             "(the *momentum correction* row).", "",
+             "| task | TopKQSGD(1%, 8) default: gap (seeds) | policy | bytes ratio | TopKQSGD(1%, 8) classic EF: gap | "
+             "TopKQSGD(0.1%, 8): gap (policy) | met? |", "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
+    for task in tasks:
+        sgd = (task, "tq1-momentum") in runs
+        key = "tq1-momentum" if sgd else "tq1"
+        g1, n1 = _paired_gap(task, key, runs)
+        gc_, _ = _paired_gap(task, "tq1-classic", runs)
+        g01, _ = _paired_gap(task, "tq01", runs)
+        rs = runs.get((task, key), [])
+        ratio = statistics.fmean(r["ratio_second_half"] for r in rs) if rs else float("nan")
+        pol = rs[0]["feedback"] if rs else "-"
+        p01 = runs.get((task, "tq01"), [{}])[0].get("feedback", "-")
+        met = "yes" if g1 <= 1 and g01 <= 2 and ratio >= 50 else "no"
+        lines.append(f"| {task} | {g1:+.2f}% ({n1}) | {pol} | {ratio:.0f}x | {gc_:+.2f}% | {g01:+.2f}% ({p01}) | {met} |")
+    return lines + [""]
+
+
+def plot(task: str, runs: Dict[Tuple[str, str], List[dict]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for setting in ORDER:
+        rs = runs.get((task, setting))
+        if not rs:
+            continue
+        curves = [{e["step"]: e["val_loss"] for e in r["evals"]} for r in rs]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))[1:]
+        ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=rs[0]["label"],
+                lw=2.2 if setting in ("none", "tq1") else 1.2, ls="--" if setting == "tq1-classic" else "-")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("held-out loss (mean over seeds)")
+    ax.set_yscale("log")
+    ax.set_title(task)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write(out: Path, docs: Path, command: str, minutes: float) -> None:
+    runs = load(out)
+    tasks = [t for t in TASK_TEXT if any(k[0] == t for k in runs)]
+    n_runs = sum(len(v) for v in runs.values())
+    planned = 3 * len({k for k in runs})
+    wall = sum(r["wall_s"] for v in runs.values() for r in v) / 60
+    try:
+        import horovod
+        import torch
+        versions = f"PyTorch {torch.__version__}, Horovod {horovod.__version__}"
+    except ImportError:
+        versions = ""
+    lines = [
+        "# Convergence study: compressed against uncompressed training",
+        "",
+        f"Generated by `{command}` (`make study`) on {datetime.date.today()}: {n_runs} runs, "
+        f"{wall:.0f} minutes of training (this invocation: {minutes:.0f} minutes). Every number and plot on this "
+        "page comes from the JSON results it wrote (`runs/study/`); rerun the command to regenerate it. "
+        f"2 ranks (Gloo) on one machine, Python {platform.python_version()}, {versions}, 1 thread per rank. "
+        f"Planned: {planned} runs (3 seeds); finished: {n_runs}. Each row lists the seeds it has: on the "
+        "2-core machine this page was made on, shared with other jobs, one seed of the transformer task took over 30 minutes "
+        "(7 settings), and not every seed finished in the time available.",
+        "",
+        "Every compressed row uses the library as the README shows it: `compression=...` in the "
+        "DistributedOptimizer, nothing else. The column *feedback (auto)* is the error-feedback policy the "
+        "library chose from the wrapped optimizer (`feedback=\"auto\"`, see `hvd_gradcomp/feedback.py`); "
+        "the last row of each table forces `feedback=\"classic\"` (error feedback on gradients: the recipe "
+        "before issue 9), so the gain is visible.",
+        "",
+        "Columns: held-out loss and accuracy are mean +- standard deviation over the seeds listed, at the last "
+        "step; *gap* is the held-out loss relative to the uncompressed run of the same seed, averaged over "
+        "seeds; "
+        "*uncompressed seed spread* is the uncompressed standard deviation over seeds relative to its mean "
+        "(a gap inside it is noise); *bytes ratio* is fp32 gradient bytes over the bytes each rank handed to "
+        "Horovod, in the second half of the run.",
+        "",
+    ]
+    lines += targets(tasks, runs)
+    for task in tasks:
+        base = runs.get((task, "none"), [])
+        lines += [f"## {task}", "", TASK_TEXT[task] + ".", ""]
+        if base:
+            r0 = base[0]
+            lines += [f"{r0['steps']} optimizer steps. Uncompressed held-out loss changed by "
+                      f"{_last_quarter_change(base):.2f}% over the last quarter of the run (seed mean).", ""]
+        lines += table(task, runs) + ["", f"![held-out loss, {task}](img/study_{task}.png)", ""]
+        plot(task, runs, docs / "img" / f"study_{task}.png")
+    lines += choice_section(docs)
+    (docs / "STUDY.md").write_text("\n".join(lines) + "\n")
+
+
+def choice_section(docs: Path) -> List[str]:
+    """How the policies were chosen: the simulator's figures (docs/data/study_simulator.txt)."""
+    sim = docs / "data" / "study_simulator.txt"
+    lines = [
+        "## How the recipe was chosen",
+        "",
+        "Candidates were first compared with `benchmarks/study/simulate.py`: 2 ranks simulated in one "
+        "process (each batch split in two shards, per-rank policy state, the library's own codecs), "
+        "TopKQSGD(1%, 8), 300 steps unless said. Its raw output is below. What it showed:",
+        "",
+        "* **Adam/AdamW.** Error feedback on gradients hands Adam, for each coordinate, zero for ~1/ratio "
+        "steps and then the accumulated sum; Adam normalises that spike into one step, so coordinates move "
+        "about sqrt(ratio) times as far as without compression. Every gradient-level variant tried kept a "
+        "large gap (EF21, EF21 with momentum, spreading or holding each arrival as a rate). Compressing the "
+        "optimizer's *update* (each rank runs the optimizer on its own gradient; the parameter change goes "
+        "through error feedback) keeps the total movement and had the smallest gap; the gap is a lag, and it "
+        "shrinks as training gets longer (1200 steps against 300). This is `feedback=\"update\"`, the "
+        "default for Adam-type optimizers.",
+        "* **Momentum SGD.** In the simulator classic error feedback on gradients was better than DGC momentum "
+        "correction on the CNN (with masking much worse); the char-level example had measured the opposite "
+        "for correction without masking (docs/BENCHMARKS.md), and so did the first seed of this study's "
+        "cnn-sgd task (real 2-rank runs). The study started with `classic` as the default for momentum SGD; "
+        "`auto` now picks `momentum` (no masking), so on the SGD tasks the *momentum correction* row is "
+        "what the library does by default, and rows whose *feedback* column says `classic` show the old "
+        "default.",
+        "* **What is left of the Adam gap.** With `update` at ratio 1 (nothing dropped) the simulated CNN "
+        "with Adam still ended +18% from uncompressed (0.1923 against 0.1623, one seed), against +27% at 1%: "
+        "most of the remaining gap comes from each rank's optimizer moments being computed from its own "
+        "half of the batch (a noisier second moment, so smaller steps), not from what compression drops. "
+        "Sharing a second-moment estimate across ranks is the next step; it is not done.",
+        "* **Sparsity warm-up** helped classic SGD and did not help `update` with Adam: an option "
+        "(`ratio=SparsityWarmup(...)`), off by default.",
+        "* **Low-bit QSGD.** Error feedback on 4/2-bit QSGD diverged or needed its payloads shrunk; plain "
+        "(unbiased) QSGD trained: `auto` turns error feedback off below 8 bits.",
+        "",
+    ]
+    if sim.exists():
+        lines += ["```", sim.read_text().rstrip(), "```", ""]
+    return lines

@@ -1,0 +1,91 @@
+"""``make study``: the convergence study of issue 9, then docs/STUDY.md and its plots.
+
+Every (task, seed) is one ``horovodrun -np 2`` job that trains all settings in turn
+(:mod:`benchmarks.study.worker`); finished results (one JSON per run under ``--out``) are
+kept, so an interrupted study resumes where it stopped. Seeds run outermost: a partial study
+covers every task.
+
+    python benchmarks/study/study.py                      # everything (about 45 min on 2 cores)
+    python benchmarks/study/study.py --seeds 0 --tasks cnn-sgd
+    python benchmarks/study/study.py --report-only        # regenerate docs/STUDY.md from runs/study
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.study import report  # noqa: E402
+from benchmarks.study.tasks import TASKS  # noqa: E402
+from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
+
+# Extra rows: 4-bit QSGD with its default (no error feedback), and DGC momentum correction
+# (feedback="momentum") where the optimizer is momentum SGD.
+TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4", "tq1-momentum"), "cnn-sgd": DEFAULT_SETTINGS + ("tq1-momentum",)}
+
+
+def job(task: str, seed: int, settings: list, out: Path, timeout: int) -> bool:
+    """Run one horovodrun job; False (and its output on stderr) when it failed or timed out."""
+    venv_bin = Path(sys.executable).parent
+    horovodrun = venv_bin / "horovodrun"
+    cmd = [str(horovodrun if horovodrun.exists() else "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+           sys.executable, str(ROOT / "benchmarks/study/worker.py"), "--task", task, "--seed", str(seed),
+           "--settings", ",".join(settings), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        print(f"  {task} seed {seed}: timed out after {timeout}s\n{exc.stdout or ''}{exc.stderr or ''}",
+              file=sys.stderr, flush=True)
+        return False
+    lines = [ln for ln in proc.stdout.splitlines() if "held-out loss" in ln]
+    print("\n".join(f"  {ln}" for ln in lines), f"\n  ({time.time() - t0:.0f}s)", flush=True)
+    if proc.returncode != 0:
+        print(f"  {task} seed {seed} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}",
+              file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--out", default=str(ROOT / "runs/study"))
+    ap.add_argument("--docs", default=str(ROOT / "docs"))
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per horovodrun job")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    tasks = args.tasks.split(",")
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        ap.error(f"unknown tasks {unknown}; choose from {list(TASKS)}")
+    t0 = time.time()
+    ok = True
+    if not args.report_only:
+        for seed in map(int, args.seeds.split(",")):
+            for task in tasks:
+                settings = [s for s in TASK_SETTINGS.get(task, DEFAULT_SETTINGS)
+                            if not (out / f"{task}-{s}-s{seed}.json").exists()]
+                if not settings:
+                    continue
+                print(f"{task} seed {seed}: {', '.join(settings)}", flush=True)
+                ok = job(task, seed, settings, out, args.timeout) and ok
+    report.write(out, Path(args.docs), command=" ".join(["python benchmarks/study/study.py"] + sys.argv[1:]),
+                 minutes=(time.time() - t0) / 60)
+    print(f"wrote {Path(args.docs) / 'STUDY.md'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    assert set(SETTINGS) >= set(DEFAULT_SETTINGS)
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""One horovodrun job of the study: one task and seed, several compression settings in turn
+(one start-up for all). Rank 0 writes one JSON per setting into ``--out``.
+
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/study/worker.py --task cnn-sgd --seed 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import horovod.torch as hvd  # noqa: E402
+
+import hvd_gradcomp as gc  # noqa: E402
+from benchmarks.study.tasks import TASKS, Task, lr_factor, make_task  # noqa: E402
+
+# setting -> (label, compressor factory). Every compressor uses the library's defaults
+# (feedback="auto") except "tq1-classic": error feedback on gradients, the pre-issue-9 recipe.
+SETTINGS = {
+    "none": ("uncompressed", lambda: None),
+    "fp16": ("fp16", lambda: hvd.Compression.fp16),
+    "qsgd8": ("QSGD 8-bit", lambda: gc.QSGD(bits=8)),
+    "qsgd4": ("QSGD 4-bit", lambda: gc.QSGD(bits=4)),
+    "topk": ("TopK 1%", lambda: gc.TopK(ratio=0.01)),
+    "tq1": ("TopKQSGD(1%, 8)", lambda: gc.TopKQSGD(ratio=0.01, bits=8)),
+    "tq01": ("TopKQSGD(0.1%, 8)", lambda: gc.TopKQSGD(ratio=0.001, bits=8)),
+    "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
+    "tq1-momentum": ("TopKQSGD(1%, 8), momentum correction",
+                     lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
+}
+DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic")
+
+
+@torch.no_grad()
+def evaluate(task: Task) -> Tuple[float, float]:
+    """(held-out loss, accuracy) of the model on the task's fixed held-out set."""
+    task.model.eval()
+    x, y = task.val
+    out = task.model(x)
+    out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    loss, acc = F.cross_entropy(out, y).item(), (out.argmax(-1) == y).float().mean().item()
+    task.model.train()
+    return loss, acc
+
+
+def wrap(task: Task, compression: Any, seed: int) -> Any:
+    if isinstance(compression, gc.GradientCompressor):
+        compression.seed = seed
+    kw = dict(named_parameters=task.model.named_parameters(), compression=compression or hvd.Compression.none,
+              backward_passes_per_step=task.accumulate)
+    opt = (gc.DistributedOptimizer(task.optimizer, **kw) if task.wrapper == "gc"
+           else hvd.DistributedOptimizer(task.optimizer, **kw))
+    hvd.broadcast_parameters(task.model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return opt
+
+
+class Bytes:
+    """Bytes this rank hands to Horovod per optimizer step, on either wrapper."""
+
+    def __init__(self, opt: Any, compression: Any, raw: int) -> None:
+        self.opt, self.compression, self.raw = opt, compression, raw
+        self._out = 0
+
+    def step(self) -> int:
+        if hasattr(self.opt, "last_step_bytes"):
+            return self.opt.last_step_bytes
+        if isinstance(self.compression, gc.GradientCompressor):
+            now = self.compression.stats.bytes_out
+            sent, self._out = now - self._out, now
+            return sent
+        return self.raw // 2 if self.compression is hvd.Compression.fp16 else self.raw
+
+
+def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, Any]:
+    task = make_task(task_name, seed, hvd.rank())
+    if steps:
+        task.steps = steps
+    label, factory = SETTINGS[setting]
+    compression = factory()
+    opt = wrap(task, compression, seed)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, task.steps, task.warmup))
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    raw = sum(p.numel() * p.element_size() for p in params)
+    counter = Bytes(opt, compression, raw)
+    acc = gc.GradientAccumulator(opt, steps=task.accumulate)
+    every = max(1, task.steps // 20)
+    evals: List[Dict[str, float]] = [dict(zip(("step", "val_loss", "val_accuracy"), (0, *evaluate(task))))]
+    step_bytes: List[int] = []
+    t0 = time.perf_counter()
+    for step in range(1, task.steps + 1):
+        for _ in range(task.accumulate):
+            x, y = task.batch()
+            acc.backward(task.loss(task.model, x, y))
+        sched.step()
+        step_bytes.append(counter.step())
+        if step % every == 0 or step == task.steps:
+            vl, va = evaluate(task)
+            if vl != vl:
+                raise FloatingPointError(f"{task_name}/{setting}/seed {seed}: held-out loss is NaN at step {step}")
+            evals.append({"step": step, "val_loss": vl, "val_accuracy": va})
+    half = step_bytes[len(step_bytes) // 2:]
+    return {"task": task_name, "setting": setting, "label": label, "seed": seed, "ranks": hvd.size(),
+            "wrapper": task.wrapper, "optimizer": type(task.optimizer).__name__, "steps": task.steps,
+            "accumulate": task.accumulate, "compressor": repr(compression),
+            "feedback": getattr(getattr(compression, "feedback", None), "key", None),
+            "val_loss": evals[-1]["val_loss"], "val_accuracy": evals[-1]["val_accuracy"], "evals": evals,
+            "raw_bytes_per_step": raw, "bytes_second_half": sum(half) / len(half),
+            "ratio_second_half": raw * len(half) / max(1, sum(half)), "wall_s": time.perf_counter() - t0}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=TASKS, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
+    ap.add_argument("--out", default="runs/study")
+    ap.add_argument("--steps", type=int, default=0, help="override the task's steps (smoke tests)")
+    args = ap.parse_args()
+    settings = args.settings.split(",")
+    bad = [s for s in settings if s not in SETTINGS]
+    if bad:
+        ap.error(f"unknown settings {bad}; choose from {list(SETTINGS)}")
+    torch.set_num_threads(1)
+    hvd.init()
+    out = Path(args.out)
+    for setting in settings:
+        result = run(args.task, setting, args.seed, args.steps)
+        if hvd.rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{args.task}-{setting}-s{args.seed}.json").write_text(json.dumps(result, indent=1) + "\n")
+            print(f"{args.task} {setting} seed {args.seed}: held-out loss {result['val_loss']:.4f} "
+                  f"acc {result['val_accuracy']:.3f} ratio(2nd half) {result['ratio_second_half']:.0f}x "
+                  f"feedback {result['feedback']} {result['wall_s']:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

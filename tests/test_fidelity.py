@@ -1,0 +1,240 @@
+"""Feedback policies (issue 9): invariants, exactness at ratio 1, the automatic choice,
+ratio schedules, per-tensor policy, clipping and checkpoints. Single process: the ranks of
+an exchange are simulated by averaging several compressors' decoded payloads."""
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+
+from hvd_gradcomp import QSGD, TopK, TopKQSGD
+from hvd_gradcomp import feedback as fb
+from hvd_gradcomp.compressors import SparsityWarmup
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def exchange(comps, name, grads):
+    """What every simulated rank's optimizer receives: the average of all decoded payloads,
+    rewritten by each rank's policy (they must agree)."""
+    avg = sum(c.decode(c.compress_named(name, g)).reshape(-1).double() for c, g in zip(comps, grads)).float()
+    avg /= len(comps)
+    outs = []
+    for c in comps:
+        out = avg.clone()
+        c.received(name, out)
+        outs.append(out)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0]), "ranks would hold different gradients"
+    return outs[0]
+
+
+# ------------------------------------------------------------------ momentum correction
+@pytest.mark.parametrize("opts", [dict(momentum=0.9), dict(momentum=0.9, weight_decay=1e-2),
+                                  dict(momentum=0.8, nesterov=True), dict(momentum=0.9, dampening=0.5)],
+                         ids=["plain", "weight-decay", "nesterov", "dampening"])
+def test_momentum_correction_at_ratio_one_is_momentum_sgd(opts):
+    """TopK(ratio=1) sends everything: training must follow momentum SGD on the mean gradient."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 30)
+    p_ref, p = w.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = torch.optim.SGD([p_ref], lr=0.05, **opts)
+    opt = torch.optim.SGD([p], lr=0.05, **opts)
+    comps = [TopK(ratio=1.0, feedback="momentum") for _ in range(2)]
+    for c in comps:
+        c.attach(opt, {p: "w"})
+    for step in range(12):
+        grads = [torch.randn(40, 30, generator=gen(10 * step + r)) for r in range(2)]
+        p_ref.grad = (grads[0] + grads[1]) / 2
+        ref.step()
+        p.grad = exchange(comps, "w", grads).view_as(p)
+        opt.step()
+        torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_correction_keeps_the_error_feedback_invariant():
+    """sent + new residual == velocity + old residual, and the velocity is m*u + g."""
+    mc = fb.MomentumCorrection(momentum=0.5)
+    c = TopK(ratio=0.1, feedback=mc)
+    u = torch.zeros(100)
+    for step in range(5):
+        g = torch.randn(100, generator=gen(step))
+        u = g.clone() if step == 0 else 0.5 * u + g
+        old = mc.residuals.residual("w")
+        old = torch.zeros(100) if old is None else old.clone()
+        sent = c.decode(c.compress_named("w", g))
+        torch.testing.assert_close(mc.velocity["w"], u)
+        torch.testing.assert_close(sent + mc.residuals.residual("w"), u + old)
+
+
+def test_momentum_masking_zeroes_the_sent_coordinates():
+    mc = fb.MomentumCorrection(momentum=0.9, masking=True)
+    c = TopK(ratio=0.1, feedback=mc)
+    payload = c.compress_named("w", torch.randn(50, generator=gen(1)))
+    idx, _ = c.decode_parts(payload)
+    assert torch.all(mc.velocity["w"][idx] == 0) and torch.all(mc.residuals.residual("w")[idx] == 0)
+    assert int((mc.velocity["w"] != 0).sum()) == 50 - idx.numel()
+
+
+# ------------------------------------------------------------------ compress the update
+@pytest.mark.parametrize("cls,opts", [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+                                      (torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99))),
+                                      (torch.optim.RMSprop, dict(lr=1e-3))], ids=["adamw", "adam", "rmsprop"])
+def test_update_feedback_at_ratio_one_is_the_optimizer(cls, opts):
+    """One rank, ratio 1: the parameter follows the plain optimizer (learning-rate schedule included).
+
+    AdamW decays the parameter after the update arrived, not before: a difference of
+    lr * weight_decay * |update| (1e-5 here) per step, hence the tolerance."""
+    torch.manual_seed(0)
+    w = torch.randn(20, 10)
+    p_ref, p = w.clone().requires_grad_(), w.clone().requires_grad_()
+    ref, opt = cls([p_ref], **opts), cls([p], **opts)
+    sched_ref = torch.optim.lr_scheduler.LambdaLR(ref, lambda s: 1.0 / (1 + s))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    c = TopK(ratio=1.0)
+    c.attach(opt, {p: "w"})
+    assert c.feedback.key == "update"
+    for step in range(10):
+        g = torch.randn(20, 10, generator=gen(step))
+        p_ref.grad = g.clone()
+        ref.step()
+        sched_ref.step()
+        p.grad = exchange([c], "w", [g]).view_as(p)
+        assert torch.count_nonzero(p.grad) == 0  # the wrapped optimizer only decays
+        opt.step()
+        sched.step()
+        torch.testing.assert_close(p, p_ref, rtol=0, atol=5e-5 if opts.get("weight_decay") else 1e-6)
+
+
+def test_update_feedback_without_an_optimizer_says_how_to_use_it():
+    with pytest.raises(RuntimeError, match="DistributedOptimizer"):
+        TopK(feedback="update").compress_named("w", torch.randn(10))
+
+
+# ------------------------------------------------------------------ the automatic choice
+def _opt(cls, **kw):
+    return cls([torch.zeros(3, requires_grad=True)], **kw)
+
+
+@pytest.mark.parametrize("make,compressor,expected", [
+    (lambda: _opt(torch.optim.SGD, lr=0.1, momentum=0.9), TopKQSGD, "momentum"),
+    (lambda: _opt(torch.optim.SGD, lr=0.1), TopK, "classic"),
+    (lambda: _opt(torch.optim.Adam), TopKQSGD, "update"),
+    (lambda: _opt(torch.optim.AdamW, weight_decay=0.1), TopKQSGD, "update"),
+    (lambda: _opt(torch.optim.Adam, weight_decay=0.1), TopKQSGD, "classic"),  # coupled L2 decay
+    (lambda: _opt(torch.optim.RMSprop), TopK, "update"),
+    (lambda: _opt(torch.optim.AdamW), lambda: QSGD(bits=8), "classic"),
+    (lambda: _opt(torch.optim.AdamW), lambda: QSGD(bits=4), "none"),
+    (lambda: _opt(torch.optim.SGD, lr=0.1), lambda: QSGD(bits=2), "none"),
+], ids=["sgd-momentum", "sgd", "adam", "adamw", "adam-l2", "rmsprop", "qsgd8", "qsgd4", "qsgd2"])
+def test_auto_feedback_follows_the_optimizer(make, compressor, expected, caplog):
+    opt, c = make(), compressor()
+    assert c.feedback.key == "classic"  # before an optimizer is known
+    with caplog.at_level(logging.INFO, logger="hvd_gradcomp"):
+        c.attach(opt, {opt.param_groups[0]["params"][0]: "w"})
+        c.attach(opt, {opt.param_groups[0]["params"][0]: "w"})
+    assert c.feedback.key == expected
+    said = [r.getMessage() for r in caplog.records if r.name == "hvd_gradcomp"]
+    assert len(said) == 1 and f"feedback '{expected}'" in said[0]
+
+
+def test_a_forced_policy_is_kept_and_only_rank_zero_speaks(caplog):
+    c = TopKQSGD(feedback="momentum")
+    with caplog.at_level(logging.INFO, logger="hvd_gradcomp"):
+        c.attach(_opt(torch.optim.AdamW), {}, rank=1)
+    assert c.feedback.key == "momentum" and not caplog.records
+
+
+def test_without_logging_configured_the_choice_goes_to_stderr(capsys, monkeypatch):
+    monkeypatch.setattr(fb.log, "hasHandlers", lambda: False)
+    TopK().attach(_opt(torch.optim.Adam), {})
+    assert "hvd_gradcomp: TopK" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw,match", [(dict(feedback="ef99"), "feedback must be"),
+                                      (dict(error_feedback=False, feedback="momentum"), "contradicts"),
+                                      (dict(clip=0), "clip"), (dict(exclude="("), "regular expression")])
+def test_bad_feedback_arguments_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TopK(**kw)
+
+
+# ------------------------------------------------------------------ schedules, exclude, clip
+def test_sparsity_warmup_sends_more_at_first():
+    c = TopK(ratio=SparsityWarmup(0.01, steps=4, start=0.5), error_feedback=False)
+    ks = [c.decode_parts(c.compress_named("w", torch.randn(1000, generator=gen(s))))[0].numel() for s in range(6)]
+    assert ks == [500, 189, 71, 27, 10, 10]  # ceil(1000 * 0.5 * 0.02 ** (s / 4))
+    assert c.ratio == 0.01 and "SparsityWarmup" in repr(c)
+
+
+def test_ratio_may_be_any_schedule():
+    c = TopK(ratio=lambda step: 0.5 if step < 1 else 0.1, error_feedback=False)
+    ks = [c.decode_parts(c.compress_named("w", torch.randn(100, generator=gen(s))))[0].numel() for s in range(3)]
+    assert ks == [50, 10, 10]
+    with pytest.raises(ValueError, match="ratio"):
+        TopK(ratio=lambda step: 2.0)
+
+
+def test_sparsity_warmup_checks_its_arguments():
+    with pytest.raises(ValueError, match="start"):
+        SparsityWarmup(0.5, steps=10, start=0.1)
+    with pytest.raises(ValueError, match="steps"):
+        SparsityWarmup(0.01, steps=-1)
+
+
+def test_exclude_by_name():
+    c = TopKQSGD(exclude=r"embed|norm")
+    assert not c.compresses("tok_embed.weight") and not c.compresses("blocks.0.norm.bias")
+    assert c.compresses("blocks.0.mlp.0.weight")
+
+
+def test_local_clipping_bounds_what_is_sent():
+    c = TopK(ratio=1.0, clip=1.0, error_feedback=False)
+    g = torch.randn(500, generator=gen(3)) * 10
+    assert abs(float(c.decode(c.compress_named("w", g)).norm()) - 1.0) < 1e-5
+    small = torch.full((4,), 0.1)
+    assert torch.equal(c.decode(c.compress_named("v", small)), small)
+
+
+# ------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize("policy", ["momentum", "update", "classic"])
+def test_state_dict_round_trip_continues_identically(policy):
+    def build():
+        p = torch.ones(30, 20, requires_grad=True)
+        opt = torch.optim.AdamW([p], lr=1e-2) if policy == "update" else torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        c = TopKQSGD(ratio=0.1, feedback=policy, seed=5)
+        c.attach(opt, {p: "w"})
+        return p, c
+
+    def steps(p, c, start, n):
+        payloads = []
+        for s in range(start, start + n):
+            payload = c.compress_named("w", torch.randn(30, 20, generator=gen(s)))
+            out = c.decode(payload).reshape(-1)
+            c.received("w", out)
+            payloads.append(payload)
+        return payloads
+
+    p1, c1 = build()
+    steps(p1, c1, 0, 3)
+    buf = io.BytesIO()
+    torch.save(c1.state_dict(), buf)
+    buf.seek(0)
+    p2, c2 = build()
+    with torch.no_grad():
+        p2.copy_(p1)
+    c2.load_state_dict(torch.load(buf, weights_only=True))
+    for a, b in zip(steps(p1, c1, 3, 3), steps(p2, c2, 3, 3)):
+        assert torch.equal(a, b)
+    assert torch.equal(p1, p2)
+
+
+def test_checkpoint_of_another_policy_is_refused():
+    a, b = TopK(feedback="momentum"), TopK(feedback="classic")
+    a.compress_named("w", torch.randn(10))
+    with pytest.raises(ValueError, match="feedback='momentum'"):
+        b.load_state_dict(a.state_dict())

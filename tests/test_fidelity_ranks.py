@@ -1,0 +1,52 @@
+"""Issue 9 on 2 ranks: the feedback recipe is chosen from the wrapped optimizer and said once on
+rank 0, on hvd_gradcomp.DistributedOptimizer and on stock hvd.DistributedOptimizer, with
+gradient accumulation; and a short training converges close to uncompressed (smoke test)."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+SCENARIOS = {
+    "gc-adamw-none": dict(wrapper="gc", optimizer="adamw", compression="none"),
+    "gc-adamw": dict(wrapper="gc", optimizer="adamw", compression="topkqsgd"),
+    "hvd-adamw-acc2": dict(wrapper="hvd", optimizer="adamw", compression="topkqsgd", accumulate=2),
+    "gc-sgd-none": dict(wrapper="gc", optimizer="sgd-momentum", compression="none"),
+    "hvd-sgd": dict(wrapper="hvd", optimizer="sgd-momentum", compression="topkqsgd"),
+    "gc-sgd-acc2": dict(wrapper="gc", optimizer="sgd-momentum", compression="topkqsgd", accumulate=2),
+}
+_cache: Dict[str, Any] = {}
+
+
+def results() -> Dict[str, Any]:
+    if not _cache:
+        ids = list(SCENARIOS)
+        per_rank = run_ranks("fidelity:battery", timeout=420, scenarios=[SCENARIOS[i] for i in ids])
+        _cache.update({i: [r[j] for r in per_rank] for j, i in enumerate(ids)})
+    return _cache
+
+
+@pytest.mark.parametrize("case,policy", [("gc-adamw", "update"), ("hvd-adamw-acc2", "update"),
+                                         ("hvd-sgd", "momentum"), ("gc-sgd-acc2", "momentum")])
+def test_recipe_is_chosen_from_the_optimizer_and_said_once_on_rank_zero(case, policy):
+    r0, r1 = results()[case]
+    assert r0["feedback"] == r1["feedback"] == policy
+    assert len(r0["said"]) == 1 and f"feedback '{policy}'" in r0["said"][0], r0["said"]
+    assert r1["said"] == []
+    assert r0["identical"] and r1["identical"], "ranks hold different parameters"
+
+
+@pytest.mark.parametrize("case,base", [("gc-adamw", "gc-adamw-none"), ("hvd-adamw-acc2", "gc-adamw-none"),
+                                       ("hvd-sgd", "gc-sgd-none"), ("gc-sgd-acc2", "gc-sgd-none")])
+def test_compressed_training_stays_close_to_uncompressed(case, base):
+    """TopKQSGD(25%, 8) for 120 steps on a small teacher task: held-out loss within 15% of
+    uncompressed (it falls from ~2.3 to ~0.7-0.8 uncompressed, so a broken recipe misses by far).
+    Measured (with classic error feedback for SGD): SGD +1-2%; AdamW ('update') +9%, most of it from each rank's optimizer moments
+    being computed from its own half batch (see docs/STUDY.md)."""
+    lc, lb = results()[case][0]["val_loss"], results()[base][0]["val_loss"]
+    assert lb < 1.5, f"uncompressed did not learn ({lb:.3f})"
+    assert lc <= lb * 1.15, f"{case}: held-out loss {lc:.4f} vs uncompressed {lb:.4f}"

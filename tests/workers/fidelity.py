@@ -1,0 +1,70 @@
+"""Rank-side code of tests/test_fidelity_ranks.py: short trainings through either wrapper,
+reporting the feedback policy chosen, what rank 0 said about it, and the held-out loss."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+import hvd_gradcomp as gc
+from tests.workers.integration import all_ranks_equal
+
+IN, HIDDEN, OUT = 64, 128, 10
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _data(seed: int, n: int):
+    """A learnable task: labels from a fixed random teacher network."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(99))
+    x = torch.randn(n, IN, generator=g)
+    return x, (torch.tanh(x) @ teacher).argmax(1)
+
+
+def train(wrapper: str, optimizer: str, compression: str, steps: int = 120, accumulate: int = 1,
+          ratio: float = 0.25, feedback: str = "auto") -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    if optimizer == "sgd-momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    comp = gc.TopKQSGD(ratio=ratio, bits=8, feedback=feedback) if compression == "topkqsgd" else None
+    said = _Said()
+    log = logging.getLogger("hvd_gradcomp")
+    log.addHandler(said)
+    log.setLevel(logging.INFO)
+    kw = dict(named_parameters=model.named_parameters(), backward_passes_per_step=accumulate)
+    if comp is not None:
+        kw["compression"] = comp
+    opt = (gc.DistributedOptimizer(opt, **kw) if wrapper == "gc" else hvd.DistributedOptimizer(opt, **kw))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    acc = gc.GradientAccumulator(opt, steps=accumulate)
+    for step in range(steps):
+        for i in range(accumulate):
+            x, y = _data(10_000 * hvd.rank() + 10 * step + i, 32 // accumulate)
+            acc.backward(F.cross_entropy(model(x), y))
+        sched.step()
+    log.removeHandler(said)
+    vx, vy = _data(123_456, 2048)
+    with torch.no_grad():
+        val = F.cross_entropy(model(vx), vy).item()
+    return {"feedback": getattr(getattr(comp, "feedback", None), "key", None), "said": said.messages,
+            "identical": all(all_ranks_equal(p.detach()) for p in model.parameters()), "val_loss": val}
+
+
+def battery(scenarios: List[Dict[str, Any]]) -> List[Any]:
+    return [train(**sc) for sc in scenarios]
