@@ -26,10 +26,10 @@ demo: setup
 	@$(PY) examples/demo.py
 
 test: setup slurm-up two-hosts-up
-	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp launchers examples
+	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp launchers examples benchmarks
 
 bench: setup
-	@$(VENV)/bin/hvdgc-bench
+	@$(PY) -m benchmarks
 
 # Compressed vs uncompressed training, 4 tasks x 3 seeds x 7 settings on 2 ranks -> docs/STUDY.md
 study: setup

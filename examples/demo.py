@@ -4,7 +4,7 @@
    16 per rank per step);
 2. the same steps, seed and batches, uncompressed.
 
-Each run shows rank 0's progress bar while it trains; at the end a table compares final
+Each run prints rank 0's progress (plain lines every 10 s: horovodrun prefixes each line) while it trains; at the end a table compares final
 loss, samples/s and bytes sent per step. About 2-3 minutes on 2 CPU cores.
 
 Example::
@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from launchers.jobs import BIN, local_horovodrun, rank_env, run_job
+
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 RUNS = (
     # Momentum correction (DGC) as in hvdgc-bench's TopK rows: momentum applied before TopK, on each rank.
     ("TopKQSGD(1%, 8) + EF", "demo-topkqsgd", ["--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8",
@@ -41,32 +39,21 @@ def train_argv(steps: int, accumulate: int, micro_batch: int, seed: int, out_dir
     >>> train_argv(5, 4, 16, 0, Path("/o"), "x", ["--compression", "none"])[1:6]
     ['-np', '2', '-H', 'localhost:2', '--gloo']
     """
-    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
-            str(ROOT / "examples" / "train.py"), "--steps", str(steps), "--accumulate", str(accumulate),
-            "--micro-batch", str(micro_batch), "--seed", str(seed), "--out-dir", str(out_dir),
-            "--run-name", name, *flags]
+    return local_horovodrun([sys.executable, str(ROOT / "examples" / "train.py"), "--steps", str(steps),
+                             "--accumulate", str(accumulate), "--micro-batch", str(micro_batch), "--seed", str(seed),
+                             "--out-dir", str(out_dir), "--run-name", name, *flags])
 
 
 def run(argv: List[str], timeout: float) -> None:
-    """Run with output streaming to this terminal, in its own process group, killed on timeout."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HVDGC_")}
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True)
+    """Run with output streaming to this terminal (rank 0's progress as plain lines), killed on timeout."""
     try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        sys.exit(f"demo: the run took longer than {timeout:.0f}s and was stopped")
+        res = run_job(argv, rank_env(ROOT), timeout, cwd=ROOT)
     except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
         sys.exit("demo: interrupted")
-    if rc != 0:
-        sys.exit(f"demo: the run failed (exit {rc}); its output is above")
+    if res.timed_out:
+        sys.exit(f"demo: the run took longer than {timeout:.0f}s and was stopped")
+    if not res.ok:
+        sys.exit(f"demo: the run failed (exit {res.returncode}); its output is above")
 
 
 def summary_table(results: List[Dict[str, Any]]) -> str:

@@ -8,8 +8,8 @@ Nothing is downloaded. Run on 2 ranks::
     hvdgc-launch -np 2 --compression topk-qsgd --accumulate 4 examples/train.py --steps 200
 
 Compression flags default from the ``HVDGC_*`` variables that ``hvdgc-launch`` sets
-(:func:`hvd_gradcomp.config.from_env`) and override them when given. Rank 0 shows a
-progress bar with loss, samples/s, bytes sent per step and the compression ratio, writes
+(:func:`hvd_gradcomp.config.from_env`) and override them when given. Rank 0 shows its
+progress (a bar on a terminal, a plain line every 10 s under a launcher) with loss, samples/s, bytes sent per step and the compression ratio, writes
 one CSV row per optimizer step (``--out-dir``/``<run-name>.csv``), a JSON summary
 (``<run-name>.json``, with the ``--eval-every`` held-out losses) and TensorBoard scalars when
 ``torch.utils.tensorboard`` imports.
@@ -240,10 +240,9 @@ class RunLog:
         self._csv = csv.DictWriter(self._file, fieldnames=CSV_FIELDS)
         self._csv.writeheader()
         self.tb = _tensorboard(out_dir / "tb" / name)
-        if progress:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True, mininterval=0.5,
-                            file=sys.stdout)
+        if progress:  # a bar on a terminal, plain periodic lines under horovodrun (launchers.progress)
+            from launchers.progress import progress as make_progress
+            self.bar = make_progress(total=total, desc=name, unit="step")
 
     def step(self, row: Dict[str, Any]) -> None:
         if not self.active:
@@ -381,8 +380,8 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     val_loss, val_acc = evaluate(model, task.val_x, task.val_y)
     summary = _summary(args, cfg, name, log.rows, wall, val_loss, val_acc, opt, compression, acc, task, epoch)
     summary["evals"] = evals
+    log.close(summary)             # the progress's last line first, then the summary under it
     log.note(_summary_line(summary))
-    log.close(summary)
     return summary
 
 
@@ -414,7 +413,7 @@ def _summary(args: argparse.Namespace, cfg: CompressionConfig, name: str, rows: 
         "momentum_masking": bool(getattr(getattr(compression, "feedback", None), "masking", False)),
         "warmup_steps": args.warmup_steps, "warmup_ratio": args.warmup_ratio if args.warmup_steps else None,
         "min_compress_numel": args.min_compress_numel, "steps": acc.optimizer_steps, "epochs_seen": epoch + 1,
-        "params": sum(p.numel() for p in task.model.parameters()), "task": task.notes,
+        "params": sum(p.numel() for p in task.model.parameters()), "task": task.notes, "val_size": len(task.val_x),
         "first_loss": rows[0]["loss"] if rows else math.nan,
         "final_train_loss": sum(r["loss"] for r in tail) / max(len(tail), 1),
         "val_loss": val_loss, "val_accuracy": val_acc, "wall_s": wall,

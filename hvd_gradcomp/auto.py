@@ -254,7 +254,7 @@ class Auto:
         if road != QSGD_AR and s.mode == "ours":
             # The residual of this rank's reduced chunk belongs to the average at that chunk:
             # sent from this rank alone it is averaged again, hence the factor P.
-            chunk = self.qsgd.residuals.pop(f"{name}#reduced{s.rank}")
+            chunk = self.qsgd.relay_residuals.pop(f"{name}#reduced{s.rank}")
             scale = float(s.ranks) if s.op == _hvd().Average else 1.0
             start = chunk_bounds(grad.numel(), s.ranks)[s.rank]
             extra.append((chunk, start, scale))

@@ -337,6 +337,12 @@ class GradientCompressor:
     def _relay_policy(self) -> Feedback:
         return self._relay if self.error_feedback else self.feedback
 
+    @property
+    def relay_residuals(self) -> fb.ResidualStore:
+        """Residuals of the reduced chunks QSGD's compressed allreduce re-quantises, keyed
+        ``"<name>#reduced<rank>"`` (kept apart from :attr:`residuals`, whose policy may differ)."""
+        return self._relay_policy().residuals
+
     def _clipped(self, grad: torch.Tensor) -> torch.Tensor:
         """Local gradient clipping (DGC): each rank scales a tensor's gradient to norm <= clip."""
         if self.clip is None:

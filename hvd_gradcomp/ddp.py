@@ -425,7 +425,7 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
             reduced = []
             for j, s in enumerate(plan.compressed):
                 mine = reduce_payloads(comp, [from_rank[r][j] for r in range(world)], True, world, buffer.dtype)
-                reduced.append(comp.compress_named(f"{s.name}#reduced{rank}", mine))
+                reduced.append(comp.compress_named(f"{s.name}#reduced{rank}", mine, relay=True))
         padded = torch.zeros(cap, dtype=torch.uint8, device=buffer.device)
         padded[:per_dest[rank]] = torch.cat(reduced)
         gathered = torch.empty(world * cap, dtype=torch.uint8, device=buffer.device)

@@ -63,6 +63,8 @@ HOROVOD_INTERNALS: Tuple[Tuple[str, str], ...] = (
      "frame local `p` whose p.grad is sparse while compress() gets its dense copy"),
     ("horovod/torch/functions.py: broadcast_optimizer_state calls optimizer.step()",
      "on ranks whose optimizer has no state yet, to create it; in_state_broadcast() keeps it local"),
+    ("_DistributedOptimizer._compression",
+     "the compressor of a stock optimizer, whose residuals GradientAccumulator checkpoints"),
 )
 """Each Horovod internal this module relies on, and why (checked against :data:`HOROVOD_CHECKED`)."""
 
@@ -175,6 +177,12 @@ def warn_unread_settings(compression: Any, accumulate: Optional[int] = None, wha
     message = settings.unread_settings_message(built, what=what) if hvd.rank() == 0 else None
     if message:
         warnings.warn(message, UnreadSettingsWarning, stacklevel=3)
+
+
+def compressor_of(optimizer: Any) -> Any:
+    """The compression object of a DistributedOptimizer: ours (``.compression``) or Horovod's
+    (``._compression``, see :data:`HOROVOD_INTERNALS`); None when it has none."""
+    return getattr(optimizer, "compression", None) or getattr(optimizer, "_compression", None)
 
 
 # ---------------------------------------------------------------- names

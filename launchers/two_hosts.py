@@ -45,6 +45,15 @@ def up_command(rate: str) -> List[str]:
     return ["bash", str(SCRIPT), "up", "--rate", rate, "--no-slurm"]
 
 
+def down_command() -> List[str]:
+    """The shell line that takes the hosts down (idempotent).
+
+    >>> down_command()[-1]
+    'down'
+    """
+    return ["bash", str(SCRIPT), "down"]
+
+
 @contextmanager
 def two_hosts(rate: str, say: Any) -> Iterator[bool]:
     """The two hosts up with a ``rate`` link for the block (always taken down after); False if they cannot be."""
@@ -54,5 +63,5 @@ def two_hosts(rate: str, say: Any) -> Iterator[bool]:
             say(f"cannot bring up the two hosts at {rate} ({up.stdout.strip().splitlines()[-1:]})")
         yield up.returncode == 0
     finally:
-        subprocess.run(["bash", str(SCRIPT), "down"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        subprocess.run(down_command(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                        timeout=120)

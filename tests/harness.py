@@ -11,9 +11,6 @@ timeout fails the test with every rank's output.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,41 +18,31 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
+from launchers.jobs import BIN, CAPTURE, JobResult, local_horovodrun, run_job
+from launchers.jobs import rank_env as _rank_env
+
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 HOROVODRUN = str(BIN / "horovodrun")
 BACKENDS = ("gloo", "mpi")
 
 
 def rank_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """Environment for rank processes: importable repo, Open MPI allowed to run as root."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("HVDGC_COMPILE", "0")  # eager kernels: tests use small tensors
-    env.update(extra or {})
-    return env
+    """Environment for rank processes (see :func:`launchers.jobs.rank_env`), eager kernels by default."""
+    return _rank_env(ROOT, {"HVDGC_COMPILE": "0", **(extra or {})})  # tests use small tensors
 
 
-def launch(argv: List[str], timeout: float, env: Dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def launch(argv: List[str], timeout: float, env: Dict[str, str], cwd: Path = ROOT) -> JobResult:
     """Run argv in a new process group; on timeout kill the whole group and fail with its output."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout:.0f}s: {' '.join(argv)}\n--- output of all ranks ---\n{out}")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
+    res = run_job(argv, env, timeout, cwd=cwd, output=CAPTURE)
+    if res.timed_out:
+        pytest.fail(f"timed out after {timeout:.0f}s: {' '.join(argv)}\n--- output of all ranks ---\n{res.output}")
+    return res
 
 
 def horovodrun_argv(np: int, backend: str, program: List[str]) -> List[str]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", f"--{backend}", *program]
+    return local_horovodrun(program, np, backend)
 
 
 def run_ranks(target: str, np: int = 2, backend: str = "gloo", timeout: float = 180,
@@ -71,15 +58,28 @@ def run_ranks(target: str, np: int = 2, backend: str = "gloo", timeout: float = 
         res = launch(horovodrun_argv(np, backend, program), timeout, rank_env(env))
         if expect_fail:
             if res.returncode == 0:
-                pytest.fail(f"expected the job to fail, but it exited 0\n{res.stdout}")
-            return [{"returncode": res.returncode, "output": res.stdout}]
+                pytest.fail(f"expected the job to fail, but it exited 0\n{res.output}")
+            return [{"returncode": res.returncode, "output": res.output}]
         if res.returncode != 0:
             pytest.fail(f"{target} on {np} ranks ({backend}) exited {res.returncode}\n"
-                        f"--- output of all ranks ---\n{res.stdout}")
+                        f"--- output of all ranks ---\n{res.output}")
         results = []
         for r in range(np):
             path = Path(outdir) / f"rank{r}.json"
             if not path.exists():
-                pytest.fail(f"rank {r} wrote no result\n--- output of all ranks ---\n{res.stdout}")
+                pytest.fail(f"rank {r} wrote no result\n--- output of all ranks ---\n{res.output}")
             results.append(json.loads(path.read_text()))
         return results
+
+
+def run_single(target: str, timeout: float = 120, env: Optional[Dict[str, str]] = None,
+               **kwargs: Any) -> Dict[str, Any]:
+    """Run ``target`` in one plain process after ``hvd.init()`` (size 1, no launcher, no ranks
+    to start): Horovod's real optimizer code without the cost of horovodrun."""
+    with tempfile.TemporaryDirectory(prefix="hvdgc-single-") as outdir:
+        program = [sys.executable, str(ROOT / "tests" / "rank_main.py"), target, outdir, json.dumps(kwargs)]
+        res = launch(program, timeout, rank_env(env))
+        path = Path(outdir) / "rank0.json"
+        if res.returncode != 0 or not path.exists():
+            pytest.fail(f"{target} in one process exited {res.returncode}\n--- output ---\n{res.output}")
+        return json.loads(path.read_text())

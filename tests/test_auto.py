@@ -100,12 +100,12 @@ def test_residuals_follow_the_tensor_to_its_new_road(op, scale):
     auto = _configured(op)
     g = torch.arange(6, dtype=torch.float32).view(2, 3)
     auto.sparse.residuals.commit("w", torch.full((6,), 0.5))
-    auto.qsgd.residuals.commit("w#reduced1", torch.tensor([1.0, 2.0, 3.0]))   # rank 1's chunk: [3, 6)
+    auto.qsgd.relay_residuals.commit("w#reduced1", torch.tensor([1.0, 2.0, 3.0]))   # rank 1's chunk: [3, 6)
     out = auto.flush_residuals("w", g, "dense")
     expect = g.reshape(-1) + 0.5
     expect[3:] += scale * torch.tensor([1.0, 2.0, 3.0])   # a residual of the average: x P under Average
     assert torch.equal(out.reshape(-1), expect) and out.shape == g.shape
-    assert auto.sparse.residuals.residual("w") is None and auto.qsgd.residuals.residual("w#reduced1") is None
+    assert auto.sparse.residuals.residual("w") is None and auto.qsgd.relay_residuals.residual("w#reduced1") is None
     assert torch.equal(g, torch.arange(6, dtype=torch.float32).view(2, 3))   # the gradient is not modified
     # a road keeps its own residual: nothing to flush, the same tensor comes back
     auto.sparse.residuals.commit("w", torch.full((6,), 0.5))

@@ -1,6 +1,6 @@
-"""hvdgc-bench's pure pieces: command builders, option handling, tables and the report.
+"""The benchmark's (benchmarks/) pure pieces: command builders, option handling, tables and the report.
 
-A real ``hvdgc-bench --quick`` takes about 2-3 minutes (each 2-rank job starts Horovod), too
+A real ``python -m benchmarks --quick`` takes about 2-3 minutes (each 2-rank job starts Horovod), too
 long for a unit test; its pieces are tested here with exact expected values, and the
 examples it runs are tested for real in test_examples.py.
 """
@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launchers import bench
+from benchmarks import cli, markdown, netns, runner, tables
+from benchmarks import plan as bplan
+from launchers import bench as bench_entry
+from launchers import jobs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +32,8 @@ SPEED = {"1gbit": {"throttled": True, "failures": {}, "results": {
 
 
 def _conv(val_loss: float, key: str) -> dict:
-    return {"val_loss": val_loss, "final_train_loss": val_loss - 0.05, "val_accuracy": 0.36,
+    return {"params": 900_000, "micro_batch": 32, "lr": 0.05, "momentum": 0.9, "ranks": 2, "val_size": 4096,
+            "min_compress_numel": 1024, "val_loss": val_loss, "final_train_loss": val_loss - 0.05, "val_accuracy": 0.36,
             "bytes_per_step": 3.4e6 if key == "none" else 25e3, "ratio": 1.0 if key == "none" else 138.0,
             "wall_s": 30.0, "samples_per_s": 1000.0, "steps": 300,
             "curve": {"step": [1.0, 2.0], "loss": [4.8, 4.0], "wall_s": [0.1, 0.2]}}
@@ -40,72 +44,72 @@ CONV = {"rate": "1gbit", "throttled": True, "failures": {},
                     "topkqsgd-noef": _conv(2.90, "topkqsgd-noef")}}
 
 
-def _plan(tmp_path: Path, **kw) -> bench.Plan:
-    plan = bench.build_plan(False, None, None, None, None, None, 0, False, False, str(tmp_path), 300, "auto")
+def _plan(tmp_path: Path, **kw) -> bplan.Plan:
+    plan = bplan.build_plan(False, None, None, None, None, None, 0, False, False, str(tmp_path), 300, "auto")
     for k, v in kw.items():
         setattr(plan, k, v)
     return plan
 
 
 def test_netns_commands_are_exact() -> None:
-    assert bench.netns_setup_commands("hvdgc-x", "10gbit") == [
+    assert netns.netns_setup_commands("hvdgc-x", "10gbit") == [
         ["ip", "netns", "add", "hvdgc-x"],
         ["ip", "netns", "exec", "hvdgc-x", "ip", "link", "set", "lo", "up"],
         ["ip", "netns", "exec", "hvdgc-x", "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
          "rate", "10gbit", "burst", "256kb", "latency", "50ms"],
     ]
-    assert bench.netns_teardown_command("hvdgc-x") == ["ip", "netns", "del", "hvdgc-x"]
-    assert bench.in_netns(None, ["a", "b"]) == ["a", "b"]
-    assert bench.in_netns("n", ["a"]) == ["ip", "netns", "exec", "n", "a"]
+    assert netns.netns_teardown_command("hvdgc-x") == ["ip", "netns", "del", "hvdgc-x"]
+    assert netns.in_netns(None, ["a", "b"]) == ["a", "b"]
+    assert netns.in_netns("n", ["a"]) == ["ip", "netns", "exec", "n", "a"]
 
 
 def test_horovodrun_and_programs(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
-    argv = bench.horovodrun(["python", "x.py"], bin_dir=Path("/v/bin"))
+    argv = bplan.horovodrun(["python", "x.py"], bin_dir=Path("/v/bin"))
     assert argv == ["/v/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "python", "x.py"]
-    topkqsgd = next(s for s in bench.SPEED_SETTINGS if s.key == "topkqsgd")
-    prog = bench.speed_program(plan, topkqsgd, tmp_path / "o.json")
+    topkqsgd = next(s for s in bplan.SPEED_SETTINGS if s.key == "topkqsgd")
+    prog = bplan.speed_program(plan, topkqsgd, tmp_path / "o.json")
     assert prog[1].endswith("examples/synthetic_benchmark.py")
     assert prog[2:] == ["--params", "2.5e+07", "--batch-size", "4", "--warmup", "3", "--iters", "10", "--seed", "0",
                         "--label", "TopKQSGD(1%, 8)", "--json", str(tmp_path / "o.json"),
                         "--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8"]
-    noef = next(s for s in bench.CONVERGENCE_SETTINGS if s.key == "topkqsgd-noef")
-    tprog = bench.train_program(plan, noef, tmp_path)
+    noef = next(s for s in bplan.CONVERGENCE_SETTINGS if s.key == "topkqsgd-noef")
+    tprog = bplan.train_program(plan, noef, tmp_path)
     assert tprog[2:10] == ["--steps", "400", "--seed", "0", "--out-dir", str(tmp_path), "--run-name", "topkqsgd-noef"]
     assert tprog[-1] == "--no-error-feedback"
 
 
 def test_rank_env_drops_stray_settings() -> None:
-    env = bench.rank_env("0", {"HVDGC_COMPRESSION": "topk", "PATH": "/bin"})
+    env = jobs.rank_env(bplan.ROOT, {"HVDGC_COMPILE": "0"}, base={"HVDGC_COMPRESSION": "topk", "PATH": "/bin"})
     assert "HVDGC_COMPRESSION" not in env
     assert env["HVDGC_COMPILE"] == "0" and env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
     assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
 
 
 def test_plan_defaults_full_and_quick(tmp_path: Path) -> None:
-    full = bench.build_plan(False, None, None, None, None, None, 0, False, False, None, 300, "auto")
+    full = bplan.build_plan(False, None, None, None, None, None, 0, False, False, None, 300, "auto")
     assert full.rates == ["100mbit", "1gbit", "10gbit"] and len(full.speed) == 7 and len(full.convergence) == 7
-    assert full.params == 25e6 and full.docs_dir == bench.ROOT / "docs"
-    quick = bench.build_plan(True, "500mbit", None, 2, None, None, 0, False, True, None, 300, "auto")
+    assert full.params == 25e6 and full.docs_dir == bplan.ROOT / "docs"
+    quick = bplan.build_plan(True, "500mbit", None, 2, None, None, 0, False, True, None, 300, "auto")
     assert quick.rates == ["500mbit"] and quick.iters == 2 and quick.convergence == []
-    assert quick.docs_dir == bench.ROOT / "runs" / "bench-quick"
+    assert quick.docs_dir == bplan.ROOT / "runs" / "bench-quick"
 
 
 @pytest.mark.parametrize("text", ["", "fast", "1gb", "1gbit,x"])
 def test_bad_rates_rejected(text: str) -> None:
-    with pytest.raises(bench.click.BadParameter):
-        bench.parse_rates(text)
+    with pytest.raises(bplan.click.BadParameter):
+        bplan.parse_rates(text)
 
 
 def test_cli_usage_errors_and_dry_run() -> None:
     runner = CliRunner()
-    res = runner.invoke(bench.main, ["--rates", "fast"])
+    res = runner.invoke(cli.main, ["--rates", "fast"])
     assert res.exit_code == 2 and "expected rates like" in res.output
-    res = runner.invoke(bench.main, ["--skip-speed", "--skip-convergence"])
+    res = runner.invoke(cli.main, ["--skip-speed", "--skip-convergence"])
     assert res.exit_code == 2 and "nothing to run" in res.output
-    res = runner.invoke(bench.main, ["--iters", "0"])
+    res = runner.invoke(cli.main, ["--iters", "0"])
     assert res.exit_code == 2 and "must be > 0" in res.output
-    res = runner.invoke(bench.main, ["--quick", "--dry-run"])
+    res = runner.invoke(cli.main, ["--quick", "--dry-run"])
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert lines[0] == "ip netns add NS" and lines[-1].endswith("--bits 8 --error-feedback")
@@ -114,30 +118,30 @@ def test_cli_usage_errors_and_dry_run() -> None:
 
 
 def test_speed_rows_and_table() -> None:
-    rows = bench.speed_rows(SPEED["1gbit"]["results"], bench.SPEED_SETTINGS)
+    rows = tables.speed_rows(SPEED["1gbit"]["results"], bplan.SPEED_SETTINGS)
     assert [r["key"] for r in rows] == ["horovod", "fp16", "topkqsgd"]
     top = rows[-1]
     assert top["speedup"] == pytest.approx(4.0) and top["speedup_fp16"] == pytest.approx(2.4)
     assert top["comm_share"] == pytest.approx(0.08)
-    table = bench.render_speed_table(rows).splitlines()
+    table = tables.render_speed_table(rows).splitlines()
     assert table[-1] == "| TopKQSGD(1%, 8) | 500.0 | 40.0 | 8.0% | 0.600 | 180.0x | 16.0 +- 0.5 | 4.00x | 2.40x |"
 
 
 def test_convergence_rows_and_targets() -> None:
-    rows = bench.convergence_rows(CONV["results"], bench.CONVERGENCE_SETTINGS)
+    rows = tables.convergence_rows(CONV["results"], bplan.CONVERGENCE_SETTINGS)
     assert [r["key"] for r in rows] == ["none", "topkqsgd", "topkqsgd-noef"]
     assert rows[1]["val_rel"] == pytest.approx(0.016)
-    table = bench.render_convergence_table(rows)
+    table = tables.render_convergence_table(rows)
     assert "| TopKQSGD(1%, 8) | on | 300 | 2.4900 | 2.5400 | +1.60% | 0.360 | 25.0 | 138.0x | 1000 | 30.0 |" in table
     assert "| TopKQSGD(1%, 8), no error feedback | off |" in table
-    targets = bench.target_lines(SPEED, rows)
+    targets = tables.target_lines(SPEED, rows)
     assert targets[0].endswith("4.00x (target >= 3x): **MET**")
     assert targets[1].endswith("2.40x (target >= 1.5x): **MET**")
     assert targets[2].endswith("8.0% (target < 5%): **MISSED**")
     assert targets[3].endswith("+1.60% (target within 2%): **MET**")
     slow = {"1gbit": {**SPEED["1gbit"], "results": {**SPEED["1gbit"]["results"],
                                                     "topkqsgd": _speed_result(1.0, 0.3, 0.6e6, 180.0)}}}
-    assert bench.target_lines(slow, [])[0].endswith("2.00x (target >= 3x): **MISSED**")
+    assert tables.target_lines(slow, [])[0].endswith("2.00x (target >= 3x): **MISSED**")
 
 
 def test_report_written_with_plots(tmp_path: Path) -> None:
@@ -145,9 +149,9 @@ def test_report_written_with_plots(tmp_path: Path) -> None:
     data = {"speed": SPEED, "convergence": CONV, "machine": {
         "cpu": "Test CPU", "cores": "2", "memory": "24.0 GiB", "os": "Debian", "python": "3.11", "torch": "2.x",
         "horovod": "0.28.1", "gpu": "none"}}
-    bench.write_report(plan, data, "hvdgc-bench --test", 60.0)
+    markdown.write_report(plan, data, "python -m benchmarks --test", 60.0)
     md = (tmp_path / "BENCHMARKS.md").read_text()
-    assert md.startswith("# Benchmarks\n") and "Generated by `hvdgc-bench --test`" in md
+    assert md.startswith("# Benchmarks\n") and "Generated by `python -m benchmarks --test`" in md
     assert "CPU: Test CPU, 2 cores" in md and "tbf rate RATE burst 256kb latency 50ms" in md
     assert "![step time per setting](img/step_time.png)" in md
     for name in ("step_time", "loss_vs_step", "loss_vs_time"):
@@ -158,8 +162,27 @@ def test_report_written_with_plots(tmp_path: Path) -> None:
 def test_report_says_unthrottled(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     speed = {"1gbit": {**SPEED["1gbit"], "throttled": False}}
-    md = bench.render_markdown(plan, bench.machine_description(), speed, None, "hvdgc-bench", 1.0, {})
+    md = markdown.render_markdown(plan, runner.machine_description(), speed, None, "hvdgc-bench", 1.0, {})
     assert "**Unthrottled**" in md and "### 1gbit requested, ran unthrottled" in md
+
+
+def test_no_figure_on_the_page_is_typed_by_hand(tmp_path: Path) -> None:
+    """The prose around the tables carries no figure of an earlier run: only this run's data."""
+    plan = _plan(tmp_path)
+    md = markdown.render_markdown(plan, runner.machine_description(), SPEED, CONV, "python -m benchmarks", 1.0, {})
+    for stale in ("2.4927", "2.5611", "2.5217", "2.4644", "2.5245", "+2.74%", "+-1.2%"):
+        assert stale not in md
+    conditions = md.split("## Conditions")[1].split("## ")[0]
+    assert "micro-batch 32" in conditions and "SGD lr 0.05 momentum 0.9" in conditions   # from the runs' JSON
+
+
+def test_installed_bench_command_says_to_use_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert bench_entry.find_checkout(tmp_path) is None
+    with pytest.raises(SystemExit) as exc:
+        bench_entry.main(["--quick"])
+    assert "make bench" in str(exc.value) and "checkout" in str(exc.value)
+    assert bench_entry.find_checkout(bplan.ROOT / "docs") == bplan.ROOT
 
 
 def test_stacked_step_time_parts_and_auto_targets() -> None:
@@ -167,11 +190,48 @@ def test_stacked_step_time_parts_and_auto_targets() -> None:
                "topkqsgd": {**_speed_result(0.6, 0.2, 0.6e6, 171.0), "codec_s": 0.15, "exposed_comm_s": 0.1},
                "auto": {**_speed_result(0.62, 0.2, 0.6e6, 171.0), "codec_s": 0.15, "exposed_comm_s": 0.1,
                         "auto": {"summary": "step 9: sparse x6"}}}
-    rows = {r["key"]: r for r in bench.speed_rows(results, bench.SPEED_SETTINGS)}
+    rows = {r["key"]: r for r in tables.speed_rows(results, bplan.SPEED_SETTINGS)}
     t = rows["topkqsgd"]
     assert (t["compute_s"], t["codec_s"], t["exposed_s"]) == pytest.approx((0.35, 0.15, 0.1))
     assert rows["horovod"]["exposed_s"] == 0.5 and rows["horovod"]["codec_s"] == 0.0
     assert rows["auto"]["auto"] == "step 9: sparse x6"
-    lines = bench.auto_target_lines({"1gbit": {"results": results}, "10gbit": {"results": results}})
+    lines = tables.auto_target_lines({"1gbit": {"results": results}, "10gbit": {"results": results}})
     assert lines == ["- Auto step time vs best fixed setting (TopKQSGD(1%, 8)) at 1gbit: 0.97x (target >= 0.95x): **MET**",
                      "- Auto step time vs uncompressed Horovod at 10gbit: 1.61x (target >= 0.95x): **MET**"]
+
+
+def test_two_hosts_plan_and_report_name_the_mode(tmp_path: Path) -> None:
+    """No namespaces needed: the planned commands and the report's titles (``--two-hosts``)."""
+    plan = bplan.build_plan(True, "1gbit", None, None, None, None, 0, False, True, str(tmp_path), 300, "0",
+                            two_hosts=True)
+    lines = bplan.planned_commands(plan)
+    assert lines[0] == f"bash {bplan.ROOT}/scripts/two_hosts.sh up --rate 1gbit --no-slurm"
+    assert lines[-1] == f"bash {bplan.ROOT}/scripts/two_hosts.sh down"
+    assert len(lines) == 2 + len(plan.speed)
+    assert all(" exec hvdgc-a " in ln and " -H hvdgc-a:1,hvdgc-b:1 --gloo --network-interface hvdgc0 " in ln
+               for ln in lines[1:-1]), lines
+    block = {"throttled": True, "results": {}, "failures": {}}
+    md = markdown.render_markdown(plan, {"date": "d", "cpu": "c", "cores": "2", "memory": "m", "os": "o",
+                                         "python": "p", "torch": "t", "horovod": "h", "gpu": "none"},
+                                  {"1gbit": {**block, "mode": "two-hosts"}, "10gbit": {**block, "mode": "loopback"}},
+                                  None, "python -m benchmarks --two-hosts", 1.0, {})
+    assert "### 1gbit, two hosts: one rank in each of two network namespaces" in md
+    assert "### 10gbit, one namespace: both ranks on one rate-limited loopback" in md
+    assert "Tables titled *two hosts* ran as `bash scripts/two_hosts.sh exec hvdgc-a horovodrun" in md
+
+
+def test_cli_two_hosts_dry_run() -> None:
+    res = CliRunner().invoke(cli.main, ["--quick", "--two-hosts", "--skip-convergence", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].endswith("scripts/two_hosts.sh up --rate 1gbit --no-slurm")
+    assert sum("synthetic_benchmark.py" in ln and "hvdgc-a:1,hvdgc-b:1" in ln for ln in lines) == 4
+
+
+def test_convergence_rows_show_the_feedback_policy_the_run_used() -> None:
+    """A run that reports ``feedback`` (feedback="auto" turns error feedback off for low-bit QSGD)
+    is shown with what it used, not with what its setting asked for."""
+    results = {"none": _conv(2.5, "none"), "qsgd4": {**_conv(2.6, "qsgd4"), "feedback": "none"},
+               "qsgd8": {**_conv(2.55, "qsgd8"), "feedback": "residual"}}
+    rows = {r["key"]: r for r in tables.convergence_rows(results, bplan.CONVERGENCE_SETTINGS)}
+    assert (rows["none"]["ef"], rows["qsgd4"]["ef"], rows["qsgd8"]["ef"]) == (None, False, True)

@@ -102,7 +102,11 @@ def test_invalid_arguments_raise_value_error(cls, kwargs, arg, range_parts):
                                          (TopK, {"ratio": 1}), (TopK, {"ratio": 1e-6}),
                                          (TopKQSGD, {"ratio": 1.0, "bits": 2})])
 def test_boundary_arguments_are_accepted(cls, kwargs):
-    cls(**kwargs)
+    c = cls(**kwargs)
+    assert {k: getattr(c, k) for k in kwargs} == kwargs
+    x = torch.randn(600, generator=gen(0))
+    y = c.decode(c.encode(x))                      # the boundary value also works, not only constructs
+    assert y.shape == x.shape and torch.isfinite(y).all() and (y != 0).any()
 
 
 def test_reprs_match_docstrings():

@@ -5,7 +5,6 @@ Starting ranks costs seconds, so related scenarios run as one job per backend (a
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, List
 
 import pytest
@@ -131,6 +130,8 @@ def test_bytes_handed_to_horovod_match_ratio(backend, case):
         if case == "none":
             assert ratio == 1.0
         assert r["last_step_bytes"] == r["sent_big"] + r["small_bytes"], r
+        if r["compressor_ratio"] is not None:   # the compressor's own count of its payloads agrees
+            assert r["compressor_ratio"] >= min_ratio, r
 
 
 @pytest.mark.parametrize("kind", ["topkqsgd", "qsgd", "topk", "none"])
@@ -144,9 +145,8 @@ def test_checkpoint_resume_is_identical(backend, kind, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["raise", "kill"])
 def test_failing_rank_ends_job(backend, mode):
-    """(e) a rank that raises or is killed makes the job exit non-zero, in bounded time."""
-    t0 = time.monotonic()
-    [res] = run_ranks("integration:failing_rank", backend=backend, mode=mode, expect_fail=True, timeout=120)
+    """(e) a rank that raises or is killed makes the job exit non-zero by itself: the harness fails
+    the test (with every rank's output) if the job has to be killed at the timeout instead."""
+    [res] = run_ranks("integration:failing_rank", backend=backend, mode=mode, expect_fail=True, timeout=240)
     assert res["returncode"] != 0
     assert "rank 1 going down" in res["output"]
-    assert time.monotonic() - t0 < 120

@@ -225,21 +225,4 @@ def test_two_hosts_link_down_ends_the_job_naming_b(two_hosts, flags):
         pytest.fail(f"rank 1 on {B} still ran 90 s after the link came back\n{job.output}")
 
 
-# ---------------------------------------------------------------- hvdgc-bench --two-hosts
-def test_bench_two_hosts_plan_and_report_name_the_mode(tmp_path):
-    """No namespaces needed: the planned commands and the report's titles."""
-    from launchers import bench
-    plan = bench.build_plan(True, "1gbit", None, None, None, None, 0, False, True, str(tmp_path), 300, "0",
-                            two_hosts=True)
-    lines = bench.planned_commands(plan)
-    assert lines[0] == f"bash {ROOT}/scripts/two_hosts.sh up --rate 1gbit --no-slurm"
-    assert all(" exec hvdgc-a " in ln and " -H hvdgc-a:1,hvdgc-b:1 --gloo --network-interface hvdgc0 " in ln
-               for ln in lines[1:-1]), lines
-    block = {"throttled": True, "results": {}, "failures": {}}
-    md = bench.render_markdown(plan, {"date": "d", "cpu": "c", "cores": "2", "memory": "m", "os": "o", "python": "p",
-                                      "torch": "t", "horovod": "h", "gpu": "none"},
-                               {"1gbit": {**block, "mode": "two-hosts"}, "10gbit": {**block, "mode": "loopback"}},
-                               None, "hvdgc-bench --two-hosts", 1.0, {})
-    assert "### 1gbit, two hosts: one rank in each of two network namespaces" in md
-    assert "### 10gbit, one namespace: both ranks on one rate-limited loopback" in md
-    assert "Tables titled *two hosts* ran as `bash scripts/two_hosts.sh exec hvdgc-a horovodrun" in md
+# The benchmark's --two-hosts plan and report (no namespaces needed): tests/test_bench.py.

@@ -23,7 +23,7 @@ def _residual_of_mean(auto: gc.Auto, name: str, numel: int) -> torch.Tensor:
             local += r.double().reshape(-1)
     owed = hvd.allreduce(local, op=hvd.Average, name=f"owed.{name}")
     chunk = torch.zeros(numel, dtype=torch.float64)
-    r = auto.qsgd.residuals.residual(f"{name}#reduced{hvd.rank()}")
+    r = auto.qsgd.relay_residuals.residual(f"{name}#reduced{hvd.rank()}")
     if r is not None:
         start = chunk_bounds(numel, hvd.size())[hvd.rank()]
         chunk[start:start + r.numel()] = r.double()

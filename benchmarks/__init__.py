@@ -1,0 +1,16 @@
+"""The benchmark behind docs/BENCHMARKS.md, run from a checkout with ``make bench``.
+
+It runs the examples of this repository (examples/), so it is not part of the installed
+package. One module per concern, in the order a run goes:
+
+- :mod:`benchmarks.plan`: the settings compared, targets, the plan and each job's command line;
+- :mod:`benchmarks.netns`: rate-limited network namespaces (``ip netns`` + ``tc tbf``);
+- :mod:`benchmarks.runner`: runs the jobs (:mod:`launchers.jobs`) and collects their JSON;
+- :mod:`benchmarks.tables`: tables and targets from the raw figures;
+- :mod:`benchmarks.plots`: the PNG plots;
+- :mod:`benchmarks.markdown`: the page, from the run's data only;
+- :mod:`benchmarks.cli`: the command line (``python -m benchmarks --help``).
+
+The ``bench_*.py`` scripts beside them are micro-benchmarks of single pieces;
+:mod:`benchmarks.study` is the convergence study behind docs/STUDY.md (``make study``).
+"""

@@ -1,0 +1,173 @@
+"""What one benchmark run does: the settings compared, the plan built from the options, and the
+command line of each example it runs. Pure: nothing here runs anything.
+
+Targets are named constants next to the figure each one checks (see :mod:`benchmarks.tables`).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import click
+
+from launchers.jobs import local_horovodrun
+from launchers.two_hosts import down_command, horovodrun_across, up_command
+
+from .netns import in_netns, netns_setup_commands, netns_teardown_command
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+RATE_RE = re.compile(r"^\d+(\.\d+)?(kbit|mbit|gbit)$")
+RANKS = 2
+DEFAULT_RATES = "100mbit,1gbit,10gbit"
+
+# Targets: each is checked against the figure named beside it, on the first rate measured.
+TARGET_SPEEDUP_VS_HOROVOD = 3.0     # TopKQSGD(1%, 8) step time vs uncompressed Horovod: at least this many x
+TARGET_SPEEDUP_VS_FP16 = 1.5        # TopKQSGD(1%, 8) step time vs Horovod fp16: at least this many x
+TARGET_COMM_SHARE = 0.05            # TopKQSGD(1%, 8) time in synchronize() / step time: below this
+TARGET_AUTO = 0.95                  # Auto step time vs the best fixed setting (1gbit) and vs uncompressed
+                                    # Horovod (10gbit): at least this many x (within 5%)
+TARGET_LOSS_GAP = 0.02              # TopKQSGD(1%, 8) + error feedback held-out loss vs uncompressed: within this
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration under test: a key, a label for tables, and the example's flags."""
+
+    key: str
+    label: str
+    flags: Tuple[str, ...]
+    error_feedback: Optional[bool] = None
+
+
+SPEED_SETTINGS = (
+    Setting("horovod", "Horovod, uncompressed", ("--optimizer", "stock", "--compression", "none")),
+    Setting("fp16", "Horovod fp16", ("--optimizer", "stock", "--compression", "fp16")),
+    Setting("qsgd8", "QSGD 8-bit", ("--compression", "qsgd", "--bits", "8"), True),
+    Setting("qsgd4", "QSGD 4-bit", ("--compression", "qsgd", "--bits", "4"), True),
+    Setting("topk", "TopK 1%", ("--compression", "topk", "--ratio", "0.01"), True),
+    Setting("topkqsgd", "TopKQSGD(1%, 8)", ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8"), True),
+    # Auto explores 2 steps per road (8 steps) during warm-up, then keeps its decisions.
+    Setting("auto", "Auto", ("--compression", "auto", "--ratio", "0.01", "--bits", "8", "--warmup", "9"), True),
+)
+# DGC momentum correction (see train.py --help) for the TopK rows: each rank applies SGD's momentum
+# to its own gradient before TopK, error feedback accumulates that velocity, and the wrapped SGD
+# runs without momentum. Same lr and momentum as every row; uncompressed it is exactly momentum SGD.
+MOMENTUM_CORRECTION = ("--momentum-correction", "--no-momentum-masking")
+CONVERGENCE_SETTINGS = (
+    Setting("none", "uncompressed", ("--compression", "none")),
+    Setting("fp16", "fp16", ("--compression", "fp16")),
+    Setting("qsgd8", "QSGD 8-bit", ("--compression", "qsgd", "--bits", "8", "--error-feedback"), True),
+    Setting("qsgd4", "QSGD 4-bit", ("--compression", "qsgd", "--bits", "4", "--error-feedback"), True),
+    Setting("topk", "TopK 1%", (*MOMENTUM_CORRECTION, "--compression", "topk", "--ratio", "0.01",
+                                "--error-feedback"), True),
+    Setting("topkqsgd", "TopKQSGD(1%, 8)",
+            (*MOMENTUM_CORRECTION, "--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8",
+             "--error-feedback"), True),
+    Setting("topkqsgd-noef", "TopKQSGD(1%, 8), no error feedback",
+            ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8", "--no-error-feedback"), False),
+)
+QUICK_SPEED = ("horovod", "fp16", "topkqsgd", "auto")
+QUICK_CONVERGENCE = ("none", "topkqsgd")
+
+
+@dataclass
+class Plan:
+    """Everything one benchmark run (``python -m benchmarks``) will do (built from the options, before running)."""
+
+    rates: List[str]
+    speed: List[Setting]
+    convergence: List[Setting]
+    params: float
+    warmup: int
+    iters: int
+    batch_size: int
+    steps: int
+    seed: int
+    docs_dir: Path
+    runs_dir: Path
+    job_timeout: float
+    compile_mode: str
+    extra: Dict[str, Any] = field(default_factory=dict)
+    two_hosts: bool = False  # speed rows: one rank per host of scripts/two_hosts.sh, across its veth link
+
+
+
+def horovodrun(program: Sequence[str], np: int = RANKS, bin_dir: Optional[Path] = None) -> List[str]:
+    """``horovodrun -np 2 -H localhost:2 --gloo <program>`` with the venv's horovodrun."""
+    return local_horovodrun(program, np, "gloo", **({"bin_dir": bin_dir} if bin_dir else {}))
+
+
+def speed_program(plan: Plan, setting: Setting, out_json: Path) -> List[str]:
+    """The synthetic benchmark's command line for one setting."""
+    return [sys.executable, str(EXAMPLES / "synthetic_benchmark.py"), "--params", f"{plan.params:g}",
+            "--batch-size", str(plan.batch_size), "--warmup", str(plan.warmup), "--iters", str(plan.iters),
+            "--seed", str(plan.seed), "--label", setting.label, "--json", str(out_json), *setting.flags]
+
+
+def train_program(plan: Plan, setting: Setting, out_dir: Path) -> List[str]:
+    """train.py's command line for one convergence setting (same steps and seed for all)."""
+    return [sys.executable, str(EXAMPLES / "train.py"), "--steps", str(plan.steps), "--seed", str(plan.seed),
+            "--out-dir", str(out_dir), "--run-name", setting.key, "--no-progress", *setting.flags]
+
+
+def parse_rates(text: str) -> List[str]:
+    """``"1gbit,10gbit"`` -> ``["1gbit", "10gbit"]``; tc's units kbit/mbit/gbit.
+
+    >>> parse_rates("1gbit, 10gbit")
+    ['1gbit', '10gbit']
+    """
+    rates = [r.strip().lower() for r in text.split(",") if r.strip()]
+    bad = [r for r in rates if not RATE_RE.match(r)]
+    if not rates or bad:
+        raise click.BadParameter(f"expected rates like 1gbit,10gbit,500mbit; got {text!r}")
+    return rates
+
+SPEED_LABELS = {s.key: s.label for s in SPEED_SETTINGS}
+CONVERGENCE_LABELS = {s.key: s.label for s in CONVERGENCE_SETTINGS}
+
+
+# ---------------------------------------------------------------- the command
+def build_plan(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int],
+               warmup: Optional[int], steps: Optional[int], seed: int, skip_speed: bool,
+               skip_convergence: bool, docs_dir: Optional[str], job_timeout: float, compile_mode: str,
+               two_hosts: bool = False) -> Plan:
+    """Options -> :class:`Plan` (``--quick`` picks small defaults, explicit options win).
+
+    >>> p = build_plan(True, None, None, None, None, None, 0, False, False, None, 300, "auto")
+    >>> p.rates, [s.key for s in p.speed], p.steps
+    (['1gbit'], ['horovod', 'fp16', 'topkqsgd', 'auto'], 40)
+    """
+    speed = [] if skip_speed else [s for s in SPEED_SETTINGS if not quick or s.key in QUICK_SPEED]
+    conv = [] if skip_convergence else [s for s in CONVERGENCE_SETTINGS if not quick or s.key in QUICK_CONVERGENCE]
+    docs = Path(docs_dir) if docs_dir else (ROOT / "runs" / "bench-quick" if quick else ROOT / "docs")
+    return Plan(rates=parse_rates(rates or ("1gbit" if quick else DEFAULT_RATES)), speed=speed, convergence=conv,
+                params=params or (5e6 if quick else 25e6), warmup=warmup if warmup is not None else (1 if quick else 3),
+                iters=iters or (3 if quick else 10), batch_size=4, steps=steps or (40 if quick else 400), seed=seed,
+                docs_dir=docs, runs_dir=ROOT / "runs" / ("bench-quick" if quick else "bench"),
+                job_timeout=job_timeout, compile_mode=compile_mode, two_hosts=two_hosts)
+
+
+def planned_commands(plan: Plan) -> List[str]:
+    """Every command the plan runs, as shell-quoted lines (``--dry-run``)."""
+    lines = []
+    for rate in plan.rates:
+        if plan.two_hosts:
+            lines.append(shlex.join(up_command(rate)))
+        else:
+            lines += [shlex.join(c) for c in netns_setup_commands("NS", rate)]
+        for s in plan.speed:
+            path = plan.runs_dir / "speed" / f"{rate}-{s.key}.json"
+            program = speed_program(plan, s, path)
+            cmd = horovodrun_across(program) if plan.two_hosts else in_netns("NS", horovodrun(program))
+            lines.append(shlex.join(cmd))
+        lines.append(shlex.join(down_command() if plan.two_hosts else netns_teardown_command("NS")))
+    for s in plan.convergence:
+        lines.append(shlex.join(in_netns("NS", horovodrun(train_program(plan, s, plan.runs_dir / "convergence")))))
+    return lines
+
+

@@ -1,0 +1,141 @@
+"""Running the plan: every speed setting at every rate, then every convergence setting,
+each a 2-rank job through :func:`launchers.jobs.run_job`; a failed job is recorded, not fatal.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+from launchers.jobs import rank_env, run_job, tail
+from launchers.two_hosts import horovodrun_across, two_hosts
+
+from .netns import in_netns, rate_limited_netns
+from .plan import ROOT, Plan, Setting, horovodrun, speed_program, train_program
+
+
+class JobFailed(RuntimeError):
+    """A rank job exited non-zero or ran past its timeout; carries the log's tail."""
+
+
+def run_logged(argv: List[str], plan: Plan, log_path: Path) -> float:
+    """One job, output to ``log_path``; returns its seconds, raises :class:`JobFailed`."""
+    res = run_job(argv, rank_env(ROOT, {"HVDGC_COMPILE": plan.compile_mode}), plan.job_timeout, cwd=ROOT,
+                  output=log_path)
+    if res.timed_out:
+        raise JobFailed(f"timed out after {plan.job_timeout:.0f}s (log: {log_path})\n{tail(res.output)}")
+    if not res.ok:
+        raise JobFailed(f"exited {res.returncode} (log: {log_path})\n{tail(res.output)}")
+    return res.seconds
+
+
+@contextmanager
+def speed_link(plan: Plan, rate: str, say: Any) -> Iterator[Tuple[Any, str]]:
+    """``(wrap, mode)`` for the speed jobs at ``rate``: ``wrap(program)`` is the command to run,
+    ``mode`` a key of :data:`benchmarks.netns.LINK_MODES` (the link the traffic crosses)."""
+    if plan.two_hosts:
+        with two_hosts(rate, say) as ok:
+            if ok:
+                yield horovodrun_across, "two-hosts"
+                return
+        say("falling back to one rate-limited namespace")
+    with rate_limited_netns(rate, say) as ns:
+        yield (lambda program: in_netns(ns, horovodrun(program))), ("loopback" if ns else "unthrottled")
+
+
+def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
+    """Every speed setting at every rate: {rate: {"throttled": bool, "mode": str, "results": {key: json}}}."""
+    out: Dict[str, Any] = {}
+    for rate in plan.rates:
+        with speed_link(plan, rate, say) as (wrap, mode):
+            results, failures = {}, {}
+            for setting in plan.speed:
+                bar.set_description(f"speed {rate} {setting.label}")
+                path = plan.runs_dir / "speed" / f"{rate}-{setting.key}.json"
+                argv = wrap(speed_program(plan, setting, path))
+                try:
+                    run_logged(argv, plan, path.with_suffix(".log"))
+                    results[setting.key] = json.loads(path.read_text())
+                    say(_speed_line(rate, setting, results[setting.key]))
+                except JobFailed as exc:
+                    failures[setting.key] = str(exc)
+                    say(f"{rate} {setting.label}: FAILED {exc}")
+                bar.update(1)
+            out[rate] = {"throttled": mode != "unthrottled", "mode": mode, "results": results, "failures": failures}
+    return out
+
+
+def _speed_line(rate: str, setting: Setting, r: Dict[str, Any]) -> str:
+    return (f"{rate:>7} {setting.label:<22} step {r['step_s'] * 1e3:8.1f} ms, comm {100 * r['comm_share']:5.1f}%, "
+            f"{r['bytes_per_step'] / 1e6:8.3f} MB/step")
+
+
+def run_convergence(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
+    """train.py for every convergence setting, inside the first rate's namespace."""
+    rate = plan.rates[0]
+    out_dir = plan.runs_dir / "convergence"
+    results, failures = {}, {}
+    with rate_limited_netns(rate, say) as ns:
+        for setting in plan.convergence:
+            bar.set_description(f"convergence {setting.label}")
+            argv = in_netns(ns, horovodrun(train_program(plan, setting, out_dir)))
+            try:
+                run_logged(argv, plan, out_dir / f"{setting.key}.log")
+                summary = json.loads((out_dir / f"{setting.key}.json").read_text())
+                summary["curve"] = _read_curve(out_dir / f"{setting.key}.csv")
+                results[setting.key] = summary
+                say(f"convergence {setting.label:<36} held-out loss {summary['val_loss']:.4f}, "
+                    f"accuracy {summary['val_accuracy']:.3f}")
+            except JobFailed as exc:
+                failures[setting.key] = str(exc)
+                say(f"convergence {setting.label}: FAILED {exc}")
+            bar.update(1)
+        throttled = ns is not None
+    return {"rate": rate, "throttled": throttled, "results": results, "failures": failures}
+
+
+def _read_curve(path: Path) -> Dict[str, List[float]]:
+    import csv
+
+    with open(path) as fh:
+        rows = list(csv.DictReader(fh))
+    return {k: [float(r[k]) for r in rows] for k in ("step", "loss", "wall_s")}
+
+
+def machine_description() -> Dict[str, str]:
+    """CPU, cores, memory, OS and library versions of this machine."""
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+        mem = next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
+        mem_gib = f"{int(mem) / 2**20:.1f} GiB"
+    except (OSError, StopIteration):
+        mem_gib = "unknown"
+    try:
+        from importlib.metadata import version
+        hvd_version = version("horovod")
+    except Exception:
+        hvd_version = "unknown"
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem_gib, "os": _os_name(),
+            "python": platform.python_version(), "torch": torch.__version__, "horovod": hvd_version,
+            "gpu": "none" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)}
+
+
+def _os_name() -> str:
+    try:
+        for ln in Path("/etc/os-release").read_text().splitlines():
+            if ln.startswith("PRETTY_NAME="):
+                return ln.split("=", 1)[1].strip('"')
+    except OSError:
+        pass
+    return platform.platform()
+
+

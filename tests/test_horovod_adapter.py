@@ -1,0 +1,302 @@
+"""The Horovod-facing layer without starting ranks: the adapter's errors, every argument and
+misuse error of DistributedOptimizer and GradientAccumulator, and the pure reduction helpers.
+
+Horovod's optimizer frames are reproduced by code compiled under the file name Horovod's
+optimizer has (the adapter recognises its caller by that name, see
+``hvd_gradcomp.horovod.HOROVOD_INTERNALS``); what needs ``hvd.init()`` runs Horovod's real
+optimizer in one plain process (:func:`tests.harness.run_single`).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Dict
+
+import pytest
+import torch
+
+hvd = pytest.importorskip("horovod.torch")
+
+import hvd_gradcomp as gc  # noqa: E402
+from hvd_gradcomp import horovod as adapter  # noqa: E402
+from hvd_gradcomp import settings  # noqa: E402
+from hvd_gradcomp.exchange import chunk_bounds, decode_payloads, reduce_payloads, sum_parts  # noqa: E402
+from tests.harness import run_single  # noqa: E402
+
+# What Horovod 0.28.1's optimizers do around compress(), under their file name.
+_FAKE_HOROVOD = '''
+class Optimizer:
+    def __init__(self, compression, **attrs):
+        self._compression = compression
+        self.__dict__.update(attrs)
+
+    def _allreduce_grad_async(self, p):
+        tensor = p.grad
+        if p.grad.is_sparse and getattr(self, "sparse_as_dense", False):
+            tensor = tensor.to_dense()
+        return self._compression.compress(tensor)
+
+    def _grouped_allreduce_grad_async(self, ps):
+        return [self._compression.compress(p.grad) for p in ps]
+
+    def compress_parameter(self, p):   # _DistributedAdasumOptimizer compresses the parameter itself
+        return self._compression.compress(p)
+'''
+_ns: Dict[str, Any] = {}
+exec(compile(_FAKE_HOROVOD, "/site-packages/horovod/torch/optimizer.py", "exec"), _ns)
+FakeOptimizer = _ns["Optimizer"]
+
+
+class Finder:
+    """Stands where a compressor stands; returns what the adapter found instead of exchanging."""
+
+    def __init__(self, names=None):
+        self.names = names
+
+    def compress(self, tensor):
+        return adapter.find_horovod_call(tensor, self.names)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    model(torch.randn(3, 8)).sum().backward()
+    return model
+
+
+def _horovod_names(model):
+    return {p: n for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- finding the call
+def test_name_op_and_process_set_come_from_horovods_call() -> None:
+    model = _model()
+    opt = FakeOptimizer(Finder(), _parameter_names=_horovod_names(model), op=hvd.Sum, process_set="ps")
+    call = opt._allreduce_grad_async(model.weight)
+    assert (call.name, call.op, call.process_set) == ("weight", hvd.Sum, "ps")
+    grouped = opt._grouped_allreduce_grad_async([model.weight, model.bias])
+    assert [c.name for c in grouped] == ["weight", "bias"]
+
+
+def test_bound_names_win_and_need_no_private_table() -> None:
+    model = _model()
+    names = adapter.name_map([("mine." + n, p) for n, p in model.named_parameters()])
+    opt = FakeOptimizer(Finder(names), op=hvd.Average, process_set="ps")   # no _parameter_names
+    assert opt._allreduce_grad_async(model.bias).name == "mine.bias"
+
+
+def test_outside_horovod_nothing_is_found() -> None:
+    assert adapter.find_horovod_call(torch.ones(3)) is None
+
+
+@pytest.mark.parametrize("attrs, expected", [
+    ({"_starting_models": {}}, "op=hvd.Adasum"),
+    ({"op": hvd.Adasum}, "op=hvd.Adasum"),
+    ({"op": hvd.Average, "process_set": "ps"}, "has no _parameter_names"),
+])
+def test_adapter_errors(attrs, expected) -> None:
+    model = _model()
+    opt = FakeOptimizer(gc.TopK(), **attrs)
+    with pytest.raises(adapter.HorovodIntegrationError, match=expected):
+        opt._allreduce_grad_async(model.weight)
+
+
+def test_adasum_optimizer_compressing_the_parameter_is_refused() -> None:
+    model = _model()
+    opt = FakeOptimizer(gc.TopK(), _parameter_names=_horovod_names(model), _starting_models={})
+    with pytest.raises(adapter.HorovodIntegrationError, match="Adasum"):
+        opt.compress_parameter(model.weight)
+
+
+def test_sparse_as_dense_gradient_is_found_by_its_parameter() -> None:
+    """sparse_as_dense=True hands compress() a dense copy of the sparse .grad (issue 11 item 19):
+    the frame's parameter names it; without sparse_as_dense a sparse gradient is refused."""
+    emb = torch.nn.Embedding(100, 8, sparse=True)
+    emb(torch.tensor([1, 5])).sum().backward()
+    opt = FakeOptimizer(Finder(), _parameter_names={emb.weight: "emb"}, op=hvd.Average, process_set="ps",
+                        sparse_as_dense=True)
+    call = opt._allreduce_grad_async(emb.weight)
+    assert (call.name, call.op, call.process_set) == ("emb", hvd.Average, "ps")
+    opt.sparse_as_dense = False
+    with pytest.raises(adapter.HorovodIntegrationError, match="sparse gradient"):
+        opt._allreduce_grad_async(emb.weight)
+
+
+def test_a_tensor_that_is_no_parameters_grad_is_refused() -> None:
+    model = _model()
+    opt = FakeOptimizer(gc.TopK(), _parameter_names=_horovod_names(model), op=hvd.Average, process_set="ps")
+    stranger = SimpleNamespace(grad=torch.randn(4, 8))
+    with pytest.raises(adapter.HorovodIntegrationError, match="not the .grad of any parameter.*named_parameters="):
+        opt._allreduce_grad_async(stranger)
+
+
+def test_unknown_horovod_without_op_is_refused() -> None:
+    model = _model()
+    opt = FakeOptimizer(gc.TopK(), _parameter_names=_horovod_names(model))
+    with pytest.raises(adapter.HorovodIntegrationError, match="no op/process_set.*0.28.1"):
+        opt._allreduce_grad_async(model.weight)
+
+
+def test_every_internal_is_listed_with_the_version_checked() -> None:
+    assert adapter.HOROVOD_CHECKED == "0.28.1"
+    listed = " ".join(name for name, _ in adapter.HOROVOD_INTERNALS)
+    for internal in ("horovod/torch/optimizer.py", "_parameter_names", "_starting_models", "process_set"):
+        assert internal in listed
+    assert all(why for _, why in adapter.HOROVOD_INTERNALS)
+
+
+# ---------------------------------------------------------------- compress/decompress outside Horovod
+def test_compressor_outside_horovod() -> None:
+    with pytest.raises(ValueError, match="needs name="):
+        gc.TopKQSGD().compress(torch.randn(100))
+    c = gc.QSGD(bits=8, error_feedback=False)
+    payload, ctx = c.compress(torch.full((100,), 0.5))
+    assert payload.dtype == torch.uint8
+    step = 5.0 / 127   # one QSGD level: bucket norm (sqrt(100) * 0.5) / s
+    torch.testing.assert_close(c.decompress(payload, ctx), torch.full((100,), 0.5), atol=step, rtol=0)
+    with pytest.raises(ValueError, match="context it did not make"):
+        c.decompress(payload, object())
+
+
+def test_bind_checks_names() -> None:
+    model = _model()
+    assert gc.TopK().bind(model.named_parameters()) is not None
+    with pytest.raises(ValueError, match="unique"):
+        gc.TopK(named_parameters=[("w", model.weight), ("w", model.bias)])
+    with pytest.raises(ValueError, match=r"\(name, parameter\) tuples"):
+        gc.TopK(named_parameters=list(model.parameters()))
+
+
+def test_public_classes_are_codecs_with_horovods_protocol() -> None:
+    from hvd_gradcomp import compressors
+
+    assert isinstance(gc.TopKQSGD(), gc.TopK) and isinstance(gc.TopKQSGD(), compressors.TopKQSGD)
+    assert not hasattr(compressors.QSGD(), "compress")   # codecs know no Horovod
+    assert adapter.describe(gc.QSGD(bits=4, seed=3)) == {"compression": "qsgd", "error_feedback": True, "seed": 3,
+                                                         "bits": 4}
+    assert adapter.describe(hvd.Compression.fp16) == {"compression": "fp16"}
+    assert adapter.describe(object()) == {}
+
+
+def test_noise_stream_is_left_alone_without_horovod_init() -> None:
+    c = gc.QSGD()
+    c.stream = 5
+    if not hvd.is_initialized():
+        adapter.bind_noise_stream(c)
+        assert c.stream == 5
+
+
+# ---------------------------------------------------------------- settings nobody read
+def test_unread_settings_message() -> None:
+    env = {"HVDGC_COMPRESSION": "topk-qsgd", "HVDGC_ACCUMULATE": "4", "HVDGC_COMPILE": "0"}
+    msg = settings.unread_settings_message({"compression": "none", "accumulate": 1}, env, "X()")
+    assert msg.startswith("HVDGC_COMPRESSION=topk-qsgd HVDGC_ACCUMULATE=4 are set") and "built X()" in msg
+    assert "from_env()" in msg and "HVDGC_COMPILE" not in msg      # the library reads that one itself
+    built = {"compression": "topk-qsgd", "ratio": 0.01, "bits": 8, "accumulate": 4}
+    assert settings.unread_settings_message(built, env) is None
+    assert settings.unread_settings_message({"compression": "none"}, {"HVDGC_COMPILE": "1"}) is None
+    bad = settings.unread_settings_message({"compression": "none"}, {"HVDGC_RATIO": "2"})
+    assert bad.startswith("HVDGC_RATIO: ratio must be in (0, 1]")
+
+
+# ---------------------------------------------------------------- argument errors
+@pytest.mark.parametrize("kwargs, error, expected", [
+    ({"groups": 2}, ValueError, "groups/num_groups are not supported"),
+    ({"num_groups": 2}, ValueError, "groups/num_groups are not supported"),
+    ({"bogus": 1}, TypeError, r"unexpected arguments \['bogus'\]"),
+    ({"op": hvd.Adasum}, ValueError, "Adasum is not supported"),
+    ({"op": hvd.Max}, ValueError, "op must be hvd.Average or hvd.Sum"),
+    ({"gradient_predivide_factor": 2.0}, ValueError, "gradient_predivide_factor is not supported"),
+    ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step must be an int >= 1"),
+    ({"backward_passes_per_step": True}, ValueError, "backward_passes_per_step must be an int >= 1"),
+    ({"backward_passes_per_step": 1.5}, ValueError, "backward_passes_per_step must be an int >= 1"),
+])
+def test_distributed_optimizer_argument_errors(kwargs, error, expected) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(error, match=expected):
+        gc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize("optimizer, steps, expected", [
+    (SimpleNamespace(backward_passes_per_step=2), 0, "steps must be an int >= 1"),
+    (SimpleNamespace(backward_passes_per_step=2), True, "steps must be an int >= 1"),
+    (SimpleNamespace(backward_passes_per_step=2), "2", "steps must be an int >= 1"),
+    (torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), 2, "got a plain optimizer"),
+    (SimpleNamespace(backward_passes_per_step=4), 2, "backward_passes_per_step=4 but steps=2"),
+])
+def test_gradient_accumulator_argument_errors(optimizer, steps, expected) -> None:
+    with pytest.raises(ValueError, match=expected):
+        gc.GradientAccumulator(optimizer, steps=steps)
+
+
+# ---------------------------------------------------------------- pure reduction helpers
+def test_sum_parts_averages_or_sums_sparse_and_dense_parts() -> None:
+    parts = [(None, torch.tensor([1.0, 2.0, 3.0, 4.0])), (torch.tensor([0, 3]), torch.tensor([10.0, 20.0]))]
+    assert sum_parts(parts, True, 4, torch.float32).tolist() == [5.5, 1.0, 1.5, 12.0]
+    assert sum_parts(parts, False, 4, torch.float32).tolist() == [11.0, 2.0, 3.0, 24.0]
+    out = torch.full((2, 2), 7.0)
+    sum_parts(parts, False, 4, torch.float32, out=out)       # written in place, the 7s overwritten
+    assert out.flatten().tolist() == [11.0, 2.0, 3.0, 24.0]
+
+
+def test_sum_parts_adds_16_bit_gradients_in_float32() -> None:
+    big, small = torch.tensor([2048.0], dtype=torch.float16), torch.tensor([1.0], dtype=torch.float16)
+    parts = [(None, big), (None, small), (None, small)]
+    # float16 would round 2048 + 1 + 1 one addition at a time back to 2048; float32 keeps 2050
+    assert sum_parts(parts, False, 1, torch.float16).tolist() == [2050.0]
+
+
+def test_decode_and_reduce_payloads_in_rank_order() -> None:
+    c = gc.TopK(ratio=0.5, error_feedback=False)
+    grads = [torch.tensor([4.0, -1.0, 0.0, 3.0]), torch.tensor([0.0, 2.0, -5.0, 1.0])]
+    payloads = [c.encode(g) for g in grads]
+    assert reduce_payloads(c, payloads, True, 2, torch.float32).tolist() == [2.0, 1.0, -2.5, 1.5]
+    with pytest.raises(RuntimeError, match="expected 3 payloads, got 2"):
+        decode_payloads(c, payloads, 3)
+    with pytest.raises(gc.WireFormatError, match="rank 0 holds 4 elements, 5 expected"):
+        decode_payloads(c, payloads, 2, numel=5)
+
+
+def test_chunk_bounds() -> None:
+    assert chunk_bounds(10, 3) == [0, 4, 7, 10]
+    assert chunk_bounds(2, 2) == [0, 1, 2]
+    assert chunk_bounds(7, 1) == [0, 7]
+
+
+# ---------------------------------------------------------------- with Horovod's real optimizer (one process)
+@pytest.fixture(scope="module")
+def real() -> Dict[str, Any]:
+    return {**run_single("single:stock_optimizer_frames"), **run_single("single:optimizer_misuse"),
+            **run_single("single:unread_settings", env={"HVDGC_COMPRESSION": "topk"})}
+
+
+def test_real_horovod_optimizer_hands_names_to_the_adapter(real) -> None:
+    assert real["frame-name"] == "0.weight" and real["bound-name"] == "0.weight"
+    assert real["noname-name"] == "allreduce.noname.0.0"       # Horovod's own name for unnamed parameters
+    for how in ("frame", "bound", "noname"):
+        assert real[f"{how}-ctx"] == "StockContext" and real[f"{how}-equal"] is True
+        assert real[f"{how}-stream"] == 0                     # rank 0 of 1
+    assert real["wrong-model"].startswith("HorovodIntegrationError") and "bound to this compressor" in real["wrong-model"]
+
+
+def test_misuse_errors(real) -> None:
+    assert real["too_many_backward"].startswith("AssertionError: Gradients were computed more than "
+                                                "backward_passes_per_step (1) times")
+    assert real["zero_grad_in_flight"].startswith("AssertionError: optimizer.zero_grad() was called after")
+    assert real["zero_grad_after_step"] == "no error"
+    assert "already an hvd_gradcomp.DistributedOptimizer" in real["wrap_twice"]
+    assert "have no name in named_parameters" in real["unnamed_parameter"]
+    assert "duplicated: ['w']" in real["duplicate_names"]
+    assert "(name, parameter) tuples" in real["not_tuples"]
+    assert real["flush_nothing"] == [False, 0]                # nothing pending: no step
+    assert "loss must be a scalar" in real["non_scalar_loss"]
+    assert real["stepped"] == [False, True] and real["flush_after_step"] == [False, 1]
+    for when in ("save_mid_window", "load_mid_window"):
+        assert "between accumulation windows, not in the middle of one" in real[when], real[when]
+    assert "steps=4, this accumulator has steps=2" in real["load_other_steps"]
+
+
+def test_unread_settings_warn_once(real) -> None:
+    first, second = real["warnings"]
+    assert len(first) == 1 and first[0].startswith("UnreadSettingsWarning: HVDGC_COMPRESSION=topk is set")
+    assert "DistributedOptimizer(compression=None, backward_passes_per_step=1)" in first[0]
+    assert second == []
