@@ -288,15 +288,9 @@ def _name_parameters(param_groups: List[dict], named_parameters: Optional[Iterab
     all_params = [p for g in param_groups for p in g["params"]]
     if named_parameters is None:
         return {p: f"param.{i}" for i, p in enumerate(all_params)}
-    named = list(named_parameters)
-    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
-                         "usually model.named_parameters()")
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"parameter names must be unique; duplicated: {dups}")
-    mapping = {p: n for n, p in named}
+    from .horovod import name_map  # the one check of (name, parameter) pairs, shared with the stock road
+
+    mapping = name_map(named_parameters)
     missing = [i for i, p in enumerate(all_params) if p not in mapping]
     if missing:
         raise ValueError(f"{len(missing)} optimizer parameters have no name in named_parameters "
