@@ -9,6 +9,9 @@
    between two machines); each table says which way it ran.
 2. Convergence: ``examples/train.py`` with the same steps and seed, uncompressed, fp16,
    each compressor with error feedback, and TopKQSGD without; final loss and accuracy.
+3. DDP (:mod:`benchmarks.ddp`, ``--skip-ddp`` leaves it out, ``--only-ddp`` runs only it): the same
+   speed rows under ``torchrun`` for DDP uncompressed, torch's fp16 and PowerSGD hooks and our hook,
+   and a several-seed convergence comparison on the real-data example; its own page, ``docs/ddp/``.
 
 Writes ``docs/BENCHMARKS.md``, ``docs/img/*.png`` and ``docs/data/bench.json``; raw per-run
 files go under ``runs/bench/``. Without the rights to create a namespace (root or
@@ -21,6 +24,8 @@ Examples::
     python -m benchmarks --rates 1gbit --skip-convergence
     python -m benchmarks --two-hosts --skip-convergence   # speed rows across the two-host link
     python -m benchmarks --dry-run              # print the commands, run nothing
+    python -m benchmarks --only-ddp --rates 1gbit       # only the DDP rows and convergence (docs/ddp/)
+    python -m benchmarks --only-ddp --skip-speed        # only the DDP convergence comparison (~12 min)
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from typing import Any, Dict, Optional
 
 import click
 
+from . import ddp as ddp_half
 from .markdown import write_report
 from .plan import DEFAULT_RATES, Plan, build_plan, planned_commands
 from .runner import machine_description, run_convergence, run_speed
@@ -62,40 +68,55 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
 @click.option("--two-hosts", is_flag=True,
               help="speed rows with one rank on each host of scripts/two_hosts.sh (network namespaces hvdgc-a and "
                    "hvdgc-b), across their veth link limited to each rate per direction; needs root")
+@click.option("--skip-ddp", is_flag=True, help="leave out the DDP rows and convergence (benchmarks/ddp.py)")
+@click.option("--only-ddp", is_flag=True, help="only the DDP rows and convergence; writes DOCS_DIR/ddp/ only")
 @click.option("--dry-run", is_flag=True, help="print the commands and exit")
 @click.option("--render-only", is_flag=True,
               help="rewrite BENCHMARKS.md and the plots from DOCS_DIR/data/bench.json without running anything")
 def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int], warmup: Optional[int],
          steps: Optional[int], seed: int, skip_speed: bool, skip_convergence: bool, docs_dir: Optional[str],
-         job_timeout: float, compile_mode: str, two_hosts: bool, dry_run: bool, render_only: bool) -> None:
+         job_timeout: float, compile_mode: str, two_hosts: bool, skip_ddp: bool, only_ddp: bool, dry_run: bool,
+         render_only: bool) -> None:
     """Entry point of ``python -m benchmarks`` (``make bench``)."""
     if skip_speed and skip_convergence:
         raise click.UsageError("--skip-speed and --skip-convergence together leave nothing to run")
+    if skip_ddp and only_ddp:
+        raise click.UsageError("--skip-ddp and --only-ddp together leave nothing to run")
     try:
         plan = build_plan(quick, rates, params, iters, warmup, steps, seed, skip_speed, skip_convergence, docs_dir,
                           job_timeout, compile_mode, two_hosts)
     except click.BadParameter as exc:
         raise click.UsageError(f"--rates: {exc.message}") from None
+    ddp = None if skip_ddp else ddp_half.build_ddp_plan(plan, quick, skip_speed, skip_convergence)
+    if only_ddp:
+        plan.speed, plan.convergence = [], []
     if dry_run:
-        click.echo("\n".join(planned_commands(plan)))
+        click.echo("\n".join(planned_commands(plan) + (ddp_half.planned_commands(ddp) if ddp else [])))
         return
     if render_only:
-        render_saved(plan)
+        render_saved(plan, only_ddp)
         return
-    execute(plan, shlex.join(["python", "-m", "benchmarks", *sys.argv[1:]]))
+    execute(plan, shlex.join(["python", "-m", "benchmarks", *sys.argv[1:]]), ddp)
 
 
-def execute(plan: Plan, command: str) -> Dict[str, Any]:
-    """Run the plan, write the report; returns the raw figures."""
+def execute(plan: Plan, command: str, ddp: Optional[ddp_half.DdpPlan] = None) -> Dict[str, Any]:
+    """Run the plan (and the DDP half, when given), write the report(s); returns the raw figures."""
     from launchers.progress import progress
 
     start = time.perf_counter()
-    total = len(plan.rates) * len(plan.speed) + len(plan.convergence)
+    total = len(plan.rates) * len(plan.speed) + len(plan.convergence) + (ddp.jobs if ddp else 0)
     with progress(total=total, unit="run", desc="benchmark") as bar:
         say = bar.write
         speed = run_speed(plan, say, bar) if plan.speed else {}
         conv = run_convergence(plan, say, bar) if plan.convergence else None
+        ddp_parts = ddp_half.run(ddp, say, bar) if ddp and ddp.jobs else None
     elapsed = time.perf_counter() - start
+    if ddp_parts:
+        page = ddp_half.write_page(ddp, ddp_parts, command, machine_description())
+        click.echo(page.read_text())
+        click.echo(f"wrote {page} and its raw figures {page.parent / 'data.json'}")
+    if not (plan.speed or plan.convergence):
+        return {"ddp": ddp_parts}
     data = {"command": command, "machine": machine_description(), "speed": speed, "convergence": conv,
             "elapsed_s": elapsed, "plan": {k: str(v) if isinstance(v, Path) else v for k, v in vars(plan).items()
                                            if k not in ("speed", "convergence")}}
@@ -103,8 +124,13 @@ def execute(plan: Plan, command: str) -> Dict[str, Any]:
     return data
 
 
-def render_saved(plan: Plan) -> None:
+def render_saved(plan: Plan, only_ddp: bool = False) -> None:
     """Re-render the report from a previous run's raw figures (same numbers, current layout)."""
+    page = ddp_half.render_saved(plan.docs_dir)
+    if page is not None:
+        click.echo(f"rewrote {page}")
+    if only_ddp:
+        return
     path = plan.docs_dir / "data" / "bench.json"
     if not path.exists():
         raise click.UsageError(f"{path} not found: run python -m benchmarks first (or pass --docs-dir)")

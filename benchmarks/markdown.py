@@ -25,6 +25,7 @@ def render_markdown(plan: Plan, machine: Dict[str, str], speed: Dict[str, Any], 
         f"{elapsed_s / 60:.1f} minutes. "
         "Every number on this page comes from that run; rerun the command to regenerate the page, the plots "
         f"(`{_rel(plan.docs_dir)}/img/`) and the raw figures (`{_rel(plan.docs_dir)}/data/bench.json`).", "",
+        *_ddp_pointer(plan),
         "## Machine", "",
         f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['memory']} memory, GPU: {machine['gpu']}",
         f"- {machine['os']}, Python {machine['python']}, PyTorch {machine['torch']}, Horovod {machine['horovod']} (Gloo)",
@@ -40,6 +41,14 @@ def render_markdown(plan: Plan, machine: Dict[str, str], speed: Dict[str, Any], 
     if targets:
         out += ["## Targets", "", *targets, ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _ddp_pointer(plan: Plan) -> List[str]:
+    """A link to the DDP half's page (benchmarks/ddp.py), when it has been written."""
+    if not (plan.docs_dir / "ddp" / "BENCHMARKS.md").exists():
+        return []
+    return ["The DDP rows (DDP uncompressed, torch's fp16 and PowerSGD hooks, our hook) and their convergence "
+            "comparison are on their own page: [ddp/BENCHMARKS.md](ddp/BENCHMARKS.md).", ""]
 
 
 def _rel(path: Path) -> str:

@@ -44,6 +44,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--micro-batch", type=int, default=32, help="samples per backward pass per rank")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.05 text, 0.1 digits)")
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--cosine", action="store_true",
+                   help="decay the learning rate to 0 over --steps (cosine), so the loss settles by the end")
     p.add_argument("--context", type=int, default=32, help="text: characters the model sees")
     p.add_argument("--text-bytes", type=int, default=datasets.DEFAULT_TEXT_BYTES)
     p.add_argument("--start-compress-iter", type=int, default=0, help="uncompressed exchanges first (warm-up)")
@@ -52,6 +54,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
                         "(its docs' advice; at least 2)")
     p.add_argument("--backend", default=None, help="torch.distributed backend [default: nccl on GPU, else gloo]")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also record the held-out loss every this many steps (summary's val_curve); 0: only at the end")
     p.add_argument("--out", default=None, help="JSON summary written by rank 0")
     g = p.add_argument_group("compression (defaults: HVDGC_* variables set by hvdgc-launch)")
     g.add_argument("--compression", choices=COMPRESSIONS, default=None)
@@ -63,6 +67,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     args = p.parse_args(argv)
     if args.steps < 1 or args.micro_batch < 1:
         p.error("--steps and --micro-batch must be >= 1")
+    if args.eval_every < 0:
+        p.error("--eval-every must be >= 0 (0: held-out loss at the end only)")
     try:
         env = from_env()
         given = {k: getattr(args, k) for k in ("compression", "ratio", "bits", "accumulate", "error_feedback", "seed")}
@@ -154,11 +160,12 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
         state = gc_ddp.register(model, compression=compression, start_compress_iter=args.start_compress_iter)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     acc = gc_ddp.GradientAccumulator(model, opt, steps=cfg.accumulate, micro_batch=args.micro_batch)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps) if args.cosine else None
     rank0 = dist.get_rank() == 0
     if rank0:
         print(f"DDP x {dist.get_world_size()} ({dist.get_backend()}): {sum(p.numel() for p in net.parameters()):,} "
               f"params, compression={compression}, accumulate={cfg.accumulate}", flush=True)
-    start, losses, sent = time.perf_counter(), [], []
+    start, losses, sent, val_curve = time.perf_counter(), [], [], []
     while acc.optimizer_steps < args.steps:
         x, y = (t.to(device) for t in next(stream))
         with acc.accumulate():
@@ -168,13 +175,22 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
         if not stepped:
             continue
         sent.append(state.last_step_bytes)
+        if schedule is not None:
+            schedule.step()
+        if args.eval_every and acc.optimizer_steps % args.eval_every == 0 and acc.optimizer_steps < args.steps:
+            val_curve.append([acc.optimizer_steps, held_out_loss(model.module, vx, vy)])
         if rank0 and acc.optimizer_steps % args.log_every == 0:
             print(f"step {acc.optimizer_steps}: loss {sum(losses[-cfg.accumulate:]) / cfg.accumulate:.4f}, "
                   f"{sent[-1]:,} B/step sent, ratio {state.comm_stats.ratio:.1f}x", flush=True)
-    summary = {"compression": compression if isinstance(compression, str) else repr(compression), "steps": acc.optimizer_steps, "ranks": dist.get_world_size(),
-               "wall_s": time.perf_counter() - start, "val_loss": held_out_loss(model.module, vx, vy),
-               "train_loss_last": losses[-1], "bytes_per_step": sum(sent) / len(sent),
-               "ratio": state.comm_stats.ratio}
+    wall_s, val_loss = time.perf_counter() - start, held_out_loss(model.module, vx, vy)
+    tail = losses[-max(1, len(losses) // 10):]  # the last 10% of micro-batches: less noisy than the last one
+    summary = {"compression": compression if isinstance(compression, str) else repr(compression),
+               "steps": acc.optimizer_steps, "ranks": dist.get_world_size(), "seed": cfg.seed or 0,
+               "lr": args.lr, "cosine": args.cosine, "momentum": args.momentum, "micro_batch": args.micro_batch, "data": args.data,
+               "params": sum(p.numel() for p in net.parameters()), "val_size": len(vx),
+               "wall_s": wall_s, "val_loss": val_loss, "val_curve": val_curve + [[acc.optimizer_steps, val_loss]],
+               "train_loss_last": losses[-1], "final_train_loss": sum(tail) / len(tail),
+               "bytes_per_step": sum(sent) / len(sent), "ratio": state.comm_stats.ratio}
     if rank0:
         print(json.dumps(summary), flush=True)
         if args.out:
