@@ -122,9 +122,27 @@ def run_job(argv: Sequence[str], env: Mapping[str, str], timeout: float, cwd: Op
     return JobResult(argv, code, text, time.perf_counter() - t0)
 
 
+GRACE_S = 10.0
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the job's process group, then SIGKILL whatever is left after :data:`GRACE_S`.
+
+    SIGTERM first because torchrun starts each worker in a session of its own, out of the
+    group's reach: on SIGTERM it ends them itself, while a SIGKILL of torchrun alone would
+    leave them running (a hung rank forever). horovodrun and mpirun also end their ranks on it.
+    """
+    _signal_group(proc.pid, signal.SIGTERM)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
     except ProcessLookupError:   # already gone
         pass
 

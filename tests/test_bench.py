@@ -109,7 +109,7 @@ def test_cli_usage_errors_and_dry_run() -> None:
     assert res.exit_code == 2 and "nothing to run" in res.output
     res = runner.invoke(cli.main, ["--iters", "0"])
     assert res.exit_code == 2 and "must be > 0" in res.output
-    res = runner.invoke(cli.main, ["--quick", "--dry-run"])
+    res = runner.invoke(cli.main, ["--quick", "--dry-run", "--skip-ddp"])  # DDP commands: test_bench_ddp.py
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert lines[0] == "ip netns add NS" and lines[-1].endswith("--bits 8 --error-feedback")
