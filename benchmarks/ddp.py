@@ -55,12 +55,14 @@ SPEED_SETTINGS = (
     Setting("topkqsgd", "DDP + TopKQSGD(1%, 8)", (), True),
     Setting("qsgd8", "DDP + QSGD 8-bit", (), True),
 )
+TOPKQSGD = ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8")
 CONVERGENCE_SETTINGS = (
     Setting("none", "DDP, uncompressed", ("--compression", "none")),
     Setting("powersgd-1", "DDP + PowerSGD rank 1", ("--compression", "none", "--powersgd-rank", "1"), True),
     Setting("powersgd-4", "DDP + PowerSGD rank 4", ("--compression", "none", "--powersgd-rank", "4"), True),
-    Setting("topkqsgd", "DDP + TopKQSGD(1%, 8)", ("--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8"),
-            True),
+    # register(..., optimizer=opt): feedback "auto" is DGC momentum correction for train_ddp's momentum SGD
+    Setting("topkqsgd", "DDP + TopKQSGD(1%, 8)", TOPKQSGD, True),
+    Setting("topkqsgd-classic", "DDP + TopKQSGD(1%, 8), classic EF", (*TOPKQSGD, "--feedback", "classic"), True),
     Setting("qsgd8", "DDP + QSGD 8-bit", ("--compression", "qsgd", "--bits", "8"), True),
 )
 LABELS = {s.key: s.label for s in SPEED_SETTINGS + CONVERGENCE_SETTINGS}
@@ -295,6 +297,7 @@ def convergence_rows(results: Dict[str, List[Dict[str, Any]]]) -> List[Dict[str,
         mean, sd = _mean_sd([r["val_loss"] for r in runs])
         gaps = [r["val_loss"] / base[r["seed"]] - 1 for r in runs if r["seed"] in base]
         rows.append({"key": s.key, "label": s.label, "seeds": sorted(r["seed"] for r in runs),
+                     "feedback": runs[0].get("feedback") or "-",
                      "compression": runs[0].get("compression", ""), "val_mean": mean, "val_sd": sd,
                      "gap": statistics.fmean(gaps) if gaps else None, "gap_lo": min(gaps) if gaps else None,
                      "gap_hi": max(gaps) if gaps else None, "spread": b_sd / b_mean if len(base) > 1 else None,
@@ -310,13 +313,13 @@ def _pct(v: Optional[float]) -> str:
 
 def render_convergence_table(rows: List[Dict[str, Any]]) -> str:
     """Markdown table of :func:`convergence_rows`."""
-    lines = ["| setting | seeds | held-out loss (mean +- sd) | gap vs uncompressed, paired (mean [min, max]) | "
+    lines = ["| setting | feedback | seeds | held-out loss (mean +- sd) | gap vs uncompressed, paired (mean [min, max]) | "
              "uncompressed seed spread | kB sent per step per rank | ratio | wall time (s) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         gap = "n/a" if r["gap"] is None else f"{_pct(r['gap'])} [{_pct(r['gap_lo'])}, {_pct(r['gap_hi'])}]"
         spread = "n/a (1 seed)" if r["spread"] is None else f"+-{100 * r['spread']:.2f}%"
-        lines.append(f"| {r['label']} | {','.join(map(str, r['seeds']))} | {r['val_mean']:.4f} +- {r['val_sd']:.4f} | "
+        lines.append(f"| {r['label']} | {r['feedback']} | {','.join(map(str, r['seeds']))} | {r['val_mean']:.4f} +- {r['val_sd']:.4f} | "
                      f"{gap} | {spread} | {r['bytes_per_step'] / 1e3:.1f} | {r['ratio']:.1f}x | {r['wall_s']:.1f} |")
     return "\n".join(lines)
 
@@ -407,8 +410,9 @@ def _convergence_section(conv: Dict[str, Any]) -> List[str]:
            f"micro-batch {first.get('micro_batch', '?')} per rank, SGD momentum {first.get('momentum', '?')}, "
            f"learning rate {c['lr']:g} decayed to 0 by a cosine over the steps; held-out loss on "
            f"{first.get('val_size', 0):,} fixed windows of text not trained on. PowerSGD starts after 10% of the "
-           "steps (`start_powerSGD_iter`, its docs' advice); our hook compresses from the first step, with error "
-           "feedback.", ""]
+           "steps (`start_powerSGD_iter`, its docs' advice); our hook compresses from the first step, with "
+           "`register(..., optimizer=opt)`: *feedback* is the policy the run used (`momentum`: DGC momentum "
+           "correction, chosen for SGD with momentum; `classic`: classic error feedback, `--feedback classic`).", ""]
     if flat is not None:
         verdict = ("it has settled (less than {:g}%), so a gap below is where a setting ends, not only how fast it "
                    "descends" if abs(flat) < SETTLED else "it has NOT settled (it still moves by {:g}% or more), so a "

@@ -63,6 +63,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     g.add_argument("--bits", type=int, default=None)
     g.add_argument("--accumulate", type=int, default=None, help="micro-batches per optimizer step")
     g.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--feedback", choices=("auto", "classic", "momentum", "none"), default="auto",
+                   help="feedback policy of our hook; auto: momentum correction for SGD with momentum")
     g.add_argument("--seed", type=int, default=None)
     args = p.parse_args(argv)
     if args.steps < 1 or args.micro_batch < 1:
@@ -153,18 +155,23 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None,
                 bucket_cap_mb=1e5 if one_bucket else 25)
     compression = gc_ddp.compression_from_env(cfg.to_env())
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     if args.powersgd_rank:
         compression = f"PowerSGD(rank={args.powersgd_rank})"
         state = _PowerSGDBytes(model, args.powersgd_rank, start=max(2, args.steps // 10))
     else:
-        state = gc_ddp.register(model, compression=compression, start_compress_iter=args.start_compress_iter)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        if args.feedback != "auto" and compression is not None and compression is not torch.float16:
+            compression.set_feedback(args.feedback)
+        # optimizer=: feedback "auto" picks DGC momentum correction for this momentum SGD
+        state = gc_ddp.register(model, compression=compression, start_compress_iter=args.start_compress_iter,
+                                optimizer=opt)
+    feedback = getattr(getattr(compression, "feedback", None), "key", None)
     acc = gc_ddp.GradientAccumulator(model, opt, steps=cfg.accumulate, micro_batch=args.micro_batch)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps) if args.cosine else None
     rank0 = dist.get_rank() == 0
     if rank0:
         print(f"DDP x {dist.get_world_size()} ({dist.get_backend()}): {sum(p.numel() for p in net.parameters()):,} "
-              f"params, compression={compression}, accumulate={cfg.accumulate}", flush=True)
+              f"params, compression={compression}, feedback={feedback}, accumulate={cfg.accumulate}", flush=True)
     start, losses, sent, val_curve = time.perf_counter(), [], [], []
     while acc.optimizer_steps < args.steps:
         x, y = (t.to(device) for t in next(stream))
@@ -185,7 +192,7 @@ def train(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     wall_s, val_loss = time.perf_counter() - start, held_out_loss(model.module, vx, vy)
     tail = losses[-max(1, len(losses) // 10):]  # the last 10% of micro-batches: less noisy than the last one
     summary = {"compression": compression if isinstance(compression, str) else repr(compression),
-               "steps": acc.optimizer_steps, "ranks": dist.get_world_size(), "seed": cfg.seed or 0,
+               "feedback": feedback, "steps": acc.optimizer_steps, "ranks": dist.get_world_size(), "seed": cfg.seed or 0,
                "lr": args.lr, "cosine": args.cosine, "momentum": args.momentum, "micro_batch": args.micro_batch, "data": args.data,
                "params": sum(p.numel() for p in net.parameters()), "val_size": len(vx),
                "wall_s": wall_s, "val_loss": val_loss, "val_curve": val_curve + [[acc.optimizer_steps, val_loss]],

@@ -52,6 +52,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 import torch.distributed as dist
 
+from . import feedback as fb
 from . import settings, wire
 from .compressors import QSGD, GradientCompressor, TopKQSGD, payload_size
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sum_parts
@@ -108,6 +109,13 @@ class GradCompState:
         start_compress_iter: exchanges before this one go uncompressed (a warm-up knob, as
             PowerSGD's ``start_powerSGD_iter``; counted in exchanges, not micro-batches).
         min_compress_numel: parameters with fewer elements are averaged uncompressed.
+        optimizer: the optimizer that steps the wrapped module's parameters. With a compressor
+            whose ``feedback`` is ``"auto"`` (the default) it picks the feedback policy, as the
+            Horovod road does: DGC momentum correction for ``SGD(momentum > 0)`` (each rank sends
+            its own velocity through error feedback, so nothing it drops loses its momentum),
+            classic error feedback otherwise. Adam-family optimizers get classic error feedback
+            (the Horovod road's ``"update"`` policy sends the optimizer's step, which a hook that
+            averages gradients cannot do); the choice is said once on rank 0. Without it: classic.
 
     Why the hook does not have to wait for DDP's bucket rebuild: DDP puts all parameters in
     one bucket for the first iteration and rebuilds its buckets after it, by the order the
@@ -129,7 +137,8 @@ class GradCompState:
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, compression: Any = None,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
-                 start_compress_iter: int = 0, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL) -> None:
+                 start_compress_iter: int = 0, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL,
+                 optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group(...) "
                                "before building the DDP model and its hook state")
@@ -155,6 +164,7 @@ class GradCompState:
             self._names = _name_map(named_parameters)
             _CLAIMED.add(compression)
             compression.stream = self.rank  # independent rounding noise on every rank
+            _choose_feedback(compression, optimizer, self._names, self.rank)
             ranks = dist.get_process_group_ranks(self.process_group)
             self._second = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group))
             _KEEP_ALIVE.extend([self.process_group, self._second])
@@ -382,6 +392,7 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
             for j, s in enumerate(plan.compressed):
                 parts = decode_payloads(comp, [per_rank[r][j] for r in range(world)], world, s.numel)
                 sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
+                comp.received(s.name, s.view(buffer))  # momentum correction: what SGD should see
 
         return work.get_future(), decode
 
@@ -444,6 +455,8 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
                         raise RuntimeError(f"{s.name}: chunk of {chunk.numel()} elements where "
                                            f"{bd[r + 1] - bd[r]} were expected; ranks disagree on the model")
                     s.view(buffer)[bd[r]:bd[r + 1]].copy_(chunk)
+            for s in plan.compressed:
+                comp.received(s.name, s.view(buffer))
 
         return work.get_future(), decode
 
@@ -455,12 +468,14 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
 # ---------------------------------------------------------------- registration
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
              compression: Any = _DEFAULT_COMPRESSION, process_group: Optional[dist.ProcessGroup] = None,
-             start_compress_iter: int = 0, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL) -> GradCompState:
+             start_compress_iter: int = 0, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL,
+             optimizer: Optional[torch.optim.Optimizer] = None) -> GradCompState:
     """Register :func:`gradcomp_hook` on ``ddp_model`` and return its :class:`GradCompState`.
 
-    ``compression`` defaults to a fresh ``TopKQSGD(ratio=0.01, bits=8)``; see
-    :class:`GradCompState` for the other arguments. Call it on every rank, before the first
-    backward pass (DDP allows one hook per model).
+    ``compression`` defaults to a fresh ``TopKQSGD(ratio=0.01, bits=8)``; ``optimizer`` (the one
+    stepping the model) lets its ``feedback="auto"`` choose DGC momentum correction for SGD with
+    momentum; see :class:`GradCompState` for the other arguments. Call it on every rank, before
+    the first backward pass (DDP allows one hook per model).
 
     Example::
 
@@ -476,7 +491,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
     group = process_group if process_group is not None else ddp_model.process_group
     _warn_unread_settings(compression, dist.get_rank(group) if dist.is_initialized() else 0)
     state = GradCompState(group, compression, named_parameters=ddp_model.module.named_parameters(),
-                          start_compress_iter=start_compress_iter, min_compress_numel=min_compress_numel)
+                          start_compress_iter=start_compress_iter, min_compress_numel=min_compress_numel,
+                          optimizer=optimizer)
     ddp_model.register_comm_hook(state, gradcomp_hook)
     return state
 
@@ -626,6 +642,47 @@ class GradientAccumulator:
 
 
 # ---------------------------------------------------------------- helpers
+# Feedback policies the hook can run: they only rewrite gradients (prepare / sent / received).
+HOOK_POLICIES = ("none", "classic", "momentum")
+
+
+def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.Optimizer],
+                     names: Dict[torch.Tensor, str], rank: int) -> None:
+    """The compressor's feedback policy for the hook, bound to ``optimizer``'s param groups
+    (see ``optimizer`` in :class:`GradCompState`); the choice is said once on rank 0."""
+    if comp.feedback.key not in HOOK_POLICIES:
+        raise ValueError(f"feedback={comp.feedback.key!r} cannot run in the DDP hook, which averages gradients "
+                         "(the 'update' policy sends the optimizer's step): use feedback='classic' or 'momentum'")
+    auto = comp.feedback_choice == "auto" and not comp._restored
+    if optimizer is None:
+        if isinstance(comp.feedback, fb.MomentumCorrection) and comp.feedback.momentum is None:
+            raise ValueError("feedback='momentum' reads the momentum from the optimizer: pass optimizer= to "
+                             "register() / GradCompState (or feedback=MomentumCorrection(momentum=m))")
+        if auto and rank == 0:  # the documented default: logged, not printed
+            fb.log.info(f"{comp!r} in the DDP hook: classic error feedback (no optimizer given; pass "
+                        "optimizer= to register() to get momentum correction with SGD(momentum > 0)).")
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    groups = [(names[p], g) for g in optimizer.param_groups for p in g["params"] if p in names]
+    if not groups:
+        raise ValueError("the optimizer steps none of the wrapped module's parameters: pass the optimizer "
+                         "built on this model's parameters")
+    why = "chosen by the user"
+    if auto:
+        key, why = fb.choose(optimizer, isinstance(comp, QSGD), comp._contracting)
+        if key == "update":  # Adam-family: the Horovod road's policy needs the optimizer step, not a hook
+            key, why = "classic", (f"{why}; the Horovod road would send its update ('update'), which a DDP hook "
+                                   "cannot: it averages gradients, so error feedback is classic here")
+        if key != comp.feedback.key:
+            comp._set_policy(fb.make(key))
+    for name, group in groups:
+        comp.feedback.bind(name, group)
+    if rank == 0:
+        fb.announce(f"{comp!r} in the DDP hook with {type(optimizer).__name__}: feedback '{comp.feedback.key}' "
+                    f"({comp.feedback.describe()}; {why}).")
+
+
 def _check_compression(compression: Any) -> None:
     if compression is None or isinstance(compression, GradientCompressor) or compression in DENSE_DTYPES:
         return

@@ -184,14 +184,17 @@ def train(model: DDP, state: Any, opt: torch.optim.Optimizer, steps: range, extr
         opt.step()
 
 
-def checkpoint(kind: str, ckpt: str, **kw: Any) -> Dict[str, Any]:
-    """6 steps straight vs 3 steps, save, fresh DDP + state + optimizer, load, 3 steps: bit-identical."""
+def checkpoint(kind: str, ckpt: str, bind: bool = False, **kw: Any) -> Dict[str, Any]:
+    """6 steps straight vs 3 steps, save, fresh DDP + state + optimizer, load, 3 steps: bit-identical.
+    ``bind``: the optimizer goes to register() (momentum correction: velocities are checkpointed too)."""
     rank = dist.get_rank()
 
     def fresh():
         model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-        state = gc_ddp.register(model, compression=make_compression(kind, seed=11, **kw))
-        return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = gc_ddp.register(model, compression=make_compression(kind, seed=11, **kw),
+                                optimizer=opt if bind else None)
+        return model, state, opt
 
     model, state, opt = fresh()
     train(model, state, opt, range(6))
@@ -303,7 +306,42 @@ def errors() -> Dict[str, Any]:
     catch("acc_steps", lambda: gc_ddp.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 0))
     acc = gc_ddp.GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
     catch("acc_outside", lambda: acc.backward(loss_of(model, *batch(0, 0))))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    catch("update_policy", lambda: gc_ddp.register(model, compression=gc.TopK(feedback="update"), optimizer=sgd))
+    catch("momentum_without_optimizer", lambda: gc_ddp.register(model, compression=gc.TopK(feedback="momentum")))
+    other = torch.optim.SGD(net().parameters(), lr=0.1)
+    catch("foreign_optimizer", lambda: gc_ddp.register(model, compression=gc.TopK(), optimizer=other))
     return out
+
+
+def momentum(steps: int = 5) -> Dict[str, Any]:
+    """register(..., optimizer=): the feedback policy chosen per optimizer; and SGD(momentum) with momentum
+    correction at ratio 1 (nothing dropped) trains exactly as uncompressed DDP: what the hook hands SGD
+    makes SGD's momentum buffer the averaged velocity, not momentum applied twice."""
+    rank = dist.get_rank()
+
+    def run(compression: Any, make_opt: Callable[[Any], torch.optim.Optimizer], bind: bool) -> Any:
+        model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+        opt = make_opt(model.parameters())
+        state = gc_ddp.register(model, compression=compression, optimizer=opt if bind else None)
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, step)).backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), state
+
+    sgd_m = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)  # noqa: E731
+    ref, _ = run(None, sgd_m, False)
+    exact, st = run(gc.TopK(ratio=1.0), sgd_m, True)
+    sparse_mc, st_mc = run(gc.TopKQSGD(ratio=0.05, seed=3), sgd_m, True)
+    sparse_classic, _ = run(gc.TopKQSGD(ratio=0.05, seed=3), sgd_m, False)
+    policies = {"sgd-momentum": st.compression.feedback.key}
+    for label, make_opt, bind in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1), True),
+                                  ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3), True),
+                                  ("no-optimizer", sgd_m, False)):
+        policies[label] = run(gc.TopK(ratio=0.5), make_opt, bind)[1].compression.feedback.key
+    return {"policies": policies, "rel_exact": rel(exact, ref), "rel_mc": rel(sparse_mc, ref),
+            "rel_classic": rel(sparse_classic, ref), "velocities": len(st_mc.compression.feedback.velocity)}
 
 
 def die(after: int) -> Dict[str, Any]:
@@ -321,7 +359,7 @@ def die(after: int) -> Dict[str, Any]:
 
 SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
-             "die": die}
+             "die": die, "momentum": momentum}
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ SPEED = {"conditions": {"params": 25e6, "batch_size": 4, "warmup": 3, "iters": 1
 
 
 def _run(seed: int, loss: float, curve_end: float = 1.0) -> dict:
-    return {"seed": seed, "val_loss": loss, "bytes_per_step": 25e3, "ratio": 137.0, "wall_s": 60.0,
+    return {"seed": seed, "feedback": "momentum", "val_loss": loss, "bytes_per_step": 25e3, "ratio": 137.0, "wall_s": 60.0,
             "params": 857_216, "micro_batch": 32, "momentum": 0.9, "val_size": 4096,
             "val_curve": [[600, loss * curve_end], [800, loss]]}
 
@@ -50,8 +50,9 @@ CONV = {"conditions": {"steps": 800, "lr": 0.1, "seeds": [0, 1, 2], "eval_every"
 def test_plan_defaults_full_and_quick(tmp_path: Path) -> None:
     full = _plan(tmp_path)
     assert [s.key for s in full.speed] == ["ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8"]
-    assert [s.key for s in full.convergence] == ["none", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8"]
-    assert (full.seeds, full.steps, full.lr, full.eval_every, full.jobs) == ([7, 8, 9], 800, 0.1, 100, 2 * 6 + 3 * 5)
+    assert [s.key for s in full.convergence] == ["none", "powersgd-1", "powersgd-4", "topkqsgd", "topkqsgd-classic",
+                                                 "qsgd8"]
+    assert (full.seeds, full.steps, full.lr, full.eval_every, full.jobs) == ([7, 8, 9], 800, 0.1, 100, 2 * 6 + 3 * 6)
     assert full.docs_dir == tmp_path / "ddp"
     quick = _plan(tmp_path, quick=True)
     assert (quick.seeds, quick.steps, [s.key for s in quick.speed]) == ([7], 40, ["ddp", "powersgd-1", "topkqsgd"])
@@ -82,7 +83,7 @@ def test_cli_flags_and_dry_run() -> None:
     assert lines[:3] == [" ".join(c) for c in bddp.netns_setup_commands("NS", "1gbit")]
     speed = [ln for ln in lines if "bench_ddp.py" in ln]
     assert len(speed) == 6 and all(ln.startswith("ip netns exec NS ") and "torchrun --standalone" in ln for ln in speed)
-    assert sum("train_ddp.py" in ln for ln in lines) == 15 and lines[-1].endswith("--compression qsgd --bits 8")
+    assert sum("train_ddp.py" in ln for ln in lines) == 18 and lines[-1].endswith("--compression qsgd --bits 8")
     res = runner.invoke(cli.main, ["--quick", "--dry-run", "--skip-ddp"])
     assert not any("torchrun" in ln for ln in res.output.splitlines())
     res = runner.invoke(cli.main, ["--quick", "--dry-run"])   # make bench includes the DDP half
@@ -110,7 +111,7 @@ def test_convergence_rows_pair_seeds_and_state_the_spread() -> None:
     assert t["spread"] == pytest.approx(0.1 / 2.1)
     assert bddp.settled(CONV["results"]["none"]) == pytest.approx(-0.005 / 1.005)
     table = bddp.render_convergence_table(list(rows.values()))
-    assert "| DDP + TopKQSGD(1%, 8) | 0,1,2 | 2.1133 +- 0.0808 | +0.67% [+0.00%, +2.00%] | +-4.76% | 25.0 | 137.0x | 60.0 |" \
+    assert "| DDP + TopKQSGD(1%, 8) | momentum | 0,1,2 | 2.1133 +- 0.0808 | +0.67% [+0.00%, +2.00%] | +-4.76% | 25.0 | 137.0x | 60.0 |" \
         in table
 
 
