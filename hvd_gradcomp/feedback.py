@@ -558,7 +558,6 @@ class FrozenVariance(ErrorFeedback):
         self.denom[name] = root.clamp(min=self.floor * float(root.mean())).add_(group["eps"])
         self.velocity[name] = state["exp_avg"].detach().to(root.dtype).reshape(-1).clone()
         self.steps[name] = t
-        state["exp_avg"].zero_()  # from now on the wrapped optimizer moves nothing but weight decay
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         if name not in self._bound:
@@ -567,6 +566,9 @@ class FrozenVariance(ErrorFeedback):
         self.residuals.check_shape(name, grad)
         if name not in self.denom:
             self._freeze(name)
+            self._check_scale(name, grad)
+            param, _, optimizer = self._bound[name]
+            optimizer.state[param]["exp_avg"].zero_()  # from now on it moves nothing but weight decay
         b1 = self._bound[name][1]["betas"][0]
         self._remember(name)
         # A new tensor, not u.mul_: the old velocity is what an undone step puts back.
@@ -574,6 +576,20 @@ class FrozenVariance(ErrorFeedback):
                                                                    alpha=1.0 - b1)
         res = self.residuals.residual(name)
         return u.clone() if res is None else u + res
+
+    def _check_scale(self, name: str, grad: torch.Tensor) -> None:
+        """Refuse gradients far larger than the warm-up's (a loss scaler's scaled gradients): the
+        update is applied before the scaler unscales, so it would be that many times too large.
+        Called once per tensor, at its first compressed step, before any state changes."""
+        rms_g = float(grad.detach().float().pow(2).mean().sqrt())
+        rms_v = float((self.denom[name] - self._bound[name][1]["eps"]).pow(2).mean().sqrt())
+        if rms_v > 0 and rms_g > SCALED_GRADIENT_RATIO * rms_v:
+            del self.denom[name], self.velocity[name], self.steps[name]
+            raise ValueError(
+                f"feedback='frozen': the gradient of {name!r} is {rms_g / rms_v:.3g}x larger than during Adam's "
+                "dense warm-up; is it scaled by a loss scaler (torch.amp.GradScaler)? This policy applies the "
+                "update in synchronize(), before the scaler unscales. Use bf16 autocast without a scaler, or "
+                "build the compressor with feedback='classic'.")
 
     def received(self, name: str, avg: torch.Tensor) -> None:
         if not bool(torch.isfinite(avg).all()):
@@ -634,6 +650,8 @@ class FrozenVariance(ErrorFeedback):
 
 
 FROZEN_VARIANCE_CLASSES = ("Adam", "AdamW")
+SCALED_GRADIENT_RATIO = 1000.0
+"""A first compressed gradient this many times the warm-up's RMS is taken for a loss-scaled one."""
 
 
 def check_frozen_variance(optimizer: Any) -> None:

@@ -206,6 +206,23 @@ def test_frozen_variance_leaves_the_parameter_alone_on_a_non_finite_step():
     assert torch.equal(c.residuals.residual("w"), residual)
 
 
+def test_frozen_variance_refuses_loss_scaled_gradients_and_changes_nothing():
+    p = torch.ones(2000, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    c = TopK(ratio=0.1, feedback=gc.FrozenVariance(warmup=2))
+    c.attach(opt, {p: "w"})
+    for _ in range(2):
+        p.grad = torch.randn(2000, generator=gen(0))
+        opt.step()
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match="loss scaler"):
+        c.compress_named("w", torch.randn(2000, generator=gen(1)) * 65536.0)
+    assert all(torch.equal(state[k], v) for k, v in opt.state[p].items())
+    assert c.residuals.residual("w") is None and not c.feedback.denom
+    c.compress_named("w", torch.randn(2000, generator=gen(1)))   # unscaled: fine
+    assert "w" in c.feedback.denom
+
+
 def test_frozen_variance_refuses_optimizers_it_cannot_freeze():
     p = torch.zeros(10, requires_grad=True)
     for opt in (torch.optim.SGD([p], lr=0.1, momentum=0.9), torch.optim.Adam([p], weight_decay=0.1)):
