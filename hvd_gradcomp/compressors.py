@@ -110,7 +110,7 @@ class GradientCompressor:
 
     * ``error_feedback``: False is ``feedback="none"``;
     * ``feedback``: ``"auto"`` (chosen from the wrapped optimizer by :meth:`attach`),
-      ``"none"``, ``"classic"``, ``"momentum"``, ``"update"`` or a
+      ``"none"``, ``"classic"``, ``"momentum"``, ``"update"``, ``"frozen"`` or a
       :class:`~hvd_gradcomp.feedback.Feedback` instance (see :mod:`hvd_gradcomp.feedback`);
     * ``clip``: local gradient clipping: each rank scales each tensor's gradient to L2 norm
       <= ``clip`` before compression (DGC);
@@ -452,7 +452,8 @@ class GradientCompressor:
 
         ``ok=False`` (an averaged gradient of the step was NaN/Inf, so a loss scaler skips
         it): the feedback state (residuals of the policy and of the relay, momentum
-        correction's velocities) and random streams return to where the step began, as if it
+        correction's and ``feedback="frozen"``'s velocities) and random streams return to where
+        the step began (``frozen`` also left the parameters alone), as if it
         had never run. Not rolled back: the local optimizers of ``feedback="update"``, which
         already applied the step to the parameters (a loss scaler does not fit that policy:
         its local optimizer steps on scaled gradients). Either way the step counter advances:

@@ -686,7 +686,7 @@ POLICIES = {"none": NoFeedback, "classic": ErrorFeedback, "momentum": MomentumCo
 
 
 def make(policy: Union[str, Feedback]) -> Feedback:
-    """A feedback policy from its name (``none``, ``classic``, ``momentum``, ``update``) or as given.
+    """A feedback policy from its name (``none``, ``classic``, ``momentum``, ``update``, ``frozen``) or as given.
 
     >>> make("classic").describe()
     'classic'
