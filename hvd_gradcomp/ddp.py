@@ -114,8 +114,9 @@ class GradCompState:
             Horovod road does: DGC momentum correction for ``SGD(momentum > 0)`` (each rank sends
             its own velocity through error feedback, so nothing it drops loses its momentum),
             classic error feedback otherwise. Adam-family optimizers get classic error feedback
-            (the Horovod road's ``"update"`` policy sends the optimizer's step, which a hook that
-            averages gradients cannot do); the choice is said once on rank 0. Without it: classic.
+            (the Horovod road's ``"frozen"``/``"update"`` policies work inside the optimizer step,
+            which a hook that averages gradients cannot reach); the choice is said once on rank 0.
+            Without it: classic.
 
     Why the hook does not have to wait for DDP's bucket rebuild: DDP puts all parameters in
     one bucket for the first iteration and rebuilds its buckets after it, by the order the
@@ -651,8 +652,9 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
     """The compressor's feedback policy for the hook, bound to ``optimizer``'s param groups
     (see ``optimizer`` in :class:`GradCompState`); the choice is said once on rank 0."""
     if comp.feedback.key not in HOOK_POLICIES:
-        raise ValueError(f"feedback={comp.feedback.key!r} cannot run in the DDP hook, which averages gradients "
-                         "(the 'update' policy sends the optimizer's step): use feedback='classic' or 'momentum'")
+        raise ValueError(f"feedback={comp.feedback.key!r} cannot run in the DDP hook, which only averages gradients "
+                         "('update' and 'frozen' work inside the optimizer step): use feedback='classic' or "
+                         "'momentum'")
     auto = comp.feedback_choice == "auto" and not comp._restored
     if optimizer is None:
         if isinstance(comp.feedback, fb.MomentumCorrection) and comp.feedback.momentum is None:
@@ -671,9 +673,10 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
     why = "chosen by the user"
     if auto:
         key, why = fb.choose(optimizer, isinstance(comp, QSGD), comp._contracting)
-        if key == "update":  # Adam-family: the Horovod road's policy needs the optimizer step, not a hook
-            key, why = "classic", (f"{why}; the Horovod road would send its update ('update'), which a DDP hook "
-                                   "cannot: it averages gradients, so error feedback is classic here")
+        if key not in HOOK_POLICIES:  # Adam family: the Horovod road's policy needs the optimizer step
+            key, why = "classic", (f"{why}; the Horovod road would use feedback {key!r}, which works inside the "
+                                   "optimizer step; a DDP hook only averages gradients, so error feedback is "
+                                   "classic here")
         if key != comp.feedback.key:
             comp._set_policy(fb.make(key))
     for name, group in groups:
