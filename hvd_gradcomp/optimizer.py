@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
-from .exchange import DenseExchange, Pending, SparseExchange, check_no_joined_ranks, choose_exchange
+from .exchange import DenseExchange, JoinGuard, Pending, SparseExchange, choose_exchange
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from .stats import ByteStats
 
@@ -74,7 +74,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         warn_unread_settings(compression, backward_passes_per_step,
                              f"DistributedOptimizer(compression={compression!r}, "
                              f"backward_passes_per_step={backward_passes_per_step})")
-        self._compressed = choose_exchange(compression, op, process_set)
+        # hvd.join() is refused before any allgather (see JoinGuard): one asynchronous check per step.
+        self._join = JoinGuard(process_set)
+        self._compressed = choose_exchange(compression, op, process_set, self._join)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
         self._sparse = SparseExchange(op, process_set)
@@ -147,9 +149,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._densified.append(p)
             if self._is_small(p):
                 return  # joins the fused allreduce of small tensors
-        if not self._pending and isinstance(self.compression, GradientCompressor):
-            check_no_joined_ranks(self.process_set)  # first compressed exchange of this step
-        self._pending[p] = self._compressed.start(name, p.grad)
+        pending = self._pending[p] = self._compressed.start(name, p.grad)
+        pending.extra["out"] = p.grad   # final for this step: an exchange may write the average early
 
     # ------------------------------------------------------------ synchronize / step
     def synchronize(self) -> None:
@@ -185,9 +186,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for p, pending in self._sparse_pending.items():
             self._sparse.finish(pending, p.grad)
             self._record(pending.name, pending.bytes_sent, pending.bytes_sent)
+        self._join.end_step()
         if isinstance(self.compression, GradientCompressor):
+            known = {p: pending.extra.get("finite") for p, pending in self._pending.items()}
             self.compression.end_round(self._all_finite([*self._pending, *self._sparse_pending,
-                                                         *(p for ps, _ in fused for p in ps)]))
+                                                         *(p for ps, _ in fused for p in ps)], known))
         for p in self._densified:  # the optimizer (SparseAdam, ...) expects the sparse layout back
             p.grad = p.grad.to_sparse()
         self._densified.clear()
@@ -200,10 +203,13 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._synchronized = True
 
     @staticmethod
-    def _all_finite(params: List[torch.Tensor]) -> bool:
+    def _all_finite(params: List[torch.Tensor], known: Dict[torch.Tensor, Optional[torch.Tensor]]) -> bool:
         """Whether every averaged gradient is finite: the same answer on every rank, since every
-        rank holds the same averages (one host sync for all of them)."""
-        finite = [torch.isfinite(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).all()
+        rank holds the same averages (one host sync for all of them). ``known``: the answer for
+        a parameter where its exchange had it cheaper than a pass over the whole gradient
+        (:func:`hvd_gradcomp.exchange.finite_at_indices`)."""
+        finite = [known[p] if known.get(p) is not None else
+                  torch.isfinite(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).all()
                   for p in params]
         return bool(torch.stack(finite).all()) if finite else True
 
@@ -272,6 +278,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._delay[p] = self.backward_passes_per_step
         self._synchronized = False
         self._should_synchronize = True
+        self._join.reset()
         if isinstance(self.compression, GradientCompressor):
             self.compression.abandon_round()
 
