@@ -116,7 +116,7 @@ def fused(steps: int = 3) -> Dict[str, Any]:
                 res["launched_before_sync"].append(all(g.handle is not None for g in groups.values()))
                 if fusion_bytes < 1 << 30:   # groups done before synchronize(): their averages go into p.grad at once
                     for g in groups.values():
-                        if g.handle is not None:
+                        if g.handle is not None and not g.decoded:   # a decoded group's handle is consumed
                             wait_done(g.handle)
                     opts[0]._progress()
                     res.setdefault("summed_before_sync", []).append(
