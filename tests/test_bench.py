@@ -236,3 +236,21 @@ def test_convergence_rows_show_the_feedback_policy_the_run_used() -> None:
                "qsgd8": {**_conv(2.55, "qsgd8"), "feedback": "residual"}}
     rows = {r["key"]: r for r in tables.convergence_rows(results, bplan.CONVERGENCE_SETTINGS)}
     assert (rows["none"]["ef"], rows["qsgd4"]["ef"], rows["qsgd8"]["ef"]) == (None, False, True)
+
+
+def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
+    """README.md and docs/AUTO.md carry bench_bytes_per_rank.py's tables between its markers
+    (``--write-docs``), and the modelled part is what the code models today."""
+    from benchmarks import bench_bytes_per_rank as bpr
+
+    tensors = bpr.model_payloads()
+    blocks = {}
+    for rel in bpr.DOC_FILES:
+        text = (bplan.ROOT / rel).read_text()
+        assert text.count(bpr.BEGIN) == 1 and text.count(bpr.END) == 1, rel
+        blocks[rel] = text.split(bpr.BEGIN)[1].split(bpr.END)[0]
+    assert bpr.model_tables(tensors) in blocks["docs/AUTO.md"]
+    assert "Measured bytes per rank per step" in blocks["docs/AUTO.md"]
+    cross = bpr.crossovers(tensors)["TopKQSGD(1%, 8)"]
+    assert f"fp16 allreduce from {cross['fp16']} ranks on" in blocks["README.md"]
+    assert "| sparse | TopKQSGD(1%, 8) |" in blocks["README.md"]
