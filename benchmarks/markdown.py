@@ -121,6 +121,7 @@ def _speed_section(plan: Plan, speed: Dict[str, Any], images: Dict[str, str]) ->
         out += [line] if line else []
         out += [f"- Auto's decisions: {r['auto']}" for r in rows if r.get("auto")]
         out += [f"- {SPEED_LABELS.get(k, k)}: failed: `{v.splitlines()[0]}`" for k, v in block["failures"].items()]
+        out += [""] if out[-1] else []
     return out
 
 
