@@ -19,7 +19,7 @@ _LAZY = {
     "Auto": "auto",
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "HorovodIntegrationError": "horovod",
     "GradientCompressor": "compressors", "SparsityWarmup": "compressors",
-    "ResidualStore": "feedback",
+    "ResidualStore": "feedback", "FrozenVariance": "feedback",
     "ByteStats": "stats",
     "WireFormatError": "wire",
     "DistributedOptimizer": "optimizer",

@@ -110,7 +110,7 @@ class GradientCompressor:
 
     * ``error_feedback``: False is ``feedback="none"``;
     * ``feedback``: ``"auto"`` (chosen from the wrapped optimizer by :meth:`attach`),
-      ``"none"``, ``"classic"``, ``"momentum"``, ``"update"`` or a
+      ``"none"``, ``"classic"``, ``"momentum"``, ``"update"``, ``"frozen"`` or a
       :class:`~hvd_gradcomp.feedback.Feedback` instance (see :mod:`hvd_gradcomp.feedback`);
     * ``clip``: local gradient clipping: each rank scales each tensor's gradient to L2 norm
       <= ``clip`` before compression (DGC);
@@ -224,7 +224,7 @@ class GradientCompressor:
         if rank == 0:
             fb.announce(f"{self!r} with {type(optimizer).__name__}: feedback '{self.feedback.key}' "
                         f"({self.feedback.describe()}; {why}). Override with feedback='none'|'classic'|"
-                        "'momentum'|'update'.")
+                        "'momentum'|'update'|'frozen'.")
 
     @property
     def _restored(self) -> bool:
@@ -238,13 +238,16 @@ class GradientCompressor:
         """Whether tensor ``name`` (of ``numel`` elements) is compressed; False: ``exclude``
         matches its name, or it has fewer than :data:`DEFAULT_MIN_COMPRESS_NUMEL` elements
         (``hvd_gradcomp.DistributedOptimizer`` takes its ``min_compress_numel`` instead), and it
-        goes uncompressed in the dense allreduce.
+        goes uncompressed in the dense allreduce; or its feedback policy asks for a dense step
+        (:meth:`hvd_gradcomp.feedback.Feedback.dense`).
 
         >>> c = TopK(exclude=r"embed|norm")
         >>> c.compresses("tok_embed.weight"), c.compresses("fc.bias", 64), c.compresses("fc.weight", 4096)
         (False, False, True)
         """
         if numel is not None and numel < DEFAULT_MIN_COMPRESS_NUMEL:
+            return False
+        if self.feedback.dense(name):  # e.g. feedback="frozen": Adam's dense warm-up
             return False
         return self.exclude is None or not self.exclude.search(name)
 
@@ -449,7 +452,8 @@ class GradientCompressor:
 
         ``ok=False`` (an averaged gradient of the step was NaN/Inf, so a loss scaler skips
         it): the feedback state (residuals of the policy and of the relay, momentum
-        correction's velocities) and random streams return to where the step began, as if it
+        correction's and ``feedback="frozen"``'s velocities) and random streams return to where
+        the step began (``frozen`` also left the parameters alone), as if it
         had never run. Not rolled back: the local optimizers of ``feedback="update"``, which
         already applied the step to the parameters (a loss scaler does not fit that policy:
         its local optimizer steps on scaled gradients). Either way the step counter advances:

@@ -274,11 +274,12 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
     call = find_horovod_call(tensor, names)
     if call is not None:
         warn_unread_settings(compressor, what=f"hvd.DistributedOptimizer(compression={compressor!r})")
-        if not compressor.compresses(call.name, tensor.numel()):
-            return tensor, None  # small or excluded: Horovod's own allreduce takes it, uncompressed
         compressor._claim(call.optimizer, call.process_set.size())
-        # The feedback policy ("auto") is chosen from Horovod's optimizer (the user's class underneath).
+        # The feedback policy ("auto") is chosen from Horovod's optimizer (the user's class
+        # underneath), before asking whether to compress: the policy may ask for a dense step.
         compressor.attach(call.optimizer, call.names, call.process_set.rank())
+        if not compressor.compresses(call.name, tensor.numel()):
+            return tensor, None  # small, excluded or dense this step: Horovod's own allreduce takes it
         if not compressor.in_step:  # the step's first exchange
             check_no_joined_ranks(call.process_set)
         compressor.exchange_opened(call.name)

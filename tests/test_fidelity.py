@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+import hvd_gradcomp as gc
 from hvd_gradcomp import QSGD, TopK, TopKQSGD
 from hvd_gradcomp import feedback as fb
 from hvd_gradcomp.compressors import SparsityWarmup
@@ -95,7 +96,7 @@ def test_update_feedback_at_ratio_one_is_the_optimizer(cls, opts):
     ref, opt = cls([p_ref], **opts), cls([p], **opts)
     sched_ref = torch.optim.lr_scheduler.LambdaLR(ref, lambda s: 1.0 / (1 + s))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    c = TopK(ratio=1.0)
+    c = TopK(ratio=1.0, feedback="update")
     c.attach(opt, {p: "w"})
     assert c.feedback.key == "update"
     for step in range(10):
@@ -115,6 +116,122 @@ def test_update_feedback_without_an_optimizer_says_how_to_use_it():
         TopK(feedback="update").compress_named("w", torch.randn(10))
 
 
+# ------------------------------------------------------------------ Adam with v frozen
+def frozen_reference(w, grads, opts, warmup, floor=0.1):
+    """Adam for ``warmup`` steps, then v frozen (floored) and m = b1*m + (1-b1)*g: written out."""
+    p = w.clone().requires_grad_()
+    adam = torch.optim.AdamW([p], **opts)
+    b1, b2 = adam.param_groups[0]["betas"]
+    lr, eps, wd = opts["lr"], adam.param_groups[0]["eps"], adam.param_groups[0]["weight_decay"]
+    denom = m = None
+    for t, g in enumerate(grads, start=1):
+        if t <= warmup:
+            p.grad = g.clone()
+            adam.step()
+            continue
+        if denom is None:
+            st = adam.state[p]
+            root = (st["exp_avg_sq"] / (1 - b2 ** warmup)).sqrt()
+            denom = root.clamp(min=floor * root.mean().item()) + eps
+            m = st["exp_avg"].clone()
+        m = b1 * m + (1 - b1) * g
+        with torch.no_grad():
+            p.mul_(1 - lr * wd)
+            p.sub_(lr / (1 - b1 ** t) * m / denom)
+    return p.detach()
+
+
+@pytest.mark.parametrize("opts", [dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2, betas=(0.8, 0.99))],
+                         ids=["adamw-decay", "betas"])
+def test_frozen_variance_at_ratio_one_is_adam_then_frozen_adam(opts):
+    """One rank, ratio 1: exact Adam through the dense warm-up (the compressor sends nothing),
+    then Adam with v frozen at the end of the warm-up and the momentum carried over."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 30)
+    grads = [torch.randn(40, 30, generator=gen(s)) * (1 + s % 3) for s in range(12)]
+    p = w.clone().requires_grad_()
+    opt = torch.optim.AdamW([p], **opts)
+    c = TopK(ratio=1.0, feedback=gc.FrozenVariance(warmup=4))
+    c.attach(opt, {p: "w"})
+    for step, g in enumerate(grads):
+        if step < 4:
+            assert not c.compresses("w", p.numel())   # dense warm-up: the plain allreduce takes it
+            p.grad = g.clone()
+        else:
+            assert c.compresses("w", p.numel())
+            p.grad = exchange([c], "w", [g]).view_as(p)
+            assert torch.count_nonzero(p.grad) == 0   # the wrapped optimizer only decays
+        opt.step()
+    torch.testing.assert_close(p.detach(), frozen_reference(w, grads, opts, 4), rtol=0, atol=1e-6)
+
+
+def test_frozen_variance_floors_coordinates_without_gradient_in_the_warm_up():
+    """A coordinate whose gradient was 0 through the warm-up moves like an average one, not by lr/eps."""
+    p = torch.zeros(2000, requires_grad=True)
+    opt = torch.optim.Adam([p], lr=1e-3)
+    c = TopK(ratio=1.0, feedback="frozen")
+    c.attach(opt, {p: "w"})
+    g = torch.ones(2000)
+    g[0] = 0.0
+    for _ in range(100):
+        assert not c.compresses("w", p.numel())
+        p.grad = g.clone()
+        opt.step()
+    assert c.compresses("w", p.numel())
+    before = p.detach().clone()
+    p.grad = exchange([c], "w", [torch.ones(2000)]).view_as(p)
+    opt.step()
+    moved = (before - p.detach()).abs()
+    assert moved[0] < 20 * moved[1:].mean(), moved[:3]
+
+
+def test_frozen_variance_leaves_the_parameter_alone_on_a_non_finite_step():
+    p = torch.ones(2000, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    c = TopK(ratio=0.1, feedback=gc.FrozenVariance(warmup=1), seed=0)
+    c._claim(opt, 2)
+    c.attach(opt, {p: "w"})
+    p.grad = torch.ones(2000)
+    opt.step()
+    exchange([c], "w", [torch.randn(2000, generator=gen(0))])
+    c.end_round(True)
+    before, velocity = p.detach().clone(), c.feedback.velocity["w"].clone()
+    residual, steps = c.residuals.residual("w").clone(), dict(c.feedback.steps)
+    c.compress_named("w", torch.randn(2000, generator=gen(1)))
+    out = torch.full((2000,), float("inf"))
+    c.received("w", out)
+    assert torch.isinf(out).all() and torch.equal(p.detach(), before)
+    c.end_round(False)
+    assert torch.equal(c.feedback.velocity["w"], velocity) and c.feedback.steps == steps
+    assert torch.equal(c.residuals.residual("w"), residual)
+
+
+def test_frozen_variance_refuses_loss_scaled_gradients_and_changes_nothing():
+    p = torch.ones(2000, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    c = TopK(ratio=0.1, feedback=gc.FrozenVariance(warmup=2))
+    c.attach(opt, {p: "w"})
+    for _ in range(2):
+        p.grad = torch.randn(2000, generator=gen(0))
+        opt.step()
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match="loss scaler"):
+        c.compress_named("w", torch.randn(2000, generator=gen(1)) * 65536.0)
+    assert all(torch.equal(state[k], v) for k, v in opt.state[p].items())
+    assert c.residuals.residual("w") is None and not c.feedback.denom
+    c.compress_named("w", torch.randn(2000, generator=gen(1)))   # unscaled: fine
+    assert "w" in c.feedback.denom
+
+
+def test_frozen_variance_refuses_optimizers_it_cannot_freeze():
+    p = torch.zeros(10, requires_grad=True)
+    for opt in (torch.optim.SGD([p], lr=0.1, momentum=0.9), torch.optim.Adam([p], weight_decay=0.1)):
+        with pytest.raises(ValueError, match="feedback='frozen' needs torch.optim.Adam or AdamW"):
+            TopK(feedback="frozen").attach(opt, {p: "w"})
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        gc.FrozenVariance(warmup=0)
+
+
 # ------------------------------------------------------------------ the automatic choice
 def _opt(cls, **kw):
     return cls([torch.zeros(3, requires_grad=True)], **kw)
@@ -123,14 +240,15 @@ def _opt(cls, **kw):
 @pytest.mark.parametrize("make,compressor,expected", [
     (lambda: _opt(torch.optim.SGD, lr=0.1, momentum=0.9), TopKQSGD, "momentum"),
     (lambda: _opt(torch.optim.SGD, lr=0.1), TopK, "classic"),
-    (lambda: _opt(torch.optim.Adam), TopKQSGD, "update"),
-    (lambda: _opt(torch.optim.AdamW, weight_decay=0.1), TopKQSGD, "update"),
+    (lambda: _opt(torch.optim.Adam), TopKQSGD, "frozen"),
+    (lambda: _opt(torch.optim.AdamW, weight_decay=0.1), TopKQSGD, "frozen"),
+    (lambda: _opt(torch.optim.NAdam), TopKQSGD, "update"),
     (lambda: _opt(torch.optim.Adam, weight_decay=0.1), TopKQSGD, "classic"),  # coupled L2 decay
     (lambda: _opt(torch.optim.RMSprop), TopK, "update"),
     (lambda: _opt(torch.optim.AdamW), lambda: QSGD(bits=8), "classic"),
     (lambda: _opt(torch.optim.AdamW), lambda: QSGD(bits=4), "none"),
     (lambda: _opt(torch.optim.SGD, lr=0.1), lambda: QSGD(bits=2), "none"),
-], ids=["sgd-momentum", "sgd", "adam", "adamw", "adam-l2", "rmsprop", "qsgd8", "qsgd4", "qsgd2"])
+], ids=["sgd-momentum", "sgd", "adam", "adamw", "nadam", "adam-l2", "rmsprop", "qsgd8", "qsgd4", "qsgd2"])
 def test_auto_feedback_follows_the_optimizer(make, compressor, expected, caplog):
     opt, c = make(), compressor()
     assert c.feedback.key == "classic"  # before an optimizer is known
@@ -201,13 +319,18 @@ def test_local_clipping_bounds_what_is_sent():
 
 
 # ------------------------------------------------------------------ checkpoints
-@pytest.mark.parametrize("policy", ["momentum", "update", "classic"])
+@pytest.mark.parametrize("policy", ["momentum", "update", "classic", "frozen"])
 def test_state_dict_round_trip_continues_identically(policy):
     def build():
         p = torch.ones(30, 20, requires_grad=True)
-        opt = torch.optim.AdamW([p], lr=1e-2) if policy == "update" else torch.optim.SGD([p], lr=0.1, momentum=0.9)
-        c = TopKQSGD(ratio=0.1, feedback=policy, seed=5)
+        adaptive = policy in ("update", "frozen")
+        opt = torch.optim.AdamW([p], lr=1e-2) if adaptive else torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        c = TopKQSGD(ratio=0.1, feedback=gc.FrozenVariance(warmup=1) if policy == "frozen" else policy, seed=5)
         c.attach(opt, {p: "w"})
+        if policy == "frozen":   # one dense Adam step: v to freeze (the same on both copies)
+            p.grad = torch.full((30, 20), 0.5)
+            opt.step()
+            p.grad = None
         return p, c
 
     def steps(p, c, start, n):

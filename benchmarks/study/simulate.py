@@ -217,6 +217,8 @@ def make_codec(spec):
 
 def run(task, optname, policy, codec_spec, seed, steps, lr, batch, P=2, min_numel=1024, warmup=0.1, eta=0.1,
         warm=0.0):
+    if policy.startswith("frozen"):
+        return run_frozen(task, optname, policy, codec_spec, seed, steps, lr, batch, P, min_numel, warmup, warm)
     if policy == "update":
         return run_update(task, optname, codec_spec, seed, steps, lr, batch, P, min_numel, warmup, warm)
     model, next_batch, loss_fn, (vx, vy) = make_task(task, seed)
@@ -308,6 +310,78 @@ def run_update(task, optname, codec_spec, seed, steps, lr, batch, P, min_numel, 
                 if step >= steps // 2:
                     late_bytes += b
                     late_raw += p.numel() * 4
+    return evaluate(task, model, vx, vy) + (late_raw / max(late_bytes, 1),)
+
+
+FLOOR = float(__import__("os").environ.get("FLOOR", "0.1"))
+
+
+def run_frozen(task, optname, policy, codec_spec, seed, steps, lr, batch, P, min_numel, warmup, warm):
+    """1-bit-Adam style: exact (dense) Adam for the first ``warm`` share of the steps, then the
+    second moment is frozen and each rank's momentum goes through error feedback.
+
+    policy "frozen": DGC form (each rank keeps its own velocity u_i = b1*u_i + (1-b1)*g_i);
+    "frozen1b": 1-bit Adam form (u_i = b1*m_shared + (1-b1)*g_i, m_shared = average sent)."""
+    model, next_batch, loss_fn, (vx, vy) = make_task(task, seed)
+    opt = make_opt(optname, model.parameters(), lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, warmup))
+    codec = make_codec(codec_spec)
+    params = list(model.named_parameters())
+    W = int(warm * steps)
+    st = {}
+    late_bytes = late_raw = 0.0
+    b1, b2 = opt.param_groups[0]["betas"]
+    eps, wd = opt.param_groups[0]["eps"], opt.param_groups[0]["weight_decay"]
+    spw = int(float(__import__("os").environ.get("SPW", "0")) * steps)
+    target = codec.ratio
+    for step in range(steps):
+        if spw and step >= W:
+            k = step - W
+            codec.ratio = target if k >= spw else 0.25 * (target / 0.25) ** (k / spw)
+        x, y = next_batch(batch * P)
+        grads = []
+        for r in range(P):
+            model.zero_grad()
+            loss_fn(model, x[r::P], y[r::P]).backward()
+            grads.append([p.grad.detach().clone() for _, p in params])
+        lr_t = opt.param_groups[0]["lr"]
+        for i, (n, p) in enumerate(params):
+            gs = [g[i] for g in grads]
+            if step < W or p.numel() < min_numel:
+                p.grad = sum(gs) / P
+                b = p.numel() * 4
+            else:
+                s = opt.state[p]
+                if n not in st:   # freeze: take over Adam's moments
+                    t = int(s["step"])
+                    sv = (s["exp_avg_sq"] / (1 - b2 ** t)).sqrt()
+                    st[n] = {"v": sv.clamp(min=FLOOR * sv.mean().item()).add_(eps), "m": s["exp_avg"].clone(),
+                             "u": [s["exp_avg"].clone() for _ in range(P)], "e": [torch.zeros_like(p) for _ in range(P)]}
+                    s["exp_avg"].zero_()
+                z = st[n]
+                sent, b = [], 0
+                for r, g in enumerate(gs):
+                    if policy == "frozen1b":
+                        z["u"][r] = z["m"] * b1 + (1 - b1) * g
+                    else:
+                        z["u"][r].mul_(b1).add_(g, alpha=1 - b1)
+                    a = z["u"][r] + z["e"][r]
+                    c, nb = send(codec, a)
+                    z["e"][r] = a - c
+                    sent.append(c)
+                    b += nb / P
+                D = sum(sent) / P
+                z["m"] = D
+                with torch.no_grad():
+                    if optname == "adamw":
+                        p.mul_(1 - lr_t * wd)
+                    p.add_(D / z["v"], alpha=-lr_t)
+                p.grad = torch.zeros_like(p) if optname != "adamw" else None
+            if step >= steps // 2:
+                late_bytes += b
+                late_raw += p.numel() * 4
+        opt.step()
+        sched.step()
     return evaluate(task, model, vx, vy) + (late_raw / max(late_bytes, 1),)
 
 

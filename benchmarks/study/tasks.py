@@ -116,7 +116,7 @@ def make_task(name: str, seed: int, rank: int) -> Task:
             s = torch.randint(0, len(train) - ctx - 1, (16,), generator=g)
             return train[s[:, None] + offs], train[s[:, None] + offs + 1]
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-        return Task(name, model, opt, "gc", 300, 1, 0.1, batch, _seq_loss,
+        return Task(name, model, opt, "gc", 400, 1, 0.1, batch, _seq_loss,
                     (val[vs[:, None] + offs], val[vs[:, None] + offs + 1]))
     if name in ("cnn-sgd", "cnn-adam"):
         xtr, ytr, xte, yte = datasets.load_digits_split(seed=0)
@@ -127,7 +127,7 @@ def make_task(name: str, seed: int, rank: int) -> Task:
             return xtr[i].view(-1, 1, 8, 8), ytr[i]
         opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if name == "cnn-sgd"
                else torch.optim.Adam(model.parameters(), lr=2e-3))
-        return Task(name, model, opt, "hvd", 300, 1, 0.05, batch, _loss, (xte.view(-1, 1, 8, 8), yte))
+        return Task(name, model, opt, "hvd", 600, 1, 0.05, batch, _loss, (xte.view(-1, 1, 8, 8), yte))
     if name == "char-mlp":
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
         from train import CharMLP
@@ -140,7 +140,7 @@ def make_task(name: str, seed: int, rank: int) -> Task:
             s = torch.randint(0, len(train) - ctx - 1, (16,), generator=g)
             return datasets.text_windows(train, s, ctx)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        return Task(name, model, opt, "gc", 300, 2, 0.0, batch, _loss, datasets.text_windows(val, vs, ctx))
+        return Task(name, model, opt, "gc", 500, 2, 0.0, batch, _loss, datasets.text_windows(val, vs, ctx))
     raise ValueError(f"unknown task {name!r}")
 
 

@@ -22,7 +22,8 @@ import hvd_gradcomp as gc  # noqa: E402
 from benchmarks.study.tasks import TASKS, Task, lr_factor, make_task  # noqa: E402
 
 # setting -> (label, compressor factory). Every compressor uses the library's defaults
-# (feedback="auto") except "tq1-classic": error feedback on gradients, the pre-issue-9 recipe.
+# (feedback="auto") except "tq1-classic" (error feedback on gradients, the pre-issue-9 recipe) and
+# "tq1-update" (compress the update: the previous default for Adam and AdamW).
 SETTINGS = {
     "none": ("uncompressed", lambda: None),
     "fp16": ("fp16", lambda: hvd.Compression.fp16),
@@ -34,6 +35,7 @@ SETTINGS = {
     "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
     "tq1-momentum": ("TopKQSGD(1%, 8), momentum correction",
                      lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
+    "tq1-update": ("TopKQSGD(1%, 8), compress the update", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="update")),
 }
 DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic")
 

@@ -40,7 +40,8 @@ def train(wrapper: str, optimizer: str, compression: str, steps: int = 120, accu
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    comp = gc.TopKQSGD(ratio=ratio, bits=8, feedback=feedback) if compression == "topkqsgd" else None
+    policy = gc.FrozenVariance(warmup=int(feedback[6:])) if feedback.startswith("frozen") else feedback
+    comp = gc.TopKQSGD(ratio=ratio, bits=8, feedback=policy) if compression == "topkqsgd" else None
     said = _Said()
     log = logging.getLogger("hvd_gradcomp")
     log.addHandler(said)

@@ -211,7 +211,10 @@ def _train(model, acc, steps: int, start: int, n: int) -> None:
 
 def _fresh(kind: str, n: int):
     model = make_model()
-    comp = make_compressor(kind, seed=7) if kind != "none" else None
+    # Adam's default policy ("frozen") is dense for 100 steps: freeze after 2, so the checkpoint
+    # (after 3) holds the frozen second moment, the velocities and the residuals.
+    frozen = {"feedback": gc.FrozenVariance(warmup=2)} if kind in ("topk", "topkqsgd") else {}
+    comp = make_compressor(kind, seed=7, **frozen) if kind != "none" else None
     opt = gc.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                   named_parameters=model.named_parameters(), compression=comp,
                                   backward_passes_per_step=n)
