@@ -92,7 +92,8 @@ class Auto:
         qsgd_bits: QSGD's bits for the compressed-allreduce road.
         roads: the roads allowed (default all: ``"sparse", "qsgd", "fp16", "dense"``).
         explore_steps: steps each road is tried for at the start (the first call of a road
-            pays one-off costs; the least of the samples is used).
+            pays one-off costs; the least of the samples is used), and steps timed after each
+            decision to verify it.
         interval: steps between re-decisions.
         hysteresis: a tensor switches only if the new road is this fraction faster.
         probe_numel: float32 values of the bandwidth probe's allreduce.
@@ -406,6 +407,8 @@ class Auto:
 
         ``tensors[name]``: the road, the codec milliseconds and payload bytes measured per road,
         the modelled milliseconds per road and the exposed wait of the last exchange.
+        ``verdicts``: each verification (:meth:`verify`): the step, the milliseconds per step of
+        the decisions and of what they were compared with, and what was kept.
         """
         s = self._setup
         ranks = s.ranks if s else 1

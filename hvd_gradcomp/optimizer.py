@@ -8,7 +8,8 @@ gradient takes (see :mod:`hvd_gradcomp.exchange`):
 * parameter names reach the compressors (error feedback is keyed by them);
 * sparse payloads travel by allgather, QSGD by a compressed allreduce (alltoall + allgather);
 * tensors smaller than ``min_compress_numel`` (biases, norms) are not compressed and go
-  in one fused allreduce per dtype at ``synchronize()``.
+  in one fused allreduce per dtype, started from the hook of the last of them (or at
+  ``synchronize()`` in a step where one has no gradient).
 
 Example::
 
@@ -84,6 +85,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._pending: Dict[torch.Tensor, Pending] = {}
         self._sparse_pending: Dict[torch.Tensor, Pending] = {}
         self._densified: List[torch.Tensor] = []   # sparse gradients exchanged dense (sparse_as_dense)
+        self._small: Optional[List[torch.Tensor]] = None   # tensors of the fused allreduce (see _hook)
+        self._small_ready = 0
+        self._early_fused: Optional[List[Tuple[List[torch.Tensor], Pending]]] = None
         self._synchronized = False
         self._should_synchronize = True
         self.comm_stats = ByteStats()   # bytes this rank hands to Horovod, all steps
@@ -123,6 +127,15 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         if self._delay[p] == 0 and (p.grad.is_sparse or not self._is_small(p)):
             self._start(p)
             self._progress()
+        elif self._delay[p] == 0 and not self.sparse_as_dense:
+            self._small_ready += 1
+            if self._small is None:
+                self._small = [q for q in self._delay if self._is_small(q)]
+            if self._small_ready == len(self._small):
+                # Every small gradient is final: their fused allreduce leaves now, overlapping the
+                # rest of backward, instead of from synchronize(). (A step where one has no gradient
+                # never gets here: synchronize() starts it, with zeros for the missing ones.)
+                self._early_fused = self._start_fused(self._small)
 
     def _progress(self) -> None:
         """Decode the exchanges already done while backward goes on, instead of all at synchronize()."""
@@ -173,7 +186,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             else:  # partial window (flush) or a parameter without gradient this step
                 self._start(p)
         small += [p for p in self._densified if p not in self._pending and p not in small]
-        fused = self._start_fused(small)
+        fused = self._early_fused if self._early_fused is not None else self._start_fused(small)
         for pending in self._pending.values():
             if not pending.finished:
                 self._compressed.advance(pending)
@@ -198,6 +211,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._sparse_pending.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+        self._early_fused, self._small_ready = None, 0
         self.last_step_bytes, self._step_bytes = self._step_bytes, 0
         self.comm_wait_s += time.perf_counter() - t0
         self._synchronized = True
@@ -276,6 +290,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._densified.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+        self._early_fused, self._small_ready = None, 0
         self._synchronized = False
         self._should_synchronize = True
         self._join.reset()
@@ -283,7 +298,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self.compression.abandon_round()
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._pending or self._sparse_pending:
+        if self._pending or self._sparse_pending or self._early_fused is not None:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(): the gradients in flight "
                                  "would be lost. Call step() (or synchronize()) first.")

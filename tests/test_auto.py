@@ -67,6 +67,8 @@ def test_fused_sparse_allgathers(backend):
         # 4 compressed tensors: one allgather per step instead of 4; from step 2 on it leaves
         # with the last hook, before synchronize()
         assert one["groups"] == [1, 1, 1] and one["launched_before_sync"] == [False, True, True]
+        # the small tensors' fused allreduce leaves from the last small gradient's hook
+        assert one["small_before_sync"] == [True, True, True]
         assert all(g >= 2 for g in many["groups"]) and many["launched_before_sync"][1:] == [True, True]
         # a group decoded before synchronize() writes its averages into p.grad then (bit-identical, above)
         assert all(n >= 1 for n in many["summed_before_sync"][1:]), many["summed_before_sync"]

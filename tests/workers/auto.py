@@ -114,6 +114,7 @@ def fused(steps: int = 3) -> Dict[str, Any]:
                 groups = {id(p.extra["group"]): p.extra["group"] for p in opts[0]._pending.values()}
                 res["groups"].append(len(groups))
                 res["launched_before_sync"].append(all(g.handle is not None for g in groups.values()))
+                res.setdefault("small_before_sync", []).append(opts[0]._early_fused is not None)
                 if fusion_bytes < 1 << 30:   # groups done before synchronize(): their averages go into p.grad at once
                     for g in groups.values():
                         if g.handle is not None and not g.decoded:   # a decoded group's handle is consumed
