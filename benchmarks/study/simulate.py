@@ -321,6 +321,7 @@ def run_frozen(task, optname, policy, codec_spec, seed, steps, lr, batch, P, min
     second moment is frozen and each rank's momentum goes through error feedback.
 
     policy "frozen": DGC form (each rank keeps its own velocity u_i = b1*u_i + (1-b1)*g_i);
+    "frozenw": the same, but top-k and error feedback act on u_i / sqrt(v) (the update direction);
     "frozen1b": 1-bit Adam form (u_i = b1*m_shared + (1-b1)*g_i, m_shared = average sent)."""
     model, next_batch, loss_fn, (vx, vy) = make_task(task, seed)
     opt = make_opt(optname, model.parameters(), lr)
@@ -365,7 +366,7 @@ def run_frozen(task, optname, policy, codec_spec, seed, steps, lr, batch, P, min
                         z["u"][r] = z["m"] * b1 + (1 - b1) * g
                     else:
                         z["u"][r].mul_(b1).add_(g, alpha=1 - b1)
-                    a = z["u"][r] + z["e"][r]
+                    a = (z["u"][r] / z["v"] if policy == "frozenw" else z["u"][r]) + z["e"][r]
                     c, nb = send(codec, a)
                     z["e"][r] = a - c
                     sent.append(c)
@@ -375,7 +376,7 @@ def run_frozen(task, optname, policy, codec_spec, seed, steps, lr, batch, P, min
                 with torch.no_grad():
                     if optname == "adamw":
                         p.mul_(1 - lr_t * wd)
-                    p.add_(D / z["v"], alpha=-lr_t)
+                    p.add_(D if policy == "frozenw" else D / z["v"], alpha=-lr_t)
                 p.grad = torch.zeros_like(p) if optname != "adamw" else None
             if step >= steps // 2:
                 late_bytes += b
