@@ -12,7 +12,8 @@ import click
 from .netns import LINK_MODES, TBF
 from .plan import CONVERGENCE_LABELS, CONVERGENCE_SETTINGS, MOMENTUM_CORRECTION, ROOT, SPEED_LABELS, Plan
 from .plots import plot_all
-from .tables import convergence_rows, render_convergence_table, render_speed_table, speed_rows, target_lines
+from .tables import (convergence_rows, render_convergence_table, render_speed_table, speed_rows, speedup_line,
+                     target_lines)
 
 
 def render_markdown(plan: Plan, machine: Dict[str, str], speed: Dict[str, Any], conv: Optional[Dict[str, Any]],
@@ -125,8 +126,11 @@ def _speed_section(plan: Plan, speed: Dict[str, Any], images: Dict[str, str]) ->
         title = f"{rate}, {LINK_MODES[mode]}" if mode != "unthrottled" else f"{rate} requested, ran unthrottled"
         rows = speed_rows(block["results"], plan.speed)
         out += [f"### {title}", "", render_speed_table(rows), ""]
+        line = speedup_line(rate, rows)
+        out += [line] if line else []
         out += [f"- Auto's decisions: {r['auto']}" for r in rows if r.get("auto")]
         out += [f"- {SPEED_LABELS.get(k, k)}: failed: `{v.splitlines()[0]}`" for k, v in block["failures"].items()]
+        out += [""] if out[-1] else []
     return out
 
 

@@ -63,6 +63,18 @@ def render_speed_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def speedup_line(rate: str, rows: List[Dict[str, Any]]) -> Optional[str]:
+    """One line per rate: TopKQSGD's and Auto's speedups over uncompressed Horovod and over fp16.
+
+    >>> speedup_line("100mbit", [{"key": "topkqsgd", "label": "TopKQSGD(1%, 8)", "speedup": 9.0,
+    ...                           "speedup_fp16": 4.5}])
+    '- Speedup at 100mbit: TopKQSGD(1%, 8) 9.00x over uncompressed Horovod, 4.50x over Horovod fp16'
+    """
+    parts = [f"{r['label']} {_x(r['speedup'])} over uncompressed Horovod, {_x(r['speedup_fp16'])} over Horovod fp16"
+             for r in rows if r["key"] in ("topkqsgd", "auto")]
+    return f"- Speedup at {rate}: " + "; ".join(parts) if parts else None
+
+
 def convergence_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) -> List[Dict[str, Any]]:
     """Rows with the relative difference of the held-out loss against the uncompressed run.
 

@@ -8,13 +8,19 @@ grows with the rank count) the plain allreduce does. ``Auto`` measures instead o
    (``sparse``: TopKQSGD allgather, ``qsgd``: QSGD compressed allreduce, or allgather inside
    stock Horovod, ``fp16``, ``dense``), and its encode + decode seconds and payload bytes are
    measured.
-2. **Probe** the link: two timed allreduces (a tiny one for latency, ``probe_numel`` float32
-   values for bandwidth).
+2. **Probe** each road's collective: timed allreduces (a tiny one for latency, ``probe_numel``
+   float32 values, as many fp16 values: Horovod reduces fp16 in half precision, on CPU far
+   slower than its bytes suggest) and an allgather of ``probe_numel`` bytes.
 3. **Decide**: the model of :mod:`hvd_gradcomp.policy` (codec + latency x rounds + bytes /
-   bandwidth, with the rank count in the bytes, so the road switches past the crossover)
-   picks each tensor's road. Measurements are averaged over ranks (allreduce) and rank 0's
-   decisions are broadcast: every rank takes the same road for every tensor.
-4. **Re-decide** every ``interval`` steps (re-probe, codec costs of the roads in use
+   the road's measured rate, with the rank count in the bytes, so the road switches past the
+   crossover) picks each tensor's road. Measurements are averaged over ranks (allreduce) and
+   rank 0's decisions are broadcast: every rank takes the same road for every tensor.
+4. **Verify** with the clock: the ``explore_steps`` steps after a decision are timed and
+   compared with the step times measured for each road alone while exploring (the dense
+   road included); if one road alone was faster, every tensor takes it. After a
+   re-decision the comparison is with the steps just before it, and the old decisions come
+   back if they were faster. A model can be wrong; a step time is what the user waits for.
+5. **Re-decide** every ``interval`` steps (re-probe, codec costs of the roads in use
    refreshed), switching a tensor only when the new road is ``hysteresis`` faster.
 
 Error feedback across switches: what a compressed road left behind (its residual) is added
@@ -86,7 +92,8 @@ class Auto:
         qsgd_bits: QSGD's bits for the compressed-allreduce road.
         roads: the roads allowed (default all: ``"sparse", "qsgd", "fp16", "dense"``).
         explore_steps: steps each road is tried for at the start (the first call of a road
-            pays one-off costs; the least of the samples is used).
+            pays one-off costs; the least of the samples is used), and steps timed after each
+            decision to verify it.
         interval: steps between re-decisions.
         hysteresis: a tensor switches only if the new road is this fraction faster.
         probe_numel: float32 values of the bandwidth probe's allreduce.
@@ -118,7 +125,12 @@ class Auto:
         self.link: Optional[Link] = None
         self.history: List[Tuple[int, str, Optional[str], str]] = []  # (step, name, from, to)
         self.last_wait_s: Dict[str, float] = {}
+        self.verdicts: List[Dict[str, Any]] = []   # each verification: the times compared, what was kept
         self._counts: Dict[str, int] = {}
+        self._step_t0: Optional[float] = None
+        self._durations: Dict[str, List[float]] = {}   # step seconds: per road (exploring), "plan", "before"
+        self._baseline: Dict[str, float] = {}          # what the plan is verified against
+        self._previous: Dict[str, str] = {}            # the decisions before the last re-decision
         self._samples: Dict[Tuple[str, str], Deque[float]] = {}
         self._setup: Optional[_Setup] = None
         self._names: Optional[Dict[torch.Tensor, str]] = None
@@ -170,11 +182,37 @@ class Auto:
         done = self.step - 1 - self.explore_steps * len(self._setup.roads)
         return done < 0 or done % self.interval >= self.interval - self.explore_steps
 
+    def _phase(self, step: int) -> Optional[str]:
+        """What the duration of ``step`` measures: a road (all tensors took it while exploring),
+        ``"plan"`` (the steps after a decision), ``"before"`` (the steps before a re-decision)."""
+        e = self.explore_steps
+        done = step - 1 - e * len(self._setup.roads)
+        if done < 0:
+            return self._setup.roads[(step - 1) // e]
+        r = done % self.interval
+        if 1 <= r <= e:
+            return "plan"
+        return "before" if r >= self.interval - e and r > e else None
+
     def _on_new_step(self) -> None:
         """All exchanges of the previous step are done on every rank: the link is idle."""
-        done = self.step - 1 - self.explore_steps * len(self._setup.roads)
+        now = time.perf_counter()
+        label = self._phase(self.step - 1) if self._step_t0 is not None and self.step > 1 else None
+        if label is not None:
+            self._durations.setdefault(label, []).append(now - self._step_t0)
+        self._step_t0 = now
+        e = self.explore_steps
+        done = self.step - 1 - e * len(self._setup.roads)
         if done >= 0 and done % self.interval == 0:
+            roads = [r for r in self._setup.roads if r in self._durations]
+            self._baseline = ({r: min(self._durations[r]) for r in roads} if done == 0 else
+                              {"before": min(self._durations["before"])} if "before" in self._durations else {})
+            self._previous = dict(self.decisions)
+            self._durations = {}
             self.decide()
+            self._step_t0 = time.perf_counter()   # the probe is not part of the next step's time
+        elif done >= 0 and done % self.interval == e + 1 and self.interval > e + 1:
+            self.verify()
 
     # ------------------------------------------------------------ measure
     def record(self, name: str, road: str, numel: int, itemsize: int, codec_s: float, wait_s: float,
@@ -198,16 +236,18 @@ class Auto:
         s = self._setup
         names = sorted(self.costs)
         roads = s.roads
-        small, large = self._probe()
-        meas = torch.full((len(names) * len(roads) * 2 + 2,), -1.0, dtype=torch.float64)
+        probes = self._probe()
+        meas = torch.full((len(names) * len(roads) * 2 + len(probes),), -1.0, dtype=torch.float64)
         for i, n in enumerate(names):
             for j, r in enumerate(roads):
                 k = 2 * (i * len(roads) + j)
                 if r in self.costs[n].codec_s:
                     meas[k], meas[k + 1] = self.costs[n].codec_s[r], self.costs[n].payload.get(r, 0.0)
-        meas[-2], meas[-1] = small, large
+        meas[-len(probes):] = torch.tensor(probes, dtype=torch.float64)
         meas = hvd.allreduce(meas, op=hvd.Average, name=f"hvdgc.auto.meas.{self.step}", process_set=s.process_set)
-        self.link = policy.link_from_probe(s.ranks, float(meas[-2]), float(meas[-1]), self.probe_numel)
+        small, large, fp16, gather = (float(v) for v in meas[-len(probes):])
+        self.link = policy.link_from_probe(s.ranks, small, large, self.probe_numel, fp16 if fp16 >= 0 else None,
+                                           gather if gather >= 0 else None)
         codes = torch.zeros(len(names), dtype=torch.int32)
         for i, n in enumerate(names):
             c = TensorCosts(self.costs[n].numel, self.costs[n].itemsize)
@@ -227,20 +267,60 @@ class Auto:
             self.decisions[n] = road
         return dict(self.decisions)
 
-    def _probe(self) -> Tuple[float, float]:
-        """Seconds of a 1-value and of a ``probe_numel``-value float32 allreduce (least of 3 / 2)."""
+    def _probe(self) -> Tuple[float, float, float, float]:
+        """Seconds of a 1-value and of a ``probe_numel``-value float32 allreduce, of a
+        ``probe_numel``-value fp16 allreduce and of an allgather of ``probe_numel`` bytes per rank
+        (least of 3 / 2 / 2 / 2; -1 for a road not allowed)."""
         hvd = _hvd()
         ps = self._setup.process_set
+        roads = set(self._setup.roads)
 
-        def timed(numel: int, tag: str) -> float:
-            t = torch.zeros(numel)
-            t0 = time.perf_counter()
-            hvd.allreduce(t, name=f"hvdgc.auto.probe.{tag}.{self.step}", process_set=ps)
-            return time.perf_counter() - t0
+        def timed(collective: Any, numel: int, dtype: torch.dtype, tag: str, times: int = 2) -> float:
+            best = float("inf")
+            for i in range(times):
+                t = torch.zeros(numel, dtype=dtype)
+                t0 = time.perf_counter()
+                collective(t, name=f"hvdgc.auto.probe.{tag}{i}.{self.step}", process_set=ps)
+                best = min(best, time.perf_counter() - t0)
+            return best
 
-        small = min(timed(1, f"s{i}") for i in range(3))
-        large = min(timed(self.probe_numel, f"l{i}") for i in range(2))
-        return small, large
+        small = timed(hvd.allreduce, 1, torch.float32, "s", 3)
+        large = timed(hvd.allreduce, self.probe_numel, torch.float32, "l")
+        fp16 = timed(hvd.allreduce, self.probe_numel, torch.float16, "h") if FP16 in roads else -1.0
+        gather = (timed(hvd.allgather, self.probe_numel, torch.uint8, "g")
+                  if roads & {SPARSE, QSGD_AR, QSGD_AG} else -1.0)
+        return small, large, fp16, gather
+
+    def verify(self) -> None:
+        """Compare the timed steps after the last decision with what it is verified against (each
+        road alone, or the decisions before it) and keep whichever was fastest: a collective,
+        called on every rank at the same step (times averaged over ranks, rank 0's verdict
+        broadcast)."""
+        plan = self._durations.get("plan")
+        if not plan or not self._baseline:
+            return
+        hvd = _hvd()
+        s = self._setup
+        keys = sorted(self._baseline)
+        times = torch.tensor([min(plan)] + [self._baseline[k] for k in keys], dtype=torch.float64)
+        times = hvd.allreduce(times, op=hvd.Average, name=f"hvdgc.auto.verify.{self.step}", process_set=s.process_set)
+        best = min(range(len(keys)), key=lambda i: float(times[i + 1]))
+        code = torch.tensor([best + 1 if float(times[best + 1]) < float(times[0]) else 0], dtype=torch.int32)
+        root = s.process_set.ranks[0] if getattr(s.process_set, "ranks", None) else 0
+        code = int(hvd.broadcast(code, root_rank=root, name=f"hvdgc.auto.verdict.{self.step}",
+                                 process_set=s.process_set)[0])
+        kept = "plan" if code == 0 else keys[code - 1]
+        self.verdicts.append({"step": self.step, "plan_ms": 1e3 * float(times[0]), "kept": kept,
+                              "against_ms": {k: 1e3 * float(t) for k, t in zip(keys, times[1:].tolist())}})
+        if code == 0:
+            return
+        names = sorted(set(self.decisions) | set(self.costs))
+        fallback = self._previous if kept == "before" else {n: kept for n in names}
+        for n in names:
+            road = fallback.get(n, DENSE)
+            if self.decisions.get(n) != road:
+                self.history.append((self.step, n, self.decisions.get(n), road))
+            self.decisions[n] = road
 
     # ------------------------------------------------------------ error feedback across roads
     def flush_residuals(self, name: str, grad: torch.Tensor, road: str) -> torch.Tensor:
@@ -327,6 +407,8 @@ class Auto:
 
         ``tensors[name]``: the road, the codec milliseconds and payload bytes measured per road,
         the modelled milliseconds per road and the exposed wait of the last exchange.
+        ``verdicts``: each verification (:meth:`verify`): the step, the milliseconds per step of
+        the decisions and of what they were compared with, and what was kept.
         """
         s = self._setup
         ranks = s.ranks if s else 1
@@ -341,7 +423,13 @@ class Auto:
         link = (f"link {8 * self.link.bandwidth / 1e9:.2f} Gbit/s, latency {1e3 * self.link.latency:.2f} ms"
                 if self.link else "link not probed yet")
         state = "exploring" if s and self.exploring else ", ".join(f"{r} x{n}" for r, n in sorted(counts.items()))
+        if self.verdicts:
+            v = self.verdicts[-1]
+            against = ", ".join(f"{k} {ms:.0f}" for k, ms in sorted(v["against_ms"].items()))
+            state += (f" (verified at step {v['step']}: decisions {v['plan_ms']:.0f} ms/step against {against}; "
+                      f"kept {'the decisions' if v['kept'] == 'plan' else v['kept']})")
         return {"step": self.step, "ranks": ranks, "decisions": dict(self.decisions), "tensors": tensors,
+                "verdicts": list(self.verdicts),
                 "link": None if self.link is None else {"bandwidth_Bps": self.link.bandwidth,
                                                         "latency_s": self.link.latency},
                 "switches": [list(h) for h in self.history],

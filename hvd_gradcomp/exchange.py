@@ -43,7 +43,7 @@ import torch
 
 from . import wire
 from .compressors import GradientCompressor, QSGD
-from .feedback import residual_dtype
+from .feedback import Feedback, residual_dtype
 
 
 @dataclass
@@ -189,13 +189,22 @@ class JoinNotSupportedError(RuntimeError):
     """A rank called ``hvd.join()`` while others still exchange compressed gradients."""
 
 
+def _join_error(size: int, active: int) -> JoinNotSupportedError:
+    return JoinNotSupportedError(
+        f"{size - active} of {size} ranks called hvd.join() while this rank still trains: compressed "
+        "gradients travel by allgather/alltoall, which Horovod does not support with joined ranks. "
+        "Give every rank the same number of batches (e.g. drop the last uneven batches, or stop all "
+        "ranks at the smallest count: hvd.allreduce(torch.tensor(len(loader)), op=hvd.Min)), or use "
+        "compression=None / hvd.Compression.fp16 with hvd.join().")
+
+
 def check_no_joined_ranks(process_set: Any) -> None:
     """Raise :class:`JoinNotSupportedError` if a rank of ``process_set`` is inside ``hvd.join()``.
 
     Compressed payloads travel by allgather and alltoall, which Horovod cannot run while a
     rank has joined (it crashes in its background thread). A joined rank adds zero to an
-    allreduce, so one allreduce of a 1 per rank counts the ranks still training: a few
-    bytes, once per step, before the step's first compressed exchange.
+    allreduce, so one allreduce of a 1 per rank counts the ranks still training. Blocking: the
+    stock road's check; ``hvd_gradcomp.DistributedOptimizer`` uses :class:`JoinGuard`.
     """
     hvd = _hvd()
     size = process_set.size()
@@ -203,23 +212,78 @@ def check_no_joined_ranks(process_set: Any) -> None:
         return
     active = int(hvd.allreduce(torch.ones(1), op=hvd.Sum, name="hvdgc.active", process_set=process_set).item())
     if active < size:
-        raise JoinNotSupportedError(
-            f"{size - active} of {size} ranks called hvd.join() while this rank still trains: compressed "
-            "gradients travel by allgather/alltoall, which Horovod does not support with joined ranks. "
-            "Give every rank the same number of batches (e.g. drop the last uneven batches, or stop all "
-            "ranks at the smallest count: hvd.allreduce(torch.tensor(len(loader)), op=hvd.Min)), or use "
-            "compression=None / hvd.Compression.fp16 with hvd.join().")
+        raise _join_error(size, active)
+
+
+class JoinGuard:
+    """:func:`check_no_joined_ranks` once per step, off the critical path.
+
+    :meth:`begin` (at each compressed exchange's start; only the step's first does anything)
+    starts the count of ranks still training as an asynchronous allreduce; :meth:`confirm`
+    (just before an allgather or alltoall is handed to Horovod) reads it, by then usually long
+    done, since the payload was encoded in between; :meth:`end_step` (at ``synchronize()``)
+    arms it for the next step. A joined rank still gets :class:`JoinNotSupportedError` before
+    any allgather is issued, never a hang or crash.
+    """
+
+    def __init__(self, process_set: Any) -> None:
+        self.process_set = process_set
+        self._handle: Any = None
+        self._done = False   # this step's check is read (or not needed: one rank)
+
+    def begin(self) -> None:
+        if self._done or self._handle is not None:
+            return
+        if self.process_set.size() == 1:
+            self._done = True
+            return
+        hvd = _hvd()
+        self._handle = hvd.allreduce_async(torch.ones(1), op=hvd.Sum, name="hvdgc.active",
+                                           process_set=self.process_set)
+
+    def confirm(self) -> None:
+        self.begin()
+        if self._done:
+            return
+        active, self._handle, self._done = int(_hvd().synchronize(self._handle).item()), None, True
+        size = self.process_set.size()
+        if active < size:
+            raise _join_error(size, active)
+
+    def end_step(self) -> None:
+        """The step is over: the next exchange checks again (a rank may join between steps)."""
+        if self._handle is not None:
+            self.confirm()   # started but no allgather followed: still read it
+        self._done = False
+
+    def reset(self) -> None:
+        """Drop a check left in flight (an elastic reset abandoned the step)."""
+        self._handle, self._done = None, False
+
+
+def _begin(exchange: Any) -> None:
+    if exchange.join_guard is not None:
+        exchange.join_guard.begin()
+
+
+def _confirm(exchange: Any) -> None:
+    if exchange.join_guard is not None:
+        exchange.join_guard.confirm()
 
 
 class AllgatherExchange:
     """Sparse payloads: allgather, then every rank decodes all of them in rank order."""
 
+    join_guard: Optional[JoinGuard] = None   # checked before the allgather (see choose_exchange)
+
     def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
+        _begin(self)
         payload = encode_or_flag(lambda: self.compressor.compress_named(name, grad))
         sealed = seal(payload, self.compressor.exchange_step, grad.device)
+        _confirm(self)
         handle = _hvd().allgather_async(sealed, name=f"hvdgc.ag.{name}", process_set=self.process_set)
         return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel())
 
@@ -243,8 +307,10 @@ class AllgatherExchange:
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
             self._decode(p)
-        sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
+        parts = p.extra.pop("parts")
+        sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
         self.compressor.received(p.name, out)
+        p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
         p.finished = True
 
 
@@ -317,6 +383,29 @@ def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
+def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.Tensor) -> Optional[torch.Tensor]:
+    """Whether ``out`` (the sum of sparse ``parts`` by :func:`sum_parts`) is all finite, read at the
+    parts' indices only: everywhere else it is zero. A 0-dim bool tensor (no host sync), or None
+    when that shortcut does not hold (a dense part, or a feedback policy whose ``received``
+    rewrites the whole average): then the caller checks all of ``out``.
+
+    Checking a 25M-value gradient in full costs a pass over it in ``synchronize()``; this reads
+    the ~1% of it that can differ from zero.
+
+    >>> from hvd_gradcomp import TopK
+    >>> c = TopK(ratio=0.5)
+    >>> out = torch.tensor([0.0, float("inf"), 0.0, 2.0])
+    >>> bool(finite_at_indices(c, [(torch.tensor([3]), torch.tensor([2.0]))], out))
+    True
+    >>> bool(finite_at_indices(c, [(torch.tensor([1, 3]), torch.tensor([1.0, 2.0]))], out))
+    False
+    """
+    if not parts or any(idx is None for idx, _ in parts) or type(compressor.feedback).received is not Feedback.received:
+        return None
+    flat = out.reshape(-1)
+    return torch.stack([torch.isfinite(flat[idx]).all() for idx, _ in parts]).all()
+
+
 def reduce_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor], average: bool, size: int,
                     dtype: torch.dtype, out: Optional[torch.Tensor] = None,
                     headers: Optional[List[wire.Header]] = None) -> torch.Tensor:
@@ -342,15 +431,19 @@ def chunk_bounds(n: int, parts: int) -> List[int]:
 class ScatterReduceExchange:
     """QSGD's compressed allreduce: alltoall of quantised chunks, reduce, allgather."""
 
+    join_guard: Optional[JoinGuard] = None
+
     def __init__(self, compressor: QSGD, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
+        _begin(self)
         size = self.process_set.size()
         bounds = chunk_bounds(grad.numel(), size)
         payloads = encode_or_flag(lambda: self.compressor.compress_chunks(name, grad, bounds)) or [None] * size
         sealed = [seal(pl, self.compressor.exchange_step, grad.device) for pl in payloads]
         splits = torch.tensor([s.numel() for s in sealed], dtype=torch.int32)
+        _confirm(self)
         handle = _hvd().alltoall_async(torch.cat(sealed), splits=splits, name=f"hvdgc.a2a.{name}",
                                        process_set=self.process_set)
         # The chunk this rank keeps never leaves it: count only what goes to the others, so
@@ -403,7 +496,11 @@ class ScatterReduceExchange:
 
 
 FUSE_MAGIC = 0x47434655  # "GCFU"
-DEFAULT_FUSION_BYTES = 64 << 20  # raw gradient bytes per fused allgather, as Horovod's fusion buffer
+# Raw gradient bytes per fused allgather (2M float32 values: a ~40 kB TopKQSGD(1%, 8) payload).
+# Small tensors still travel together, but the last group of backward (which nothing overlaps:
+# its allgather and decode wait in synchronize()) stays small. 64 MB, Horovod's fusion
+# buffer, left half of a 25M-parameter model's exchange to synchronize().
+DEFAULT_FUSION_BYTES = 8 << 20
 
 
 _FUSE_BASE = 5     # int64s before the per-member entries: magic, n, prefix bytes, part bytes, step
@@ -466,8 +563,14 @@ class FusedAllgatherExchange:
     every payload header: the group's envelope, see :class:`_Group`), read to the host in one
     copy per rank: no header is read twice. Completed groups are decoded in ``progress()`` while
     backward goes on; every rank decodes the same bytes in rank order, so gradients are
-    bit-identical everywhere.
+    bit-identical everywhere. When the caller names the output (``p.extra["out"]``, the
+    parameter's ``.grad``, whose gradient is final once its exchange started) the average is
+    written there as soon as the group is decoded, as Horovod's in-place allreduce writes
+    ``p.grad`` from its background thread: ``synchronize()`` is then left with the last
+    groups of backward and the feedback policy's ``received``.
     """
+
+    join_guard: Optional[JoinGuard] = None
 
     def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES) -> None:
@@ -479,6 +582,7 @@ class FusedAllgatherExchange:
         self._expected: Optional[int] = None
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
+        _begin(self)
         payload = encode_or_flag(lambda: self.compressor.compress_named(name, grad))
         if self._open is None:
             self._open = _Group(self._groups_this_step)
@@ -501,6 +605,7 @@ class FusedAllgatherExchange:
         g.members, g.payloads = [g.members[i] for i in order], [g.payloads[i] for i in order]
         blob = g.blob(self.compressor.exchange_step, g.members[0].extra["device"])
         g.members[0].bytes_sent += g.prefix_bytes()  # the index travels once per group
+        _confirm(self)
         g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
         for m in g.members:
             m.handle = g.handle
@@ -560,6 +665,12 @@ class FusedAllgatherExchange:
         g.decoded = True
         for i, member in enumerate(g.members):
             member.extra["parts"] = parts[i]
+            out = member.extra.get("out")
+            if out is not None:   # scatter now, not in synchronize() (see finish)
+                t0 = time.perf_counter()
+                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out)
+                member.extra["summed"] = True
+                spent[i] += time.perf_counter() - t0
             if member is not caller:
                 member.extra["codec_s"] = member.extra.get("codec_s", 0.0) + spent[i]
                 caller.extra["codec_elsewhere_s"] = caller.extra.get("codec_elsewhere_s", 0.0) + spent[i]
@@ -589,8 +700,11 @@ class FusedAllgatherExchange:
             self.advance(p)
         if not g.decoded:
             self._decode(g, p)
-        sum_parts(p.extra.pop("parts"), is_average(self.op), out.numel(), p.dtype, out=out)
+        parts = p.extra.pop("parts")
+        if not (p.extra.pop("summed", False) and p.extra.get("out") is out):
+            sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
         self.compressor.received(p.name, out)   # the feedback policy sees the average (issue 9)
+        p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
         p.finished = True
 
 
@@ -662,16 +776,28 @@ class TimedExchange:
         self._timed(p, True, self.inner.finish, p, out)
 
 
-def choose_exchange(compression: Any, op: Any, process_set: Any):
+def choose_exchange(compression: Any, op: Any, process_set: Any, join_guard: Optional[JoinGuard] = None):
     """The exchange for a compression setting (None / Horovod compressor / ours / a policy such
     as :class:`hvd_gradcomp.Auto`, which builds its own with ``make_exchange``), timed: its
-    ``codec_s``, ``codec_sync_s`` and ``wait_s`` say where the exchange time went."""
+    ``codec_s``, ``codec_sync_s`` and ``wait_s`` say where the exchange time went.
+    ``join_guard``: checked before every allgather/alltoall (see :class:`JoinGuard`)."""
     make = getattr(compression, "make_exchange", None)
     if make is not None:
-        return make(op, process_set)   # times itself (codec_s, codec_sync_s, wait_s)
-    if isinstance(compression, QSGD):
-        return TimedExchange(ScatterReduceExchange(compression, op, process_set))
-    if isinstance(compression, GradientCompressor):
-        return TimedExchange(FusedAllgatherExchange(compression, op, process_set))
-    return TimedExchange(DenseExchange(op, process_set, compression))
+        exchange = make(op, process_set)   # times itself (codec_s, codec_sync_s, wait_s)
+    elif isinstance(compression, QSGD):
+        exchange = TimedExchange(ScatterReduceExchange(compression, op, process_set))
+    elif isinstance(compression, GradientCompressor):
+        exchange = TimedExchange(FusedAllgatherExchange(compression, op, process_set))
+    else:
+        exchange = TimedExchange(DenseExchange(op, process_set, compression))
+    for road in _roads(exchange):
+        if hasattr(road, "join_guard"):
+            road.join_guard = join_guard
+    return exchange
 
+
+def _roads(exchange: Any) -> List[Any]:
+    """The exchanges doing the work under wrappers (:class:`TimedExchange`, Auto's router)."""
+    if hasattr(exchange, "exchanges"):
+        return [r for e in exchange.exchanges.values() for r in _roads(e)]
+    return _roads(exchange.inner) if hasattr(exchange, "inner") else [exchange]

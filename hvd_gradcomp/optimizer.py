@@ -8,7 +8,8 @@ gradient takes (see :mod:`hvd_gradcomp.exchange`):
 * parameter names reach the compressors (error feedback is keyed by them);
 * sparse payloads travel by allgather, QSGD by a compressed allreduce (alltoall + allgather);
 * tensors smaller than ``min_compress_numel`` (biases, norms) are not compressed and go
-  in one fused allreduce per dtype at ``synchronize()``.
+  in one fused allreduce per dtype, started from the hook of the last of them (or at
+  ``synchronize()`` in a step where one has no gradient).
 
 Example::
 
@@ -44,7 +45,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
-from .exchange import DenseExchange, Pending, SparseExchange, check_no_joined_ranks, choose_exchange
+from .exchange import DenseExchange, JoinGuard, Pending, SparseExchange, choose_exchange
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from .stats import ByteStats
 
@@ -74,7 +75,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         warn_unread_settings(compression, backward_passes_per_step,
                              f"DistributedOptimizer(compression={compression!r}, "
                              f"backward_passes_per_step={backward_passes_per_step})")
-        self._compressed = choose_exchange(compression, op, process_set)
+        # hvd.join() is refused before any allgather (see JoinGuard): one asynchronous check per step.
+        self._join = JoinGuard(process_set)
+        self._compressed = choose_exchange(compression, op, process_set, self._join)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
         self._sparse = SparseExchange(op, process_set)
@@ -82,6 +85,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._pending: Dict[torch.Tensor, Pending] = {}
         self._sparse_pending: Dict[torch.Tensor, Pending] = {}
         self._densified: List[torch.Tensor] = []   # sparse gradients exchanged dense (sparse_as_dense)
+        self._small: Optional[List[torch.Tensor]] = None   # tensors of the fused allreduce (see _hook)
+        self._small_ready = 0
+        self._early_fused: Optional[List[Tuple[List[torch.Tensor], Pending]]] = None
         self._synchronized = False
         self._should_synchronize = True
         self.comm_stats = ByteStats()   # bytes this rank hands to Horovod, all steps
@@ -121,6 +127,15 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         if self._delay[p] == 0 and (p.grad.is_sparse or not self._is_small(p)):
             self._start(p)
             self._progress()
+        elif self._delay[p] == 0 and not self.sparse_as_dense:
+            self._small_ready += 1
+            if self._small is None:
+                self._small = [q for q in self._delay if self._is_small(q)]
+            if self._small_ready == len(self._small):
+                # Every small gradient is final: their fused allreduce leaves now, overlapping the
+                # rest of backward, instead of from synchronize(). (A step where one has no gradient
+                # never gets here: synchronize() starts it, with zeros for the missing ones.)
+                self._early_fused = self._start_fused(self._small)
 
     def _progress(self) -> None:
         """Decode the exchanges already done while backward goes on, instead of all at synchronize()."""
@@ -147,9 +162,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._densified.append(p)
             if self._is_small(p):
                 return  # joins the fused allreduce of small tensors
-        if not self._pending and isinstance(self.compression, GradientCompressor):
-            check_no_joined_ranks(self.process_set)  # first compressed exchange of this step
-        self._pending[p] = self._compressed.start(name, p.grad)
+        pending = self._pending[p] = self._compressed.start(name, p.grad)
+        pending.extra["out"] = p.grad   # final for this step: an exchange may write the average early
 
     # ------------------------------------------------------------ synchronize / step
     def synchronize(self) -> None:
@@ -172,7 +186,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             else:  # partial window (flush) or a parameter without gradient this step
                 self._start(p)
         small += [p for p in self._densified if p not in self._pending and p not in small]
-        fused = self._start_fused(small)
+        fused = self._early_fused if self._early_fused is not None else self._start_fused(small)
         for pending in self._pending.values():
             if not pending.finished:
                 self._compressed.advance(pending)
@@ -185,9 +199,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for p, pending in self._sparse_pending.items():
             self._sparse.finish(pending, p.grad)
             self._record(pending.name, pending.bytes_sent, pending.bytes_sent)
+        self._join.end_step()
         if isinstance(self.compression, GradientCompressor):
+            known = {p: pending.extra.get("finite") for p, pending in self._pending.items()}
             self.compression.end_round(self._all_finite([*self._pending, *self._sparse_pending,
-                                                         *(p for ps, _ in fused for p in ps)]))
+                                                         *(p for ps, _ in fused for p in ps)], known))
         for p in self._densified:  # the optimizer (SparseAdam, ...) expects the sparse layout back
             p.grad = p.grad.to_sparse()
         self._densified.clear()
@@ -195,15 +211,19 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._sparse_pending.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+        self._early_fused, self._small_ready = None, 0
         self.last_step_bytes, self._step_bytes = self._step_bytes, 0
         self.comm_wait_s += time.perf_counter() - t0
         self._synchronized = True
 
     @staticmethod
-    def _all_finite(params: List[torch.Tensor]) -> bool:
+    def _all_finite(params: List[torch.Tensor], known: Dict[torch.Tensor, Optional[torch.Tensor]]) -> bool:
         """Whether every averaged gradient is finite: the same answer on every rank, since every
-        rank holds the same averages (one host sync for all of them)."""
-        finite = [torch.isfinite(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).all()
+        rank holds the same averages (one host sync for all of them). ``known``: the answer for
+        a parameter where its exchange had it cheaper than a pass over the whole gradient
+        (:func:`hvd_gradcomp.exchange.finite_at_indices`)."""
+        finite = [known[p] if known.get(p) is not None else
+                  torch.isfinite(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).all()
                   for p in params]
         return bool(torch.stack(finite).all()) if finite else True
 
@@ -270,13 +290,15 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._densified.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+        self._early_fused, self._small_ready = None, 0
         self._synchronized = False
         self._should_synchronize = True
+        self._join.reset()
         if isinstance(self.compression, GradientCompressor):
             self.compression.abandon_round()
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._pending or self._sparse_pending:
+        if self._pending or self._sparse_pending or self._early_fused is not None:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(): the gradients in flight "
                                  "would be lost. Call step() (or synchronize()) first.")

@@ -31,7 +31,7 @@ payload moves more than the dense one, however small it is. :func:`crossover_ran
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
 DENSE, FP16, QSGD_AR, QSGD_AG, SPARSE = "dense", "fp16", "qsgd", "qsgd-ag", "sparse"
@@ -119,27 +119,52 @@ def first_rank_where(worse: Callable[[int], bool]) -> Optional[int]:
 @dataclass(frozen=True)
 class Link:
     """What a rank's link costs: ``bandwidth`` in bytes per second sent per rank, ``latency``
-    in seconds per ring step (both measured by :class:`hvd_gradcomp.Auto`'s probe)."""
+    in seconds per ring step (both measured by :class:`hvd_gradcomp.Auto`'s probe).
+
+    ``roads``: the bytes per second measured for a road's own collective where it differs
+    from the float32 allreduce's (an fp16 allreduce reduces in half precision, on CPU far
+    slower than its bytes suggest; an allgather reduces nothing).
+
+    >>> Link(1e9, roads={"fp16": 2e8}).bandwidth_of("fp16"), Link(1e9).bandwidth_of("fp16")
+    (200000000.0, 1000000000.0)
+    """
 
     bandwidth: float
     latency: float = 0.0
+    roads: Mapping[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0 or self.latency < 0:
-            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+        if not self.bandwidth > 0 or self.latency < 0 or not all(v > 0 for v in self.roads.values()):
+            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self} {dict(self.roads)}")
+
+    def bandwidth_of(self, road: str) -> float:
+        return self.roads.get(road, self.bandwidth)
 
 
-def link_from_probe(ranks: int, small_s: float, large_s: float, large_numel: int) -> Link:
-    """The link from two timed float32 allreduces: one tiny (``small_s``, latency only) and one of
-    ``large_numel`` values (``large_s``).
+def link_from_probe(ranks: int, small_s: float, large_s: float, large_numel: int,
+                    fp16_s: Optional[float] = None, gather_s: Optional[float] = None) -> Link:
+    """The link from timed collectives: a 1-value allreduce (``small_s``, latency only), a
+    float32 allreduce of ``large_numel`` values (``large_s``) and, where measured, an fp16
+    allreduce of as many values (``fp16_s``, for the ``fp16`` road) and an allgather of
+    ``large_numel`` bytes per rank (``gather_s``, for the allgather and QSGD roads).
 
     >>> link_from_probe(2, 0.001, 0.081, 10_000_000)      # 40 MB in 80 ms
     Link(bandwidth=500000000.0, latency=0.0005)
+    >>> link_from_probe(2, 0.001, 0.081, 10_000_000, fp16_s=0.161).roads    # 20 MB in 160 ms
+    {'fp16': 125000000.0}
     """
     steps = max(rounds(DENSE, ranks), 1)
-    nbytes = wire_bytes(DENSE, ranks, large_numel)
-    transfer = max(large_s - small_s, 1e-9)
-    return Link(bandwidth=nbytes / transfer, latency=max(small_s, 0.0) / steps)
+    roads = {}
+
+    def rate(nbytes: float, seconds: float) -> float:
+        return nbytes / max(seconds - small_s, 1e-9)
+
+    if fp16_s is not None:
+        roads[FP16] = rate(wire_bytes(FP16, ranks, large_numel), fp16_s)
+    if gather_s is not None:
+        roads[SPARSE] = roads[QSGD_AG] = roads[QSGD_AR] = rate(wire_bytes(SPARSE, ranks, 1, large_numel), gather_s)
+    return Link(bandwidth=rate(wire_bytes(DENSE, ranks, large_numel), large_s),
+                latency=max(small_s, 0.0) / steps, roads=roads)
 
 
 def road_seconds(road: str, ranks: int, numel: int, link: Link, codec_s: float = 0.0,
@@ -152,7 +177,8 @@ def road_seconds(road: str, ranks: int, numel: int, link: Link, codec_s: float =
     >>> road_seconds("dense", 2, 1_000_000, Link(1e8, 1e-4))    # 4 MB at 100 MB/s
     0.0402
     """
-    return codec_s + rounds(road, ranks) * link.latency + wire_bytes(road, ranks, numel, payload, itemsize) / link.bandwidth
+    return (codec_s + rounds(road, ranks) * link.latency
+            + wire_bytes(road, ranks, numel, payload, itemsize) / link.bandwidth_of(road))
 
 
 @dataclass

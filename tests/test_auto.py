@@ -67,7 +67,11 @@ def test_fused_sparse_allgathers(backend):
         # 4 compressed tensors: one allgather per step instead of 4; from step 2 on it leaves
         # with the last hook, before synchronize()
         assert one["groups"] == [1, 1, 1] and one["launched_before_sync"] == [False, True, True]
+        # the small tensors' fused allreduce leaves from the last small gradient's hook
+        assert one["small_before_sync"] == [True, True, True]
         assert all(g >= 2 for g in many["groups"]) and many["launched_before_sync"][1:] == [True, True]
+        # a group decoded before synchronize() writes its averages into p.grad then (bit-identical, above)
+        assert all(n >= 1 for n in many["summed_before_sync"][1:]), many["summed_before_sync"]
         # codec time measured apart from waiting; what synchronize() did is part of its time
         codec, codec_sync, wait, in_sync = one["timing"]
         assert 0 < codec_sync <= codec and wait >= 0 and codec_sync + wait <= in_sync
@@ -133,3 +137,57 @@ def test_report_before_and_after_measurements():
     rep = auto.report()
     assert rep["tensors"]["w"]["codec_ms"] == {"dense": 1.0} and rep["tensors"]["w"]["wait_ms"] == 2.0
     assert rep["link"] is None and "link not probed yet" in rep["summary"]
+
+
+class _FakeHvd:
+    """Collectives of one rank standing for all (every rank would compute the same)."""
+
+    Average, Sum = "average", "sum"
+
+    def allreduce(self, t, **kw):
+        return t.clone()
+
+    broadcast = allgather = allreduce
+
+
+def _run_clocked(monkeypatch, auto: gc.Auto, step_time, steps: int, decide=None) -> None:
+    """Drive ``auto`` through ``steps`` steps of two tensors on a fake clock: each step lasts
+    ``step_time(roads of its tensors)`` seconds; ``decide`` replaces the model's decisions."""
+    import hvd_gradcomp.auto as auto_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
+    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
+    if decide is not None:
+        monkeypatch.setattr(auto, "decide", lambda: decide(auto))
+    for _ in range(steps):
+        roads = (auto.road_for("w"), auto.road_for("v"))
+        clock[0] += step_time(roads)
+
+
+def test_verification_falls_back_to_the_fastest_road_measured_alone(monkeypatch):
+    """The model picks sparse everywhere; the clock says dense alone is faster: every tensor goes dense."""
+    auto = _configured()
+    alone = {"sparse": 0.3, "qsgd": 0.5, "fp16": 0.7, "dense": 0.2}
+    _run_clocked(monkeypatch, auto, lambda roads: alone[roads[0]] if roads[0] == roads[1] else 0.25, 14,
+                 decide=lambda a: a.decisions.update(w="sparse", v="sparse"))
+    assert auto.decisions == {"w": "dense", "v": "dense"}
+    (v,) = auto.verdicts
+    assert v["step"] == 12 and v["kept"] == "dense" and round(v["plan_ms"]) == 300
+    assert {k: round(ms) for k, ms in v["against_ms"].items()} == {r: round(1e3 * s) for r, s in alone.items()}
+    assert (12, "w", "sparse", "dense") in auto.history
+    assert "kept dense" in auto.report()["summary"]
+
+
+def test_verification_keeps_faster_decisions_and_reverts_a_slower_re_decision(monkeypatch):
+    """A mixed plan faster than every road alone is kept; a later re-decision that measures slower
+    than the steps before it is undone."""
+    auto = gc.Auto(interval=5)
+    auto._configure("ours", "average", _FakeSet())
+    plans = iter([{"w": "sparse", "v": "fp16"}, {"w": "qsgd", "v": "qsgd"}])
+    times = {("sparse", "fp16"): 0.1, ("qsgd", "qsgd"): 0.5}
+    _run_clocked(monkeypatch, auto, lambda roads: times.get(roads, 0.3), 18,
+                 decide=lambda a: a.decisions.update(next(plans, {})))
+    kept = [(v["step"], v["kept"]) for v in auto.verdicts]
+    assert kept == [(12, "plan"), (17, "before")], auto.verdicts
+    assert auto.decisions == {"w": "sparse", "v": "fp16"}

@@ -19,7 +19,9 @@ hvd = pytest.importorskip("horovod.torch")
 import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import horovod as adapter  # noqa: E402
 from hvd_gradcomp import settings  # noqa: E402
-from hvd_gradcomp.exchange import chunk_bounds, decode_payloads, reduce_payloads, sum_parts  # noqa: E402
+from hvd_gradcomp import exchange  # noqa: E402
+from hvd_gradcomp.exchange import (JoinGuard, JoinNotSupportedError, chunk_bounds, decode_payloads,  # noqa: E402
+                                   finite_at_indices, reduce_payloads, sum_parts)
 from tests.harness import run_single  # noqa: E402
 
 # What Horovod 0.28.1's optimizers do around compress(), under their file name.
@@ -254,6 +256,57 @@ def test_decode_and_reduce_payloads_in_rank_order() -> None:
         decode_payloads(c, payloads, 3)
     with pytest.raises(gc.WireFormatError, match="rank 0 holds 4 elements, 5 expected"):
         decode_payloads(c, payloads, 2, numel=5)
+
+
+def test_finiteness_is_read_at_the_sparse_indices_only_where_that_is_exact() -> None:
+    c = gc.TopK(ratio=0.5)
+    parts = [(torch.tensor([0, 3]), torch.tensor([1.0, 2.0])), (torch.tensor([3]), torch.tensor([float("inf")]))]
+    out = sum_parts(parts, True, 4, torch.float32)
+    assert not bool(finite_at_indices(c, parts, out))
+    assert bool(finite_at_indices(c, parts[:1], sum_parts(parts[:1], True, 4, torch.float32)))
+    # a dense part (QSGD, or a rank's non-finite flag) or a policy rewriting the average: check it all
+    assert finite_at_indices(c, [(None, torch.ones(4))], torch.ones(4)) is None
+    assert finite_at_indices(gc.TopK(ratio=0.5, feedback="momentum"), parts[:1], out) is None
+
+
+class _Handles:
+    """Horovod's allreduce_async/synchronize for JoinGuard, counting ranks still training."""
+
+    Sum = "sum"
+
+    def __init__(self, active: int) -> None:
+        self.active, self.started, self.read = active, 0, 0
+
+    def allreduce_async(self, t, **kw):
+        self.started += 1
+        return self.started
+
+    def synchronize(self, handle):
+        self.read += 1
+        return torch.tensor([float(self.active)])
+
+
+def test_join_guard_starts_once_per_step_and_reads_before_the_allgather(monkeypatch) -> None:
+    fake = _Handles(active=2)
+    monkeypatch.setattr(exchange, "_hvd", lambda: fake)
+    ranks = SimpleNamespace(size=lambda: 2)
+    guard = JoinGuard(ranks)
+    guard.begin()
+    guard.begin()                  # the step's later exchanges: nothing new
+    assert (fake.started, fake.read) == (1, 0)   # asynchronous: nobody waited yet
+    guard.confirm()
+    guard.confirm()
+    assert (fake.started, fake.read) == (1, 1)
+    guard.end_step()
+    guard.begin()                  # next step: checked again (a rank may join between steps)
+    guard.end_step()               # started without an allgather after it: still read
+    assert (fake.started, fake.read) == (2, 2)
+    fake.active = 1
+    with pytest.raises(JoinNotSupportedError, match="1 of 2 ranks called hvd.join"):
+        guard.confirm()
+    one = JoinGuard(SimpleNamespace(size=lambda: 1))
+    one.confirm()
+    assert fake.started == 3       # one rank: nothing to check
 
 
 def test_chunk_bounds() -> None:

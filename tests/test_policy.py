@@ -101,3 +101,16 @@ def test_link_from_probe_recovers_bandwidth_and_latency():
         large = small + wire_bytes("dense", p, 5_000_000) / link.bandwidth
         got = policy.link_from_probe(p, small, large, 5_000_000)
         assert got.bandwidth == pytest.approx(link.bandwidth) and got.latency == pytest.approx(link.latency)
+
+
+def test_a_slow_fp16_reduction_measured_by_its_probe_sends_the_tensor_dense():
+    """10 Gbit/s on CPU (the benchmark's case): by bytes alone fp16 wins, but Horovod's fp16
+    allreduce, probed, moves 4x fewer bytes per second than the float32 one, so dense wins."""
+    c = costs(fp16_codec=0.004, sparse_codec=0.2, qsgd_codec=0.2)   # 25M values: dense 80 ms
+    n = 1 << 20
+    dense_s = wire_bytes("dense", 2, n) / 1.25e9
+    by_bytes = policy.link_from_probe(2, 0.0, dense_s, n)
+    probed = policy.link_from_probe(2, 0.0, dense_s, n, fp16_s=2 * dense_s, gather_s=dense_s / 4)
+    assert probed.bandwidth_of("fp16") == pytest.approx(1.25e9 / 4)
+    assert probed.bandwidth_of("sparse") == pytest.approx(1.25e9) and probed.bandwidth_of("dense") == pytest.approx(1.25e9)
+    assert decide(c, 2, by_bytes, ROADS) == "fp16" and decide(c, 2, probed, ROADS) == "dense"

@@ -83,7 +83,7 @@ def fused(steps: int = 3) -> Dict[str, Any]:
     """Fused sparse allgathers give bit-for-bit the gradients of one allgather per tensor, on
     every rank; the last group launches from the last hook; no payload header is read twice."""
     from hvd_gradcomp import wire
-    from hvd_gradcomp.exchange import AllgatherExchange, TimedExchange
+    from hvd_gradcomp.exchange import AllgatherExchange, TimedExchange, wait_done
 
     out: Dict[str, Any] = {}
     for fusion_bytes in (1 << 30, 96 * 80 * 4):   # one group per step; a group per ~1-2 tensors
@@ -114,6 +114,14 @@ def fused(steps: int = 3) -> Dict[str, Any]:
                 groups = {id(p.extra["group"]): p.extra["group"] for p in opts[0]._pending.values()}
                 res["groups"].append(len(groups))
                 res["launched_before_sync"].append(all(g.handle is not None for g in groups.values()))
+                res.setdefault("small_before_sync", []).append(opts[0]._early_fused is not None)
+                if fusion_bytes < 1 << 30:   # groups done before synchronize(): their averages go into p.grad at once
+                    for g in groups.values():
+                        if g.handle is not None and not g.decoded:   # a decoded group's handle is consumed
+                            wait_done(g.handle)
+                    opts[0]._progress()
+                    res.setdefault("summed_before_sync", []).append(
+                        sum(bool(p.extra.get("summed")) for p in opts[0]._pending.values()))
                 opts[0].step()
             finally:
                 wire.read_header, wire.parse_header = real_read, real_parse
