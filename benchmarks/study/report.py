@@ -150,8 +150,10 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "Every compressed row uses the library as the README shows it: `compression=...` in the "
         "DistributedOptimizer, nothing else. The column *feedback (auto)* is the error-feedback policy the "
         "library chose from the wrapped optimizer (`feedback=\"auto\"`, see `hvd_gradcomp/feedback.py`); "
-        "the last row of each table forces `feedback=\"classic\"` (error feedback on gradients: the recipe "
-        "before issue 9), so the gain is visible.",
+        "the *classic EF* rows force `feedback=\"classic\"` (error feedback on gradients: the recipe "
+        "before issue 9) and, with Adam and AdamW, the *compress the update* rows force `feedback=\"update\"` "
+        "(the previous default), so the gain is visible. fp16 and TopK 1% ran on the first seed only, "
+        "to fit the study in about an hour.",
         "",
         "Columns: held-out loss and accuracy are mean +- standard deviation over the seeds listed, at the last "
         "step; *gap* is the held-out loss relative to the uncompressed run of the same seed, averaged over "
