@@ -267,7 +267,37 @@ class ErrorFeedback(Feedback):
         self.residuals.commit(name, acc)
 
 
-class MomentumCorrection(ErrorFeedback):
+class _RoundUndo:
+    """Per-name state beyond the residuals (the dicts named in ``_round_stores``) that an undone
+    exchange step puts back: each value is replaced, never modified in place, so the undo log
+    holds references, not copies. Mixed in before :class:`ErrorFeedback`."""
+
+    _round_stores: Tuple[str, ...] = ()
+    _undo: Optional[Dict[str, Tuple[Any, ...]]] = None
+
+    def _remember(self, name: str) -> None:
+        if self._undo is not None and name not in self._undo:
+            self._undo[name] = tuple(getattr(self, store).get(name) for store in self._round_stores)
+
+    def track_rounds(self, on: bool) -> None:
+        super().track_rounds(on)  # type: ignore[misc]
+        self._undo = None if not on else ({} if self._undo is None else self._undo)
+
+    def end_round(self, keep: bool) -> None:
+        super().end_round(keep)  # type: ignore[misc]
+        if self._undo is None:
+            return
+        if not keep:
+            for name, olds in self._undo.items():
+                for store, old in zip(self._round_stores, olds):
+                    if old is None:
+                        getattr(self, store).pop(name, None)
+                    else:
+                        getattr(self, store)[name] = old
+        self._undo.clear()
+
+
+class MomentumCorrection(_RoundUndo, ErrorFeedback):
     """DGC momentum correction for ``torch.optim.SGD(momentum=m)`` (``feedback="momentum"``).
 
     Each rank keeps its velocity ``u = m*u + (1-dampening)*g`` (``u = g`` on the first step,
@@ -290,6 +320,7 @@ class MomentumCorrection(ErrorFeedback):
     """
 
     key = "momentum"
+    _round_stores = ("velocity", "delivered")
 
     def __init__(self, momentum: Optional[float] = None, dampening: float = 0.0, masking: bool = False) -> None:
         super().__init__()
@@ -297,9 +328,7 @@ class MomentumCorrection(ErrorFeedback):
         self._groups: Dict[str, Dict[str, Any]] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
         self.delivered: Dict[str, torch.Tensor] = {}
-        # (velocity, delivered) as the current exchange step found them (see track_rounds);
-        # both are replaced, never modified in place, so these are references, not copies.
-        self._undo: Optional[Dict[str, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]] = None
+        self._undo = None  # see _RoundUndo
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
              optimizer: Any = None) -> None:
@@ -341,27 +370,6 @@ class MomentumCorrection(ErrorFeedback):
         if prev is not None:
             avg.sub_(prev.to(avg.dtype), alpha=m).div_(1.0 - d)
         self.delivered[name] = now
-
-    def _remember(self, name: str) -> None:
-        if self._undo is not None and name not in self._undo:
-            self._undo[name] = (self.velocity.get(name), self.delivered.get(name))
-
-    def track_rounds(self, on: bool) -> None:
-        super().track_rounds(on)
-        self._undo = None if not on else ({} if self._undo is None else self._undo)
-
-    def end_round(self, keep: bool) -> None:
-        super().end_round(keep)
-        if self._undo is None:
-            return
-        if not keep:
-            for name, (u, dlv) in self._undo.items():
-                for store, old in ((self.velocity, u), (self.delivered, dlv)):
-                    if old is None:
-                        store.pop(name, None)
-                    else:
-                        store[name] = old
-        self._undo.clear()
 
     def describe(self) -> str:
         m = "from the optimizer" if self.momentum is None else self.momentum
@@ -472,7 +480,7 @@ class LocalUpdate(ErrorFeedback):
         self._pending_state = dict(state.get("local", {}))
 
 
-class FrozenVariance(ErrorFeedback):
+class FrozenVariance(_RoundUndo, ErrorFeedback):
     """Adam and AdamW with their second moment frozen after a dense warm-up, and each rank's
     momentum sent through error feedback (``feedback="frozen"``; 1-bit Adam, Tang et al. 2021).
 
@@ -516,6 +524,7 @@ class FrozenVariance(ErrorFeedback):
     """
 
     key = "frozen"
+    _round_stores = ("velocity", "steps")  # frozen at the freeze, before _remember: never None
 
     def __init__(self, warmup: int = 100, floor: float = 0.1) -> None:
         super().__init__()
@@ -529,8 +538,7 @@ class FrozenVariance(ErrorFeedback):
         self.velocity: Dict[str, torch.Tensor] = {}
         self.denom: Dict[str, torch.Tensor] = {}
         self.steps: Dict[str, int] = {}
-        # (velocity, steps) as the current exchange step found them: see track_rounds.
-        self._undo: Optional[Dict[str, Tuple[Optional[torch.Tensor], Optional[int]]]] = None
+        self._undo = None  # see _RoundUndo
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
              optimizer: Any = None) -> None:
@@ -614,26 +622,6 @@ class FrozenVariance(ErrorFeedback):
         with torch.no_grad():
             param.add_(avg.view(param.shape).to(param.dtype), alpha=scale)
         avg.zero_()
-
-    def _remember(self, name: str) -> None:
-        if self._undo is not None and name not in self._undo:
-            self._undo[name] = (self.velocity.get(name), self.steps.get(name))
-
-    def track_rounds(self, on: bool) -> None:
-        super().track_rounds(on)
-        self._undo = None if not on else ({} if self._undo is None else self._undo)
-
-    def end_round(self, keep: bool) -> None:
-        super().end_round(keep)
-        if self._undo is None:
-            return
-        if not keep:
-            for name, (u, t) in self._undo.items():
-                if u is not None:
-                    self.velocity[name] = u
-                if t is not None:
-                    self.steps[name] = t
-        self._undo.clear()
 
     def describe(self) -> str:
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor, each rank's momentum "
