@@ -331,6 +331,12 @@ class GradientCompressor:
         if not name:
             raise ValueError("compress_named needs a non-empty tensor name")
         _check_finite(grad, name)
+        return self._compress_finite(name, grad, relay)
+
+    def _compress_finite(self, name: str, grad: torch.Tensor, relay: bool = False) -> torch.Tensor:
+        """:meth:`compress_named` for a caller that checked ``grad`` already: a named, dense, finite
+        tensor of a dtype the codecs carry (the DDP hook checks a whole bucket in one pass,
+        :func:`~hvd_gradcomp.kernels.all_finite`)."""
         policy = self._relay_policy() if relay else self.feedback
         acc = policy.prepare(name, self._clipped(grad))
         payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=policy.contract)
@@ -369,6 +375,10 @@ class GradientCompressor:
         """
         _check_input(grad, name)
         _check_finite(grad, name)
+        return self._compress_chunks_finite(name, grad, bounds)
+
+    def _compress_chunks_finite(self, name: str, grad: torch.Tensor, bounds: List[int]) -> List[torch.Tensor]:
+        """:meth:`compress_chunks` for a caller that checked ``grad`` already (see :meth:`_compress_finite`)."""
         if bounds[0] != 0 or bounds[-1] != grad.numel() or any(b >= e for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"chunk bounds {bounds} do not split {grad.numel()} elements into non-empty chunks")
         policy = self.feedback
@@ -817,11 +827,8 @@ def _check_input(tensor: torch.Tensor, name: str) -> None:
 
 
 def _check_finite(tensor: torch.Tensor, name: str) -> None:
-    # One reduction instead of isfinite().all(): NaN and +-Inf both make the sum non-finite.
-    if not torch.isfinite(tensor.sum(dtype=torch.float32)):
+    if not kernels.all_finite(tensor):
         bad = int((~torch.isfinite(tensor)).sum())
-        if not bad:  # large finite values whose sum overflowed
-            return
         raise FloatingPointError(
             f"gradient {name!r} has {bad} NaN/Inf values (of {tensor.numel()}); nothing was sent and its "
             "error-feedback residual is unchanged. Lower the learning rate, use gradient clipping or "

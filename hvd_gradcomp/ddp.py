@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from . import feedback as fb
-from . import settings, wire
+from . import kernels, settings, wire
 from .compressors import QSGD, GradientCompressor, TopKQSGD, payload_size
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sum_parts
 from .stats import ByteStats
@@ -367,8 +367,8 @@ def _meta(state: GradCompState, value: int, device: torch.device) -> Tuple[torch
 def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
     comp, world = state.compression, state.world_size
     with state._lock:
-        finite = _all_finite(buffer)
-        payloads = [comp.compress_named(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed] \
+        finite = kernels.all_finite(buffer)  # a host sync: what is sent depends on it
+        payloads = [comp._compress_finite(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed] \
             if finite else []
     blob = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=buffer.device)
     sizes, meta_fut = _meta(state, blob.numel() if finite else -1, buffer.device)
@@ -410,9 +410,9 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
     sizes = [[payload_size(comp, (e - b,)) for b, e in zip(bd, bd[1:])] for bd in bounds]
     per_dest = [sum(sz[r] for sz in sizes) for r in range(world)]
     with state._lock:
-        finite = _all_finite(buffer)
+        finite = kernels.all_finite(buffer)  # a host sync: what is sent depends on it
         if finite:
-            chunks = [comp.compress_chunks(s.name, s.view(buffer).view(s.shape), bd)
+            chunks = [comp._compress_chunks_finite(s.name, s.view(buffer).view(s.shape), bd)
                       for s, bd in zip(plan.compressed, bounds)]
             send = torch.cat([pl for r in range(world) for pls in chunks for pl in pls[r:r + 1]])
         else:
@@ -710,10 +710,6 @@ def _nonfinite(state: GradCompState) -> None:
     state.nonfinite_exchanges += 1
     warnings.warn("a gradient bucket held NaN/Inf on some rank: it is NaN on every rank for this step "
                   "(a GradScaler skips such steps; otherwise lower the learning rate or clip)", RuntimeWarning)
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
 
 
 def _split(blob: torch.Tensor, expected: int) -> List[torch.Tensor]:

@@ -238,3 +238,47 @@ def test_shape_check_survives_a_checkpoint(name):
     c2.load_state_dict(c1.state_dict())
     with pytest.raises(ValueError, match="'w'"):
         c2.compress_named("w", torch.randn(2, 5))
+
+
+# ------------------------------------------------------------------ buffer reuse
+class _Owner:
+    """Stands for the optimizer a compressor serves (makes every step undoable)."""
+
+
+@pytest.mark.parametrize("tracked", [False, True], ids=["untracked", "rounds"])
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_reused_residual_buffers_change_no_result(name, tracked):
+    """The store reuses retired residual buffers on CPU; payloads and residuals stay those of a
+    store that cannot reuse any (every old residual is still held there)."""
+    fast, slow = COMPRESSORS[name](seed=5), COMPRESSORS[name](seed=5)
+    owners = [_Owner(), _Owner()]
+    if tracked:
+        fast._claim(owners[0])
+        slow._claim(owners[1])
+    held = []
+    for step in range(6):
+        g = torch.randn(4096, generator=gen(step))
+        a, b = fast.compress_named("w", g), slow.compress_named("w", g)
+        assert torch.equal(a, b), f"step {step}: payloads differ"
+        ok = step != 3  # an overflow step a loss scaler skips: undone on both
+        if tracked:
+            fast.end_round(ok)
+            slow.end_round(ok)
+        assert torch.equal(fast.residuals.residual("w"), slow.residuals.residual("w")), f"step {step}"
+        held.append(slow.residuals.residual("w"))
+        if step:
+            assert "w" in fast.residuals._spare, f"step {step}: the retired residual was not kept for reuse"
+
+
+def test_a_held_residual_is_never_reused():
+    """A residual someone still reads (or a view of it) keeps its values after later steps."""
+    c = TopK(ratio=0.1, seed=0)
+    c.compress_named("w", torch.randn(1000, generator=gen(0)))
+    mine = c.residuals.residual("w")
+    snapshot = mine.clone()
+    c.compress_named("w", torch.randn(1000, generator=gen(1)))
+    view = c.residuals.residual("w")[10:]
+    view_snapshot = view.clone()
+    for step in range(2, 6):
+        c.compress_named("w", torch.randn(1000, generator=gen(step)))
+    assert torch.equal(mine, snapshot) and torch.equal(view, view_snapshot)
