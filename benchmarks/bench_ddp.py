@@ -2,9 +2,11 @@
 
 The synthetic model of ``examples/synthetic_benchmark.py`` (square Linear layers, 25M
 parameters by default) trains on a fixed random batch under each setting in turn, in one
-``torchrun`` job. Per setting it prints the step time (mean over ranks), the share of the
-step that communication adds (step time minus the step time with a no-op hook that sends
-nothing, over the step time) and the bytes each rank hands to the collectives per step.
+``torchrun`` job. Per setting it prints the step time (mean over ranks), the CPU time of each
+rank's process per step (all its threads, mean over ranks: on a shared machine, the figure load
+disturbs least), the share of the step that communication adds (step time minus the step time
+with a no-op hook that sends nothing, over the step time) and the bytes each rank hands to the
+collectives per step.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_ddp.py --json runs/ddp.json
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_ddp.py --quick     # a smoke test
@@ -104,9 +106,11 @@ def time_setting(setting: str, args: argparse.Namespace) -> Dict[str, Any]:
     for _ in range(max(2, args.warmup)):
         step()
     sent(0)  # start counting bytes here
+    cpu0 = time.process_time()
     times = [step() for _ in range(args.iters)]
+    cpu_s = _mean_over_ranks((time.process_time() - cpu0) / args.iters)
     step_s = _mean_over_ranks(sum(times) / len(times))
-    return {"setting": setting, "step_s": step_s, "bytes_per_step": sent(args.iters) / args.iters,
+    return {"setting": setting, "step_s": step_s, "cpu_s": cpu_s, "bytes_per_step": sent(args.iters) / args.iters,
             "raw_bytes_per_step": sum(p.numel() * 4 for p in model.parameters())}
 
 
@@ -146,18 +150,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     rank0 = dist.get_rank() == 0
-    base = time_setting("noop", args)["step_s"]
+    noop = time_setting("noop", args)
+    base = noop["step_s"]
     rows: List[Dict[str, Any]] = []
     if rank0:
-        print(f"{dist.get_world_size()} ranks, no-op hook (no communication): {base * 1e3:.1f} ms/step")
-        print(f"{'setting':<12} {'step ms':>9} {'comm share':>11} {'bytes/step':>14} {'ratio':>8}", flush=True)
+        print(f"{dist.get_world_size()} ranks, no-op hook (no communication): {base * 1e3:.1f} ms/step, "
+              f"{noop['cpu_s'] * 1e3:.1f} CPU ms/step")
+        print(f"{'setting':<12} {'step ms':>9} {'CPU ms':>8} {'comm share':>11} {'bytes/step':>14} {'ratio':>8}",
+              flush=True)
     for setting in args.settings:
         r = time_setting(setting, args)
         r["comm_share"] = max(0.0, (r["step_s"] - base) / r["step_s"])
         r["ratio"] = r["raw_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else 0.0
         rows.append(r)
         if rank0:
-            print(f"{setting:<12} {r['step_s'] * 1e3:>9.1f} {100 * r['comm_share']:>10.1f}% "
+            print(f"{setting:<12} {r['step_s'] * 1e3:>9.1f} {r['cpu_s'] * 1e3:>8.1f} {100 * r['comm_share']:>10.1f}% "
                   f"{r['bytes_per_step']:>14,.0f} {r['ratio']:>7.1f}x", flush=True)
     if rank0 and args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

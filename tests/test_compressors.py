@@ -522,7 +522,8 @@ def test_compiled_kernels_match_eager(monkeypatch):
     n = (1 << 20) + 37  # a short last bucket too
     x = torch.randn(n, generator=gen(11))
     makers = [lambda: QSGD(bits=8, seed=5), lambda: QSGD(bits=3, bucket_size=1000, seed=5),
-              lambda: TopKQSGD(ratio=0.01, bits=4, seed=5), lambda: TopK(ratio=0.001)]
+              lambda: TopKQSGD(ratio=0.01, bits=4, seed=5), lambda: TopK(ratio=0.001),
+              lambda: TopKQSGD(ratio=0.05, bits=8, seed=5)]  # 52K kept values: compiled under "auto" too
     monkeypatch.setenv("HVDGC_COMPILE", "0")
     eager = [m().encode(x) for m in makers]
     monkeypatch.setenv("HVDGC_COMPILE", "1")
