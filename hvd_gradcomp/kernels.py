@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -256,24 +256,34 @@ class QSGDDecoded:
         qsgd_subtract(acc, self.norms, self.codes, self.bits, self.bucket_size, self.dtype)
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds no NaN and no +-Inf, in one reduction (a host sync: the answer decides
-    what is sent).
+def all_finite(tensors: Union[torch.Tensor, Sequence[torch.Tensor]]) -> bool:
+    """Whether a tensor (or every tensor of a sequence) holds no NaN and no +-Inf, in one
+    reduction per tensor and one host sync in all (the answer decides what is sent or kept).
 
     ``torch.isfinite(t).all()`` makes four passes and a bool temporary, ~10x a ``clone()`` on
-    CPU; one sum costs half a clone: NaN and +-Inf make the sum non-finite, so a finite sum
-    proves every value finite. A non-finite sum is checked again exactly: finite values whose
-    sum overflowed are finite.
+    CPU; one sum costs half a clone (:func:`sums_finite`). A non-finite sum is checked again
+    exactly (a second sync, on that rare path only): finite values whose sum overflowed are
+    finite.
 
-    >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
+    >>> all_finite(torch.tensor([1.0, 2.0])), all_finite([torch.ones(2), torch.tensor([float("nan")])])
     (True, False)
     >>> all_finite(torch.tensor([3e38, 3e38]))          # the sum overflows, the values do not
     True
     """
-    if t.numel() == 0:
-        return True
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    return bool(torch.isfinite(t.sum(dtype=acc))) or bool(torch.isfinite(t).all())
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    return bool(sums_finite(ts)) or bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
+
+
+def sums_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """0-dim bool tensor, no host sync: whether every tensor's sum is finite. NaN and +-Inf make
+    a sum non-finite, so True proves every value finite; False may also mean that a sum of
+    finite values overflowed (:func:`all_finite` then checks exactly)."""
+    sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).double()
+            for t in tensors if t.numel()]
+    sums = [s.to(sums[0].device) for s in sums]  # no-ops unless the tensors sit on several devices
+    if not sums:
+        return torch.tensor(True)
+    return torch.isfinite(sums[0] if len(sums) == 1 else torch.stack(sums)).all()
 
 
 def num_selected(ratio: float, numel: int) -> int:

@@ -44,6 +44,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from . import kernels
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
 from .exchange import DenseExchange, JoinGuard, Pending, SparseExchange, choose_exchange
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
@@ -222,10 +223,15 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         rank holds the same averages (one host sync for all of them). ``known``: the answer for
         a parameter where its exchange had it cheaper than a pass over the whole gradient
         (:func:`hvd_gradcomp.exchange.finite_at_indices`)."""
-        finite = [known[p] if known.get(p) is not None else
-                  torch.isfinite(p.grad.coalesce().values() if p.grad.is_sparse else p.grad).all()
-                  for p in params]
-        return bool(torch.stack(finite).all()) if finite else True
+        known_ok = [known[p] for p in params if known.get(p) is not None]
+        rest = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if known.get(p) is None]
+        # One sum per gradient, not isfinite().all(), which costs ~10x more on CPU (kernels.all_finite)...
+        checks = known_ok + ([kernels.sums_finite(rest)] if rest else [])
+        if not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all()):
+            return True
+        # ...and where a sum is not finite (a NaN/Inf, or finite values whose sum overflowed), exactly.
+        exact = known_ok + [torch.isfinite(g).all() for g in rest]
+        return bool(torch.stack([c.to(exact[0].device) for c in exact]).all())
 
     def _start_fused(self, params: List[torch.Tensor]) -> List[Tuple[List[torch.Tensor], Pending]]:
         """One allreduce per dtype for all small tensors: fewer, larger messages."""
