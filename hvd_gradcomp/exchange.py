@@ -566,8 +566,9 @@ class FusedAllgatherExchange:
     bit-identical everywhere. When the caller names the output (``p.extra["out"]``, the
     parameter's ``.grad``, whose gradient is final once its exchange started) the average is
     written there as soon as the group is decoded, as Horovod's in-place allreduce writes
-    ``p.grad`` from its background thread: ``synchronize()`` is then left with the last
-    groups of backward and the feedback policy's ``received``.
+    ``p.grad`` from its background thread, and handed to the feedback policy's ``received``
+    (unless the policy moves parameters, which must wait for ``synchronize()``):
+    ``synchronize()`` is then left with the last groups of backward.
     """
 
     join_guard: Optional[JoinGuard] = None
@@ -670,6 +671,12 @@ class FusedAllgatherExchange:
                 t0 = time.perf_counter()
                 sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out)
                 member.extra["summed"] = True
+                if not self.compressor.feedback.moves_parameters:
+                    # The policy's rewrite too (momentum correction: a clone and two passes over the
+                    # gradient), while backward goes on; not a policy that moves the parameter,
+                    # which autograd may still need as it was.
+                    self.compressor.received(member.name, out)
+                    member.extra["received"] = True
                 spent[i] += time.perf_counter() - t0
             if member is not caller:
                 member.extra["codec_s"] = member.extra.get("codec_s", 0.0) + spent[i]
@@ -700,10 +707,15 @@ class FusedAllgatherExchange:
             self.advance(p)
         if not g.decoded:
             self._decode(g, p)
-        parts = p.extra.pop("parts")
-        if not (p.extra.pop("summed", False) and p.extra.get("out") is out):
-            sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
-        self.compressor.received(p.name, out)   # the feedback policy sees the average (issue 9)
+        parts, early = p.extra.pop("parts"), p.extra.get("out")
+        summed, received = p.extra.pop("summed", False), p.extra.pop("received", False)
+        if received:  # summed and rewritten by the policy in _decode, exactly once per step
+            if early is not out:
+                out.copy_(early.view_as(out))
+        else:
+            if not (summed and early is out):
+                sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
+            self.compressor.received(p.name, out)   # the feedback policy sees the average (issue 9)
         p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
         p.finished = True
 
