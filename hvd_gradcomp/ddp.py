@@ -113,10 +113,14 @@ class GradCompState:
             whose ``feedback`` is ``"auto"`` (the default) it picks the feedback policy, as the
             Horovod road does: DGC momentum correction for ``SGD(momentum > 0)`` (each rank sends
             its own velocity through error feedback, so nothing it drops loses its momentum),
-            classic error feedback otherwise. Adam-family optimizers get classic error feedback
-            (the Horovod road's ``"frozen"``/``"update"`` policies work inside the optimizer step,
-            which a hook that averages gradients cannot reach); the choice is said once on rank 0.
-            Without it: classic.
+            ``"frozen"`` (:class:`hvd_gradcomp.FrozenVariance`: a dense warm-up, then Adam's second
+            moment frozen and each rank's momentum through error feedback) for ``Adam``/``AdamW``,
+            classic error feedback otherwise; the choice is said once on rank 0. Without it:
+            classic. Under ``"frozen"`` the parameters move when the optimizer steps (a step
+            pre-hook applies the averaged update and hands the optimizer a zero gradient, so
+            AdamW only applies its weight decay): between ``backward()`` and ``step()``,
+            ``p.grad`` of a compressed parameter holds the averaged update direction, not a
+            gradient, and clipping it changes nothing (use the compressor's ``clip=``).
 
     Why the hook does not have to wait for DDP's bucket rebuild: DDP puts all parameters in
     one bucket for the first iteration and rebuilds its buckets after it, by the order the
@@ -155,6 +159,7 @@ class GradCompState:
         self.world_size = dist.get_world_size(self.process_group)
         self.min_compress_numel = max(min_compress_numel, self.world_size)  # QSGD chunks are never empty
         self._names: Dict[torch.Tensor, str] = {}
+        self._at_step: Dict[str, None] = {}  # names whose received() waits for the optimizer step
         if isinstance(compression, GradientCompressor):
             if compression in _CLAIMED:
                 raise ValueError(f"this {type(compression).__name__} already serves another hook state; "
@@ -166,6 +171,9 @@ class GradCompState:
             _CLAIMED.add(compression)
             compression.stream = self.rank  # independent rounding noise on every rank
             _choose_feedback(compression, optimizer, self._names, self.rank)
+            if compression.feedback.moves_parameters:
+                self._by_name = {n: p for p, n in self._names.items()}
+                self._step_hook = optimizer.register_step_pre_hook(self._apply_at_step)
             ranks = dist.get_process_group_ranks(self.process_group)
             self._second = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group))
             _KEEP_ALIVE.extend([self.process_group, self._second])
@@ -225,12 +233,19 @@ class GradCompState:
 
     # ------------------------------------------------------------ bucket layout
     def _plan(self, bucket: dist.GradBucket) -> _Plan:
+        """The bucket's layout (cached), with this step's choices of the compressor applied:
+        segments it does not compress now (``exclude=``, or its feedback's dense warm-up, e.g.
+        ``"frozen"``) join the dense allreduce. The answers come from replicated state, so
+        every rank splits the bucket the same way."""
         params = bucket.parameters()
         key = (bucket.index(), tuple(id(p) for p in params))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._make_plan(bucket, params)
-        return plan
+        now_dense = tuple(s for s in plan.compressed if not self.compression.compresses(s.name))
+        if not now_dense:
+            return plan
+        return _Plan(tuple(s for s in plan.compressed if s not in now_dense), plan.dense + now_dense)
 
     def _make_plan(self, bucket: dist.GradBucket, params: List[torch.Tensor]) -> _Plan:
         buffer = bucket.buffer()
@@ -245,6 +260,26 @@ class GradCompState:
             small = p.numel() < self.min_compress_numel or buffer.dtype not in wire.DTYPES
             (dense if small else compressed).append(seg)
         return _Plan(tuple(compressed), tuple(dense))
+
+    # ------------------------------------------------------------ feedback at the optimizer step
+    def _received(self, name: str, avg: torch.Tensor) -> None:
+        """Hand the average of ``name`` to the feedback policy, now or, for a policy that moves
+        the parameter itself, when the optimizer steps (not during backward: autograd, clipping
+        and a skipped step all expect the parameters to stay put until then)."""
+        if self.compression.feedback.moves_parameters:
+            self._at_step[name] = None
+        else:
+            self.compression.received(name, avg)
+
+    def _apply_at_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: the deferred :meth:`_received` calls, on the averages DDP
+        wrote to ``p.grad`` (rewritten in place, e.g. zeroed under ``"frozen"``)."""
+        with self._lock:
+            names, self._at_step = list(self._at_step), {}
+            for name in names:
+                grad = self._by_name[name].grad
+                if grad is not None:
+                    self.compression.received(name, grad)
 
     # ------------------------------------------------------------ ordering
     def _then_in_order(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
@@ -393,7 +428,7 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
             for j, s in enumerate(plan.compressed):
                 parts = decode_payloads(comp, [per_rank[r][j] for r in range(world)], world, s.numel)
                 sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
-                comp.received(s.name, s.view(buffer))  # momentum correction: what SGD should see
+                state._received(s.name, s.view(buffer))  # momentum correction: what SGD should see
 
         return work.get_future(), decode
 
@@ -457,7 +492,7 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
                                            f"{bd[r + 1] - bd[r]} were expected; ranks disagree on the model")
                     s.view(buffer)[bd[r]:bd[r + 1]].copy_(chunk)
             for s in plan.compressed:
-                comp.received(s.name, s.view(buffer))
+                state._received(s.name, s.view(buffer))
 
         return work.get_future(), decode
 
@@ -643,8 +678,9 @@ class GradientAccumulator:
 
 
 # ---------------------------------------------------------------- helpers
-# Feedback policies the hook can run: they only rewrite gradients (prepare / sent / received).
-HOOK_POLICIES = ("none", "classic", "momentum")
+# Feedback policies the hook can run ("frozen" through an optimizer step pre-hook, see
+# GradCompState._received); "update" needs a private optimizer per rank, the Horovod roads only.
+HOOK_POLICIES = ("none", "classic", "momentum", "frozen")
 
 
 def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.Optimizer],
@@ -652,35 +688,37 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
     """The compressor's feedback policy for the hook, bound to ``optimizer``'s param groups
     (see ``optimizer`` in :class:`GradCompState`); the choice is said once on rank 0."""
     if comp.feedback.key not in HOOK_POLICIES:
-        raise ValueError(f"feedback={comp.feedback.key!r} cannot run in the DDP hook, which only averages gradients "
-                         "('update' and 'frozen' work inside the optimizer step): use feedback='classic' or "
-                         "'momentum'")
+        raise ValueError(f"feedback={comp.feedback.key!r} cannot run in the DDP hook ('update' steps a private "
+                         "copy of the optimizer on each rank, which only the Horovod roads do): use feedback="
+                         "'frozen' for Adam/AdamW, 'momentum' for SGD with momentum, or 'classic'")
     auto = comp.feedback_choice == "auto" and not comp._restored
     if optimizer is None:
         if isinstance(comp.feedback, fb.MomentumCorrection) and comp.feedback.momentum is None:
             raise ValueError("feedback='momentum' reads the momentum from the optimizer: pass optimizer= to "
                              "register() / GradCompState (or feedback=MomentumCorrection(momentum=m))")
+        if comp.feedback.moves_parameters:
+            raise ValueError(f"feedback={comp.feedback.key!r} freezes and steps the optimizer's Adam state: pass "
+                             "optimizer= to register() / GradCompState")
         if auto and rank == 0:  # the documented default: logged, not printed
             fb.log.info(f"{comp!r} in the DDP hook: classic error feedback (no optimizer given; pass "
                         "optimizer= to register() to get momentum correction with SGD(momentum > 0)).")
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    groups = [(names[p], g) for g in optimizer.param_groups for p in g["params"] if p in names]
+    groups = [(names[p], g, p) for g in optimizer.param_groups for p in g["params"] if p in names]
     if not groups:
         raise ValueError("the optimizer steps none of the wrapped module's parameters: pass the optimizer "
                          "built on this model's parameters")
     why = "chosen by the user"
     if auto:
         key, why = fb.choose(optimizer, isinstance(comp, QSGD), comp._contracting)
-        if key not in HOOK_POLICIES:  # Adam family: the Horovod road's policy needs the optimizer step
-            key, why = "classic", (f"{why}; the Horovod road would use feedback {key!r}, which works inside the "
-                                   "optimizer step; a DDP hook only averages gradients, so error feedback is "
-                                   "classic here")
+        if key not in HOOK_POLICIES:  # 'update' (adaptive optimizers other than Adam/AdamW)
+            key, why = "classic", (f"{why}; the Horovod road would use feedback {key!r}, which steps a private "
+                                   "copy of the optimizer on each rank; in the DDP hook error feedback is classic")
         if key != comp.feedback.key:
             comp._set_policy(fb.make(key))
-    for name, group in groups:
-        comp.feedback.bind(name, group)
+    for name, group, param in groups:
+        comp.feedback.bind(name, group, param, optimizer)
     if rank == 0:
         fb.announce(f"{comp!r} in the DDP hook with {type(optimizer).__name__}: feedback '{comp.feedback.key}' "
                     f"({comp.feedback.describe()}; {why}).")

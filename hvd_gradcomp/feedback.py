@@ -186,10 +186,14 @@ class Feedback:
 
     ``contract``: whether lossy dense codecs (low-bit QSGD) must shrink what they send so that
     the residual stays bounded (see :func:`hvd_gradcomp.compressors.qsgd_ef_scale`).
+    ``moves_parameters``: whether :meth:`received` moves the parameter itself (and hands the
+    optimizer a zero gradient); a caller that receives averages during backward (the DDP hook)
+    must then defer :meth:`received` to the optimizer step.
     """
 
     key = "none"
     contract = False
+    moves_parameters = False
 
     def __init__(self) -> None:
         self.residuals = ResidualStore()  # also the per-name shape check of every policy
@@ -411,6 +415,7 @@ class LocalUpdate(ErrorFeedback):
     """
 
     key = "update"
+    moves_parameters = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -524,6 +529,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     """
 
     key = "frozen"
+    moves_parameters = True
     _round_stores = ("velocity", "steps")  # frozen at the freeze, before _remember: never None
 
     def __init__(self, warmup: int = 100, floor: float = 0.1) -> None:
@@ -572,7 +578,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         if name not in self._bound:
             raise RuntimeError(f"feedback='frozen' needs the wrapped optimizer to know parameter {name!r}: "
-                               "use it through hvd_gradcomp.DistributedOptimizer or hvd.DistributedOptimizer")
+                               "use it through hvd_gradcomp.DistributedOptimizer, hvd.DistributedOptimizer or "
+                               "hvd_gradcomp.ddp.register(..., optimizer=opt)")
         self.residuals.check_shape(name, grad)
         if name not in self.denom:
             self._freeze(name)

@@ -309,6 +309,7 @@ def errors() -> Dict[str, Any]:
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     catch("update_policy", lambda: gc_ddp.register(model, compression=gc.TopK(feedback="update"), optimizer=sgd))
     catch("momentum_without_optimizer", lambda: gc_ddp.register(model, compression=gc.TopK(feedback="momentum")))
+    catch("frozen_without_optimizer", lambda: gc_ddp.register(model, compression=gc.TopK(feedback="frozen")))
     other = torch.optim.SGD(net().parameters(), lr=0.1)
     catch("foreign_optimizer", lambda: gc_ddp.register(model, compression=gc.TopK(), optimizer=other))
     return out
@@ -344,6 +345,55 @@ def momentum(steps: int = 5) -> Dict[str, Any]:
             "rel_classic": rel(sparse_classic, ref), "velocities": len(st_mc.compression.feedback.velocity)}
 
 
+def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
+    """AdamW through the hook with feedback='frozen' at ratio 1 (nothing dropped): exact AdamW for the
+    dense warm-up, then AdamW with v frozen, written out here from the locally averaged gradients
+    (compressed weights) and plain AdamW (the small tensors, always dense)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opts = dict(lr=1e-2, weight_decay=0.1)
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    opt = torch.optim.AdamW(model.parameters(), **opts)
+    state = gc_ddp.register(model, compression=gc.TopK(ratio=1.0, feedback=gc.FrozenVariance(warmup=warmup)),
+                            optimizer=opt)
+    zero_grads, sent_bytes = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(model, *batch(rank, step)).backward()
+        sent_bytes.append(state.last_step_bytes)
+        opt.step()
+        zero_grads.append(all(int(torch.count_nonzero(model.module.get_parameter(n).grad)) == 0
+                              for n in ("fc1.weight", "fc2.weight", "fc3.weight")))
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    ref = net()
+    adamw = torch.optim.AdamW(ref.parameters(), **opts)
+    b1, b2 = adamw.param_groups[0]["betas"]
+    eps, lr, wd = adamw.param_groups[0]["eps"], opts["lr"], opts["weight_decay"]
+    big = [p for p in ref.parameters() if p.numel() >= gc_ddp.DEFAULT_MIN_COMPRESS_NUMEL]
+    frozen_state: Dict[torch.Tensor, Any] = {}
+    for t in range(1, steps + 1):
+        ref.zero_grad()
+        for r in range(world):
+            loss_of(ref, *batch(r, t - 1)).backward()
+        for p in ref.parameters():
+            p.grad /= world
+        if t > warmup:
+            for p in big:
+                if p not in frozen_state:
+                    st = adamw.state[p]
+                    root = (st["exp_avg_sq"] / (1 - b2 ** warmup)).sqrt()
+                    frozen_state[p] = [root.clamp(min=0.1 * root.mean().item()) + eps, st["exp_avg"].clone()]
+                denom, m = frozen_state[p]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                with torch.no_grad():
+                    p.mul_(1 - lr * wd).sub_(lr / (1 - b1 ** t) * m / denom)
+                p.grad = None   # AdamW steps only the small tensors from here on
+        adamw.step()
+    want = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    return {"policy": state.compression.feedback.key, "rel": rel(got, want), "zero_grads": zero_grads,
+            "sent_bytes": sent_bytes, "raw_bytes": sum(p.numel() * 4 for p in model.parameters())}
+
+
 def die(after: int) -> Dict[str, Any]:
     """Rank 1 exits abruptly in the middle of training; the job must end non-zero, soon."""
     rank = dist.get_rank()
@@ -359,7 +409,7 @@ def die(after: int) -> Dict[str, Any]:
 
 SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
-             "die": die, "momentum": momentum}
+             "die": die, "momentum": momentum, "frozen": frozen}
 
 
 def main() -> None:

@@ -48,6 +48,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "nonfinite-topkqsgd": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05},
     "nonfinite-qsgd": {"fn": "nonfinite", "kind": "qsgd", "bits": 8},
     "errors": {"fn": "errors"},
+    "frozen": {"fn": "frozen"},
 }
 
 
@@ -160,20 +161,32 @@ def test_nonfinite_gradient_on_one_rank_reaches_every_rank(battery, sid):
     ("bad_start", "start_compress_iter"), ("no_names", "named_parameters"), ("shared", "own compressor"),
     ("wrong_rank", "own file"), ("wrong_kind", "same compression"), ("acc_steps", "steps must be"),
     ("acc_outside", "accumulate()"), ("update_policy", "cannot run in the DDP hook"),
-    ("momentum_without_optimizer", "pass optimizer="), ("foreign_optimizer", "none of the wrapped module")])
+    ("momentum_without_optimizer", "pass optimizer="), ("frozen_without_optimizer", "pass optimizer="), ("foreign_optimizer", "none of the wrapped module")])
 def test_bad_arguments_give_clear_errors(battery, key, words):
     assert words in battery["errors"][0][key]
 
 
 def test_optimizer_chooses_momentum_correction_and_it_is_exact_at_ratio_one(battery):
     r0, r1 = battery["momentum"]
-    assert r0["policies"] == {"sgd-momentum": "momentum", "sgd": "classic", "adamw": "classic",
+    assert r0["policies"] == {"sgd-momentum": "momentum", "sgd": "classic", "adamw": "frozen",
                               "no-optimizer": "classic"}
     assert r0["rel_exact"] <= 1e-6, r0          # nothing dropped: exactly momentum SGD (Nesterov here)
     assert r0["velocities"] == 3                # one velocity per compressed weight (fc1..fc3)
     # compressed (5%): both near the reference (measured 0.008, 0.007); which is closer is the study's question
     assert 0 < r0["rel_mc"] < 0.05 and 0 < r0["rel_classic"] < 0.05 and r0["rel_mc"] != r0["rel_classic"], r0
     assert (r0["rel_mc"], r0["rel_exact"]) == (r1["rel_mc"], r1["rel_exact"])
+
+
+def test_adamw_gets_frozen_variance_and_it_is_exact_at_ratio_one(battery):
+    """feedback='frozen' in the hook: dense AdamW for the warm-up, then v frozen; the compressed weights
+    reach the optimizer as zero gradients (the step pre-hook moved them) only after the warm-up."""
+    for r in battery["frozen"]:
+        assert r["policy"] == "frozen"
+        assert r["rel"] <= 1e-6, r
+        assert r["zero_grads"] == [False, False, True, True, True, True], r
+    r0 = battery["frozen"][0]
+    assert r0["sent_bytes"][0] == r0["raw_bytes"]            # warm-up: everything dense
+    assert r0["sent_bytes"][-1] != r0["raw_bytes"]           # then the weights go through TopK
 
 
 def test_killed_rank_ends_the_job_nonzero_in_bounded_time():

@@ -16,6 +16,9 @@ TASK_TEXT = {
     "cnn-sgd": "CNN (2 conv + 2 linear) on scikit-learn's digits; SGD lr 0.05, momentum 0.9, 5% warm-up then "
                "cosine; stock `hvd.DistributedOptimizer`",
     "cnn-adam": "the same CNN with Adam lr 2e-3, 5% warm-up then cosine; stock `hvd.DistributedOptimizer`",
+    "transformer-ddp": "the transformer task under PyTorch DDP (`benchmarks/study/ddp_worker.py`, torchrun, Gloo): "
+                       "`hvd_gradcomp.ddp.register(model, compression=..., optimizer=opt)`, the hook's own choice "
+                       "of feedback",
     "char-mlp": "the char-level MLP of `examples/train.py` on the standard library's sources; SGD lr 0.05, "
                 "momentum 0.9, cosine decay, 2 micro-batches accumulated per step (`GradientAccumulator`); "
                 "`hvd_gradcomp.DistributedOptimizer`",
@@ -94,9 +97,13 @@ def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[s
         base = [r["val_loss"] for r in runs.get((task, "none"), [])]
         spread = (statistics.stdev(base) / statistics.fmean(base) * 100) if len(base) > 1 else float("nan")
         met = "yes" if g1 <= 1 and g01 <= 2 and ratio >= 50 else "no"
-        lines.append(f"| {task} | {g1:+.2f}% ({n1}) | {pol} | {ratio:.0f}x | +-{spread:.2f}% | {gc_:+.2f}% | "
-                     f"{g01:+.2f}% | {met} |")
+        lines.append(f"| {task} | {_pct(g1)} ({n1}) | {pol} | {ratio:.0f}x | +-{spread:.2f}% | {_pct(gc_)} | "
+                     f"{_pct(g01)} | {met} |")
     return lines + [""]
+
+
+def _pct(v: float) -> str:
+    return "-" if v != v else f"{v:+.2f}%"
 
 
 def plot(task: str, runs: Dict[Tuple[str, str], List[dict]], path: Path) -> None:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.study import report  # noqa: E402
 from benchmarks.study.tasks import TASKS  # noqa: E402
+from benchmarks.study import ddp_worker  # noqa: E402
 from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
 
 # Extra rows: 4-bit QSGD with its default (no error feedback); for Adam and AdamW the previous
@@ -33,15 +34,32 @@ TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4",), "transformer": DEFAU
 # Run on the first seed only, to fit the study in about an hour: fp16 matched uncompressed to 4
 # digits in every earlier run, and TopK 1% matched TopKQSGD(1%, 8).
 ONE_SEED = ("fp16", "topk")
+# Tasks also trained under PyTorch DDP (benchmarks/study/ddp_worker.py, torchrun), as "<task>-ddp".
+DDP_TASKS = {"transformer-ddp": "transformer"}
+ALL_TASKS = TASKS + tuple(DDP_TASKS)
+
+
+def settings_of(task: str) -> tuple:
+    if task in DDP_TASKS:
+        return ddp_worker.DEFAULT_SETTINGS
+    return TASK_SETTINGS.get(task, DEFAULT_SETTINGS)
+
+
+def command(task: str, seed: int, settings: list, out: Path) -> list:
+    """horovodrun (or, for a DDP task, torchrun) with 2 ranks over one task and seed."""
+    venv_bin = Path(sys.executable).parent
+    args = ["--seed", str(seed), "--settings", ",".join(settings), "--out", str(out)]
+    if task in DDP_TASKS:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(ROOT / "benchmarks/study/ddp_worker.py"), "--task", DDP_TASKS[task]] + args
+    horovodrun = venv_bin / "horovodrun"
+    return [str(horovodrun if horovodrun.exists() else "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+            sys.executable, str(ROOT / "benchmarks/study/worker.py"), "--task", task] + args
 
 
 def job(task: str, seed: int, settings: list, out: Path, timeout: int) -> bool:
-    """Run one horovodrun job; False (and its output on stderr) when it failed or timed out."""
-    venv_bin = Path(sys.executable).parent
-    horovodrun = venv_bin / "horovodrun"
-    cmd = [str(horovodrun if horovodrun.exists() else "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
-           sys.executable, str(ROOT / "benchmarks/study/worker.py"), "--task", task, "--seed", str(seed),
-           "--settings", ",".join(settings), "--out", str(out)]
+    """Run one 2-rank job; False (and its output on stderr) when it failed or timed out."""
+    cmd = command(task, seed, settings, out)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     t0 = time.time()
@@ -62,7 +80,7 @@ def job(task: str, seed: int, settings: list, out: Path, timeout: int) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--tasks", default=",".join(ALL_TASKS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", default=str(ROOT / "runs/study"))
     ap.add_argument("--docs", default=str(ROOT / "docs"))
@@ -71,19 +89,21 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     tasks = args.tasks.split(",")
-    unknown = sorted(set(tasks) - set(TASKS))
+    unknown = sorted(set(tasks) - set(ALL_TASKS))
     if unknown:
-        ap.error(f"unknown tasks {unknown}; choose from {list(TASKS)}")
+        ap.error(f"unknown tasks {unknown}; choose from {list(ALL_TASKS)}")
     t0 = time.time()
     ok = True
     if not args.report_only:
         plan = [f"{task}-{s}-s{seed}" for seed in map(int, args.seeds.split(",")) for task in tasks
-                for s in TASK_SETTINGS.get(task, DEFAULT_SETTINGS) if seed == 0 or s not in ONE_SEED]
+                for s in settings_of(task) if seed == 0 or s not in ONE_SEED]
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(json.dumps(plan) + "\n")
+        old = out / "plan.json"  # a run over some tasks adds to the plan of the results already there
+        kept = [p for p in (json.loads(old.read_text()) if old.exists() else []) if p not in plan]
+        (out / "plan.json").write_text(json.dumps(kept + plan) + "\n")
         for seed in map(int, args.seeds.split(",")):
             for task in tasks:
-                settings = [s for s in TASK_SETTINGS.get(task, DEFAULT_SETTINGS)
+                settings = [s for s in settings_of(task)
                             if f"{task}-{s}-s{seed}" in plan and not (out / f"{task}-{s}-s{seed}.json").exists()]
                 if not settings:
                     continue

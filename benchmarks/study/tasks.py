@@ -80,6 +80,18 @@ class Task:
     val: Tuple[torch.Tensor, torch.Tensor]
 
 
+@torch.no_grad()
+def evaluate(task: Task) -> Tuple[float, float]:
+    """(held-out loss, accuracy) of the model on the task's fixed held-out set."""
+    task.model.eval()
+    x, y = task.val
+    out = task.model(x)
+    out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    loss, acc = F.cross_entropy(out, y).item(), (out.argmax(-1) == y).float().mean().item()
+    task.model.train()
+    return loss, acc
+
+
 def lr_factor(step: int, steps: int, warmup: float) -> float:
     """Linear warm-up over ``warmup * steps``, then cosine decay to 0.
 

@@ -10,16 +10,15 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import horovod.torch as hvd  # noqa: E402
 
 import hvd_gradcomp as gc  # noqa: E402
-from benchmarks.study.tasks import TASKS, Task, lr_factor, make_task  # noqa: E402
+from benchmarks.study.tasks import TASKS, evaluate, lr_factor, make_task  # noqa: E402
 
 # setting -> (label, compressor factory). Every compressor uses the library's defaults
 # (feedback="auto") except "tq1-classic" (error feedback on gradients, the pre-issue-9 recipe) and
@@ -40,19 +39,7 @@ SETTINGS = {
 DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic")
 
 
-@torch.no_grad()
-def evaluate(task: Task) -> Tuple[float, float]:
-    """(held-out loss, accuracy) of the model on the task's fixed held-out set."""
-    task.model.eval()
-    x, y = task.val
-    out = task.model(x)
-    out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
-    loss, acc = F.cross_entropy(out, y).item(), (out.argmax(-1) == y).float().mean().item()
-    task.model.train()
-    return loss, acc
-
-
-def wrap(task: Task, compression: Any, seed: int) -> Any:
+def wrap(task: Any, compression: Any, seed: int) -> Any:
     if isinstance(compression, gc.GradientCompressor):
         compression.seed = seed
     kw = dict(named_parameters=task.model.named_parameters(), compression=compression or hvd.Compression.none,
