@@ -155,8 +155,7 @@ def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
         return st
 
     t_warm = time.perf_counter()
-    for _ in range(args.warmup * args.batches_per_iter):
-        step()
+    warm = [step()[0] for _ in range(args.warmup * args.batches_per_iter)]
     say(f"Warm-up: {args.warmup} iterations, {time.perf_counter() - t_warm:.1f}s", flush=True)
     steps: List[Tuple[float, float, int, float, float]] = []
     rates: List[float] = []
@@ -168,11 +167,12 @@ def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
         rate = samples / (time.perf_counter() - t0)
         rates.append(rate)
         say(f"Iter #{i}: {rate:.1f} samples/sec per rank", flush=True)
-    return _report(args, cfg, model, timer, steps, rates, say)
+    return _report(args, cfg, model, timer, steps, rates, say, warm)
 
 
 def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, timer: StepTimer,
-            steps: List[Tuple[float, float, int, float, float]], rates: List[float], say: Any) -> Dict[str, Any]:
+            steps: List[Tuple[float, float, int, float, float]], rates: List[float], say: Any,
+            warm: Sequence[float] = ()) -> Dict[str, Any]:
     mean, conf = confidence(rates)
     size = hvd.size()
     step_s, comm_s, codec_s, codec_sync_s = _across_ranks(
@@ -199,7 +199,7 @@ def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, 
         "auto": comp.report() if isinstance(comp, gc.Auto) else None,
         "bytes_per_step": bytes_step, "raw_bytes_per_step": timer.raw_bytes,
         "ratio": timer.raw_bytes / bytes_step if bytes_step else 0.0,
-        "step_times_s": [st[0] for st in steps], "torch": torch.__version__, "python": platform.python_version(),
+        "step_times_s": [st[0] for st in steps], "warmup_step_times_s": list(warm), "torch": torch.__version__, "python": platform.python_version(),
     }
     if args.json and hvd.rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
