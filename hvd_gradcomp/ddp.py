@@ -31,6 +31,9 @@ How each bucket travels (``torch.distributed`` collectives only, so Gloo, NCCL a
 * dense: parameters smaller than ``min_compress_numel`` and dtypes the codecs do not carry
   (float64) are averaged by ``all_reduce``, as are whole buckets before ``start_compress_iter``
   and with ``compression=None``; ``compression=torch.float16`` casts like torch's fp16 hook.
+* ``compression=gc.Auto()``: each bucket takes the road that costs least, measured while
+  training runs (sparse, QSGD, fp16 or dense; see :class:`_AutoRoads` and docs/AUTO.md), the
+  same on every rank; ``state.auto_report()`` says which and why.
 
 The hook returns a future and never waits: second-round collectives are chained on the
 first round's futures and issued, in bucket order, on a second process group, so that their
@@ -103,9 +106,10 @@ class GradCompState:
 
     Args:
         process_group: the group to average over (None: the default group).
-        compression: an hvd-gradcomp compressor (``TopKQSGD``, ``TopK``, ``QSGD``), ``None``
-            (plain averaging allreduce) or ``torch.float16`` / ``torch.bfloat16`` (cast, like
-            torch's ``fp16_compress_hook``). A compressor belongs to one state: its error
+        compression: an hvd-gradcomp compressor (``TopKQSGD``, ``TopK``, ``QSGD``), ``gc.Auto()``
+            (a road per bucket, measured: :meth:`auto_report`), ``None`` (plain averaging
+            allreduce) or ``torch.float16`` / ``torch.bfloat16`` (cast, like torch's
+            ``fp16_compress_hook``). A compressor belongs to one state: its error
             feedback residuals are this rank's.
         named_parameters: ``module.named_parameters()`` of the wrapped module; needed with a
             compressor, because residuals and random streams are keyed by parameter name.
@@ -674,18 +678,20 @@ class _AutoRoads:
         self._flush(plan, buffer, road)
         numel = sum(s.numel for s in plan.compressed)
         itemsize = buffer.element_size()
+        # On GPU the codec is timed only while Auto measures (the clock then synchronises).
+        timed = buffer.device.type != "cuda" or auto.measuring
         if road in (DENSE, FP16):
             t0 = clock()
             fut = _allreduce(state, buffer, step, road, torch.float16 if road == FP16 else None)
             codec, payload = clock() - t0, numel * (2 if road == FP16 else itemsize)
-            return fut.then(lambda f: self._done(f, key, road, numel, itemsize, codec, payload))
+            return fut.then(lambda f: self._done(f, key, road, numel, itemsize, codec, payload, timed))
         view = sparse if road == SPARSE else _RoadView(state, auto.qsgd, clock)
         fut = view.time_call(_allgather if road == SPARSE else _scatter_reduce, buffer, plan, step)
 
         def done(f: Future) -> torch.Tensor:
             payload = (sum(payload_size(auto.qsgd, (s.numel,)) for s in plan.compressed) if road == QSGD_AR
                        else view.sent)
-            return self._done(f, key, road, numel, itemsize, view.codec_s, payload)
+            return self._done(f, key, road, numel, itemsize, view.codec_s, payload, timed)
 
         return fut.then(done)
 
@@ -723,10 +729,10 @@ class _AutoRoads:
         return torch.futures.collect_all(futs).then(lambda f: [x.value() for x in f.value()] and buffer)
 
     def _done(self, fut: Future, key: str, road: str, numel: int, itemsize: int, codec_s: float,
-              payload: float) -> torch.Tensor:
+              payload: float, timed: bool) -> torch.Tensor:
         out = fut.value()   # raises a failed exchange
         with self.state._lock:
-            self.auto.record(key, road, numel, itemsize, codec_s, 0.0, payload)
+            self.auto.record(key, road, numel, itemsize, codec_s, 0.0, payload, measured=timed)
         return out
 
     def _flush(self, plan: _Plan, buffer: torch.Tensor, road: str) -> None:

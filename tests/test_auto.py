@@ -72,6 +72,8 @@ def test_fused_sparse_allgathers(backend):
         assert all(g >= 2 for g in many["groups"]) and many["launched_before_sync"][1:] == [True, True]
         # a group decoded before synchronize() writes its averages into p.grad then (bit-identical, above)
         assert all(n >= 1 for n in many["summed_before_sync"][1:]), many["summed_before_sync"]
+        # exchanges leave no reference cycle behind (one held every step's gradients until a collection)
+        assert one["cyclic"] == [] and many["cyclic"] == []
         # codec time measured apart from waiting; what synchronize() did is part of its time
         codec, codec_sync, wait, in_sync = one["timing"]
         assert 0 < codec_sync <= codec and wait >= 0 and codec_sync + wait <= in_sync
