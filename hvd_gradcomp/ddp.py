@@ -973,9 +973,10 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
         if comp.feedback.moves_parameters:
             raise ValueError(f"feedback={comp.feedback.key!r} freezes and steps the optimizer's Adam state: pass "
                              "optimizer= to register() / GradCompState")
-        if auto and rank == 0:  # the documented default: logged, not printed
-            fb.log.info(f"{comp!r} in the DDP hook: classic error feedback (no optimizer given; pass "
-                        "optimizer= to register() to get momentum correction with SGD(momentum > 0)).")
+        if auto and rank == 0:  # said once: with Adam/AdamW classic error feedback trains far worse
+            fb.announce(f"{comp!r} in the DDP hook: classic error feedback, because no optimizer was given. Pass "
+                        "optimizer=opt to register() so the hook picks the policy for it: momentum correction for "
+                        "SGD(momentum > 0), 'frozen' for Adam/AdamW (see docs/STUDY.md).")
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

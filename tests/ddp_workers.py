@@ -184,15 +184,18 @@ def train(model: DDP, state: Any, opt: torch.optim.Optimizer, steps: range, extr
         opt.step()
 
 
-def checkpoint(kind: str, ckpt: str, bind: bool = False, **kw: Any) -> Dict[str, Any]:
+def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, **kw: Any) -> Dict[str, Any]:
     """6 steps straight vs 3 steps, save, fresh DDP + state + optimizer, load, 3 steps: bit-identical.
-    ``bind``: the optimizer goes to register() (momentum correction: velocities are checkpointed too)."""
+    ``bind``: the optimizer goes to register() (momentum correction: velocities are checkpointed too).
+    ``adamw``: AdamW with FrozenVariance(warmup=2), so the checkpoint falls in the frozen phase."""
     rank = dist.get_rank()
 
     def fresh():
         model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        state = gc_ddp.register(model, compression=make_compression(kind, seed=11, **kw),
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if adamw
+               else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        extra = {"feedback": gc.FrozenVariance(warmup=2)} if adamw else {}
+        state = gc_ddp.register(model, compression=make_compression(kind, seed=11, **kw, **extra),
                                 optimizer=opt if bind else None)
         return model, state, opt
 

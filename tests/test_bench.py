@@ -254,3 +254,13 @@ def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
     cross = bpr.crossovers(tensors)["TopKQSGD(1%, 8)"]
     assert f"fp16 allreduce from {cross['fp16']} ranks on" in blocks["README.md"]
     assert "| sparse | TopKQSGD(1%, 8) |" in blocks["README.md"]
+
+
+def test_readme_figures_are_generated_from_the_saved_results() -> None:
+    """The README's speed and convergence tables are benchmarks/readme_figures.py's rendering of the
+    saved raw results (docs/bench-speed/data, docs/ddp/data.json, docs/data/study), not typed."""
+    from benchmarks import readme_figures as rf
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = rf.render()
+    assert block in readme, "run python benchmarks/readme_figures.py --write"
+    assert "| 1gbit | TopKQSGD(1%, 8) |" in block and "PowerSGD rank 1" in block and "| transformer |" in block

@@ -88,6 +88,8 @@ def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[s
              "TopKQSGD(1%, 8) classic EF: gap | TopKQSGD(0.1%, 8): gap | met? |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
     for task in tasks:
+        if not runs.get((task, "tq1")):
+            continue  # not run (yet)
         g1, n1 = _paired_gap(task, "tq1", runs)
         gc_, _ = _paired_gap(task, "tq1-classic", runs)
         g01, _ = _paired_gap(task, "tq01", runs)
