@@ -168,6 +168,29 @@ def auto_checkpoint(ckpt: str) -> Dict[str, Any]:
             "max_diff": float((straight - resumed).abs().max()), "decisions": after.decisions}
 
 
+def auto_nonfinite(bad_step: int = 8, steps: int = 10) -> Dict[str, Any]:
+    """Rank 1's loss is Inf at one step after the decision (buckets on sparse, qsgd and dense):
+    every rank gets a non-finite gradient there, nobody hangs, and the next steps are finite and
+    identical on every rank again."""
+    rank = dist.get_rank()
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    auto = gc.Auto(explore_steps=1, interval=1000, roads=ROADS, seed=5)
+    auto.decide, auto.verify = forced_plans(auto), lambda: None
+    state = gc_ddp.register(model, compression=auto)
+    finite, identical = [], []
+    for step in range(1, steps + 1):
+        model.zero_grad()
+        loss = loss_of(model, *batch(rank, step))
+        if step == bad_step and rank == 1:
+            loss = loss * float("inf")
+        loss.backward()
+        g = flat_grads(model.module)
+        finite.append(bool(torch.isfinite(g).all()))
+        identical.append(same_on_every_rank(g) if finite[-1] else None)
+    return {"finite": finite, "identical": identical, "nonfinite_exchanges": state.nonfinite_exchanges,
+            "roads": sorted(set(auto.decisions.values()))}
+
+
 def auto_errors() -> Dict[str, Any]:
     """One Auto serves one hook state."""
     auto = gc.Auto()
@@ -180,7 +203,7 @@ def auto_errors() -> Dict[str, Any]:
 
 
 SCENARIOS = {"auto_switches": auto_switches, "auto_measured": auto_measured, "auto_checkpoint": auto_checkpoint,
-             "auto_errors": auto_errors}
+             "auto_errors": auto_errors, "auto_nonfinite": auto_nonfinite}
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "measured": {"fn": "auto_measured"},
     "checkpoint": {"fn": "auto_checkpoint"},
     "errors": {"fn": "auto_errors"},
+    "nonfinite": {"fn": "auto_nonfinite"},
 }
 _cache: Dict[str, Dict[str, List[Any]]] = {}
 
@@ -72,3 +73,11 @@ def test_checkpoint_round_trip_of_the_auto_state(battery):
 def test_one_auto_per_hook_state(battery):
     for r in battery["errors"]:
         assert r["error"] and "already serves another hook state" in r["error"]
+
+
+def test_a_nonfinite_step_reaches_every_rank_and_training_goes_on(battery):
+    for r in battery["nonfinite"]:
+        assert r["roads"] == ["dense", "qsgd", "sparse"]   # the bad step crosses all three roads
+        assert r["finite"] == [True] * 7 + [False] + [True] * 2, r["finite"]
+        assert all(r["identical"][i] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9))
+        assert r["nonfinite_exchanges"] >= 1
