@@ -52,7 +52,7 @@ def test_plan_defaults_full_and_quick(tmp_path: Path) -> None:
     assert [s.key for s in full.speed] == ["ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8", "auto"]
     assert [s.key for s in full.convergence] == ["none", "powersgd-1", "powersgd-4", "topkqsgd", "topkqsgd-classic",
                                                  "qsgd8"]
-    assert (full.seeds, full.steps, full.lr, full.eval_every, full.jobs) == ([7, 8, 9], 800, 0.1, 100, 2 * 6 + 3 * 6)
+    assert (full.seeds, full.steps, full.lr, full.eval_every, full.jobs) == ([7, 8, 9], 800, 0.1, 100, 2 * 7 + 3 * 6)
     assert full.docs_dir == tmp_path / "ddp"
     quick = _plan(tmp_path, quick=True)
     assert (quick.seeds, quick.steps, [s.key for s in quick.speed]) == ([7], 40, ["ddp", "powersgd-1", "topkqsgd"])
