@@ -867,7 +867,8 @@ class GradientAccumulator:
 
     ``flush()`` ends a partial window of k < N micro-batches (the end of an epoch): their
     gradients never left the rank, so it averages them with one uncompressed allreduce per
-    dtype, rescales by N/k and steps. Call it on every rank.
+    dtype, rescales by N/k and steps. Call it on every rank. (The hook does not see that
+    window: under ``feedback="frozen"`` the wrapped Adam steps it with its own state.)
 
     Example::
 
