@@ -23,7 +23,8 @@ TASK_TEXT = {
                 "momentum 0.9, cosine decay, 2 micro-batches accumulated per step (`GradientAccumulator`); "
                 "`hvd_gradcomp.DistributedOptimizer`",
 }
-ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tq1", "tq01", "tq1-classic", "tq1-update", "tq1-momentum"]
+ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tq1", "tq01", "tq1-classic", "tq1-update", "tq1-momentum",
+         "tq1-spw"]
 
 
 def load(out: Path) -> Dict[Tuple[str, str], List[dict]]:

@@ -35,6 +35,8 @@ SETTINGS = {
     "tq1-momentum": ("TopKQSGD(1%, 8), momentum correction",
                      lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
     "tq1-update": ("TopKQSGD(1%, 8), compress the update", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="update")),
+    "tq1-spw": ("TopKQSGD(1%, 8), sparsity warm-up 100", lambda: gc.TopKQSGD(ratio=gc.SparsityWarmup(0.01, steps=100),
+                                                                            bits=8)),
 }
 DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic")
 
