@@ -45,6 +45,11 @@ from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
 # buckets the job hung or aborted here. One bucket keeps it working on CPU (no overlap).
 ONE_BUCKET_MB = 1e5
 SETTINGS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8")
+# gc.Auto() in the hook: on request (--settings ...,auto). Its start runs in the warm-up: DDP's
+# first iteration, its bucket rebuild (exploration restarts), 6 exploring steps, the decision and
+# 2 verified steps (see docs/AUTO.md).
+CHOICES = SETTINGS + ("auto",)
+AUTO_WARMUP = 12
 
 
 def _noop_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -75,7 +80,8 @@ def register(setting: str, model: DDP, warmup: int) -> Callable[[int], int]:
             sent, before[0] = total - before[0], total
             return sent
         return powersgd_bytes
-    compression = gc.TopKQSGD(ratio=0.01, bits=8) if setting == "topkqsgd" else gc.QSGD(bits=8)
+    compression = (gc.TopKQSGD(ratio=0.01, bits=8) if setting == "topkqsgd" else gc.Auto() if setting == "auto"
+                   else gc.QSGD(bits=8))
     hook_state = gc_ddp.register(model, compression=compression)
     totals = [0]
 
@@ -103,7 +109,7 @@ def time_setting(setting: str, args: argparse.Namespace) -> Dict[str, Any]:
         opt.step()
         return time.perf_counter() - t0
 
-    for _ in range(max(2, args.warmup)):
+    for _ in range(max(2, args.warmup, AUTO_WARMUP if setting == "auto" else 0)):
         step()
     sent(0)  # start counting bytes here
     cpu0 = time.process_time()
@@ -128,16 +134,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="samples per step per rank (small: cheap compute)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per setting (>= 2)")
     p.add_argument("--iters", type=int, default=10, help="timed steps per setting")
-    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {', '.join(SETTINGS)}")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {', '.join(CHOICES)}")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (PowerSGD on Gloo: one bucket)")
     p.add_argument("--quick", action="store_true", help="a 0.3M-parameter model, 2 timed steps: a smoke test")
     p.add_argument("--json", default=None, help="write the rows (rank 0)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    unknown = sorted(set(args.settings) - set(SETTINGS))
+    unknown = sorted(set(args.settings) - set(CHOICES))
     if unknown:
-        p.error(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
+        p.error(f"unknown settings {unknown}; choose from {', '.join(CHOICES)}")
     if args.quick:
         args.params, args.width, args.warmup, args.iters = 3e5, 256, 2, 2
     if args.iters < 1 or args.warmup < 0:

@@ -12,8 +12,8 @@ import click
 from .netns import LINK_MODES, TBF
 from .plan import CONVERGENCE_LABELS, CONVERGENCE_SETTINGS, MOMENTUM_CORRECTION, ROOT, SPEED_LABELS, Plan
 from .plots import plot_all
-from .tables import (convergence_rows, render_convergence_table, render_speed_table, speed_rows, speedup_line,
-                     target_lines)
+from .tables import (auto_start_line, convergence_rows, render_convergence_table, render_speed_table, speed_rows,
+                     speedup_line, target_lines)
 
 
 def render_markdown(plan: Plan, machine: Dict[str, str], speed: Dict[str, Any], conv: Optional[Dict[str, Any]],
@@ -129,6 +129,8 @@ def _speed_section(plan: Plan, speed: Dict[str, Any], images: Dict[str, str]) ->
         line = speedup_line(rate, rows)
         out += [line] if line else []
         out += [f"- Auto's decisions: {r['auto']}" for r in rows if r.get("auto")]
+        start = auto_start_line(rate, block["results"])
+        out += [start] if start else []
         out += [f"- {SPEED_LABELS.get(k, k)}: failed: `{v.splitlines()[0]}`" for k, v in block["failures"].items()]
         out += [""] if out[-1] else []
     return out

@@ -161,6 +161,33 @@ def auto_target_lines(speed: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def auto_start_line(rate: str, results: Dict[str, Dict[str, Any]]) -> Optional[str]:
+    """Auto's step time with its start counted: its row's step time is its steady state (its
+    exploration, probe and first verification run in its longer warm-up), so this line adds the
+    mean over every step after the warm-up the other rows had, exploration included. Both from
+    rank 0's own step times (the row's figure is the mean over ranks).
+
+    >>> auto = {"warmup": 4, "iters": 2, "step_s": 1.0, "warmup_step_times_s": [9.0, 3.0, 2.0, 2.0],
+    ...         "step_times_s": [1.0, 1.0]}
+    >>> auto_start_line("1gbit", {"horovod": {"warmup": 1}, "auto": auto})
+    "- Auto at 1gbit (rank 0's step times), steady state (after its 4 warm-up steps): 1000.0 ms/step; with its start counted (every step after the 1 warm-up step of the other rows, exploration and probes included): 1800.0 ms/step"
+    """
+    auto = results.get("auto")
+    others = [r["warmup"] for k, r in results.items() if k != "auto" and "warmup" in r]
+    if not auto or not others or "warmup_step_times_s" not in auto:
+        return None
+    skip = min(others)
+    counted = auto["warmup_step_times_s"][skip:] + auto["step_times_s"]
+    if not counted:
+        return None
+    with_start = sum(counted) / len(counted)
+    steady = sum(auto["step_times_s"]) / len(auto["step_times_s"])
+    plural = "s" if skip != 1 else ""
+    return (f"- Auto at {rate} (rank 0's step times), steady state (after its {auto['warmup']} warm-up steps): "
+            f"{1e3 * steady:.1f} ms/step; with its start counted (every step after the {skip} warm-up "
+            f"step{plural} of the other rows, exploration and probes included): {1e3 * with_start:.1f} ms/step")
+
+
 def _target(what: str, value: Optional[float], goal: float, unit: str) -> str:
     if value is None:
         return f"- {what}: not measured (baseline missing)"

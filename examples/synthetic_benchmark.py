@@ -52,6 +52,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", default=None, help="write the results (rank 0) to this JSON file")
     parser.add_argument("--label", default=None, help="name of this setting in the JSON")
+    parser.add_argument("--print-steps", action="store_true",
+                        help="print every step's time (warm-up included) on rank 0: wall, in synchronize(), codec")
     add_compression_args(parser)
     args = parser.parse_args(argv)
     if args.params < 1000:
@@ -141,9 +143,19 @@ def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
         f"({timer.raw_bytes / 1e6:.1f} MB of float32 gradients)")
     say(f"Batch size: {args.batch_size} per rank x {cfg.accumulate} accumulated, ranks: {hvd.size()}, "
         f"optimizer: {args.optimizer}, compression: {cfg.compression} ({cfg.make_compressor()!r})", flush=True)
+    comp = getattr(opt, "compression", None) or getattr(opt, "_compression", None)
+    counter = iter(range(1, 1 << 62))
+
+    def step() -> Tuple[float, float, int, float, float]:
+        st = timer.step()
+        if args.print_steps:
+            roads = comp.report()["summary"].split(";")[0] if isinstance(comp, gc.Auto) else ""
+            say(f"step {next(counter)}: {1e3 * st[0]:.0f} ms, in synchronize() {1e3 * st[1]:.0f} ms, "
+                f"codec {1e3 * st[3]:.0f} ms {roads}", flush=True)
+        return st
+
     t_warm = time.perf_counter()
-    for _ in range(args.warmup * args.batches_per_iter):
-        timer.step()
+    warm = [step()[0] for _ in range(args.warmup * args.batches_per_iter)]
     say(f"Warm-up: {args.warmup} iterations, {time.perf_counter() - t_warm:.1f}s", flush=True)
     steps: List[Tuple[float, float, int, float, float]] = []
     rates: List[float] = []
@@ -151,15 +163,16 @@ def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     for i in range(args.iters):
         t0 = time.perf_counter()
         for _ in range(args.batches_per_iter):
-            steps.append(timer.step())
+            steps.append(step())
         rate = samples / (time.perf_counter() - t0)
         rates.append(rate)
         say(f"Iter #{i}: {rate:.1f} samples/sec per rank", flush=True)
-    return _report(args, cfg, model, timer, steps, rates, say)
+    return _report(args, cfg, model, timer, steps, rates, say, warm)
 
 
 def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, timer: StepTimer,
-            steps: List[Tuple[float, float, int, float, float]], rates: List[float], say: Any) -> Dict[str, Any]:
+            steps: List[Tuple[float, float, int, float, float]], rates: List[float], say: Any,
+            warm: Sequence[float] = ()) -> Dict[str, Any]:
     mean, conf = confidence(rates)
     size = hvd.size()
     step_s, comm_s, codec_s, codec_sync_s = _across_ranks(
@@ -186,7 +199,7 @@ def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, 
         "auto": comp.report() if isinstance(comp, gc.Auto) else None,
         "bytes_per_step": bytes_step, "raw_bytes_per_step": timer.raw_bytes,
         "ratio": timer.raw_bytes / bytes_step if bytes_step else 0.0,
-        "step_times_s": [st[0] for st in steps], "torch": torch.__version__, "python": platform.python_version(),
+        "step_times_s": [st[0] for st in steps], "warmup_step_times_s": list(warm), "torch": torch.__version__, "python": platform.python_version(),
     }
     if args.json and hvd.rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

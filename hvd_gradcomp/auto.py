@@ -4,10 +4,10 @@ Compression pays only when the bytes it saves take longer to send than its codec
 run: on a slow link TopKQSGD wins by far, on a fast one (or on many ranks, where an allgather
 grows with the rank count) the plain allreduce does. ``Auto`` measures instead of guessing:
 
-1. **Explore**: for ``explore_steps`` steps each, every tensor takes each road in turn
-   (``sparse``: TopKQSGD allgather, ``qsgd``: QSGD compressed allreduce, or allgather inside
-   stock Horovod, ``fp16``, ``dense``), and its encode + decode seconds and payload bytes are
-   measured.
+1. **Explore**: every tensor takes each road in turn (``sparse``: TopKQSGD allgather,
+   ``qsgd``: QSGD compressed allreduce, or allgather inside stock Horovod, for ``explore_steps``
+   steps each; ``fp16`` and ``dense`` for one step each), and its encode + decode seconds and
+   payload bytes are measured.
 2. **Probe** each road's collective: timed allreduces (a tiny one for latency, ``probe_numel``
    float32 values, as many fp16 values: Horovod reduces fp16 in half precision, on CPU far
    slower than its bytes suggest) and an allgather of ``probe_numel`` bytes.
@@ -66,22 +66,58 @@ def _hvd():
     return hvd
 
 
+class HorovodComm:
+    """The collectives :class:`Auto` decides with, over Horovod (a process set).
+
+    Another framework's adapter (``hvd_gradcomp.ddp`` has one over ``torch.distributed``)
+    provides the same methods, so that the decision logic is the same on every road.
+    """
+
+    def __init__(self, process_set: Any) -> None:
+        self.process_set = process_set
+
+    size = property(lambda self: self.process_set.size())
+    rank = property(lambda self: self.process_set.rank())
+
+    def mean(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        """The average of ``t`` over the ranks (float64 on the host)."""
+        hvd = _hvd()
+        return hvd.allreduce(t, op=hvd.Average, name=f"hvdgc.auto.{tag}", process_set=self.process_set)
+
+    def broadcast(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        """Rank 0's ``t`` (of the process set) on every rank."""
+        ranks = getattr(self.process_set, "ranks", None)
+        return _hvd().broadcast(t, root_rank=ranks[0] if ranks else 0, name=f"hvdgc.auto.{tag}",
+                                process_set=self.process_set)
+
+    def allreduce(self, t: torch.Tensor, tag: str) -> None:
+        """A blocking allreduce of ``t``, for the probe's timing."""
+        _hvd().allreduce(t, name=f"hvdgc.auto.probe.{tag}", process_set=self.process_set)
+
+    def allgather(self, t: torch.Tensor, tag: str) -> None:
+        """A blocking allgather of ``t``, for the probe's timing."""
+        _hvd().allgather(t, name=f"hvdgc.auto.probe.{tag}", process_set=self.process_set)
+
+
 @dataclass
 class _Setup:
-    """Where Auto runs: set at the first exchange (hvd_gradcomp's optimizer or stock Horovod's)."""
+    """Where Auto runs: set at the first exchange (hvd_gradcomp's optimizer, stock Horovod's or
+    the DDP hook). ``average``: the exchange averages (a residual of the average, sent again
+    by one rank, is then scaled by the number of ranks)."""
 
     mode: str
-    process_set: Any
-    op: Any
+    comm: Any
+    average: bool
     roads: Tuple[str, ...]
+    schedule: Tuple[str, ...]   # the road of each exploring step
 
     @property
     def ranks(self) -> int:
-        return self.process_set.size()
+        return self.comm.size
 
     @property
     def rank(self) -> int:
-        return self.process_set.rank()
+        return self.comm.rank
 
 
 class Auto:
@@ -91,9 +127,10 @@ class Auto:
         ratio, bits: TopKQSGD's settings for the sparse road.
         qsgd_bits: QSGD's bits for the compressed-allreduce road.
         roads: the roads allowed (default all: ``"sparse", "qsgd", "fp16", "dense"``).
-        explore_steps: steps each road is tried for at the start (the first call of a road
-            pays one-off costs; the least of the samples is used), and steps timed after each
-            decision to verify it.
+        explore_steps: steps each codec road (sparse, qsgd) is tried for at the start (the first
+            call of a road pays one-off costs; the least of the samples is used; fp16 and dense,
+            with nothing to warm up, take one step each), and steps timed after each decision to
+            verify it.
         interval: steps between re-decisions.
         hysteresis: a tensor switches only if the new road is this fraction faster.
         probe_numel: float32 values of the bandwidth probe's allreduce.
@@ -148,47 +185,82 @@ class Auto:
         return AutoExchange(self, op, process_set)
 
     def _configure(self, mode: str, op: Any, process_set: Any) -> None:
+        if self._setup is None:
+            self.configure(mode, HorovodComm(process_set), op == _hvd().Average)
+        elif self._setup.mode != mode:
+            raise ValueError("this Auto() is already used by another optimizer; give each optimizer its own")
+
+    def configure(self, mode: str, comm: Any, average: bool) -> None:
+        """Bind to where it runs (once): ``mode`` ``"ours"`` (hvd_gradcomp's optimizer), ``"stock"``
+        (inside ``hvd.DistributedOptimizer``) or ``"ddp"`` (the DDP hook); ``comm``: its
+        collectives (:class:`HorovodComm` or the same methods over another library)."""
         if self._setup is not None:
-            if self._setup.mode != mode:
-                raise ValueError("this Auto() is already used by another optimizer; give each optimizer its own")
-            return
-        allowed = OURS_ROADS if mode == "ours" else STOCK_ROADS
+            raise ValueError("this Auto() is already used by another optimizer or hook; give each its own")
+        allowed = STOCK_ROADS if mode == "stock" else OURS_ROADS
         roads = self.roads or allowed
-        # "qsgd" names QSGD's road in either optimizer: the compressed allreduce in ours, the
-        # allgather inside stock Horovod.
+        # "qsgd" names QSGD's road everywhere: the compressed allreduce in ours and in the DDP
+        # hook, the allgather inside stock Horovod.
         roads = tuple((QSGD_AG if mode == "stock" else QSGD_AR) if r in (QSGD_AR, QSGD_AG) else r for r in roads)
-        self._setup = _Setup(mode, process_set, op, roads)
-        self.sparse.stream = self.qsgd.stream = process_set.rank()  # independent noise per rank
+        # The codec roads are tried explore_steps times (their first call pays one-off costs, e.g.
+        # torch.compile; the least sample counts), fp16 and dense once: nothing to warm up there,
+        # and on a slow link each of their steps is the slowest of the run.
+        schedule = tuple(r for r in roads for _ in range(1 if r in (FP16, DENSE) else self.explore_steps))
+        self._setup = _Setup(mode, comm, average, roads, schedule)
+        self.sparse.stream = self.qsgd.stream = comm.rank  # independent noise per rank
 
     # ------------------------------------------------------------ the schedule
     @property
     def exploring(self) -> bool:
-        return self.step <= self.explore_steps * len(self._setup.roads)
+        return self.step <= len(self._setup.schedule)
 
     def road_for(self, name: str) -> str:
         """Begin a step on the first exchange of it (deciding when due), and give ``name``'s road."""
         count = self._counts[name] = self._counts.get(name, 0) + 1
         if count > self.step:
-            self.step = count
-            self._on_new_step()
+            self.start_step(count)
+        return self.road_of(name)
+
+    def start_step(self, step: Optional[int] = None) -> None:
+        """Begin exchange step ``step`` (default: the next one), deciding or verifying when due:
+        a collective when it decides, called on every rank at the same step. The optimizers call
+        it through :meth:`road_for`; the DDP hook at the first bucket of each step."""
+        self.step = self.step + 1 if step is None else step
+        self._on_new_step()
+
+    def keep_only(self, names: Sequence[str]) -> None:
+        """Forget the measurements and decisions of tensors not in ``names`` (the DDP hook's
+        buckets of its first iteration, before DDP rebuilt them); same on every rank."""
+        keep = set(names)
+        for table in (self.costs, self.decisions, self.last_wait_s):
+            for n in [n for n in table if n not in keep]:
+                del table[n]
+        self._samples = {k: v for k, v in self._samples.items() if k[0] in keep}
+
+    def restart(self) -> None:
+        """Explore again from the first road (the DDP hook, when DDP changed its buckets while
+        Auto explored): the step count and the step times start over, measurements stay."""
+        self.step, self._step_t0, self._durations = 0, None, {}
+
+    def road_of(self, name: str) -> str:
+        """The road ``name`` takes in the current step."""
         if self.exploring:
-            return self._setup.roads[(self.step - 1) // self.explore_steps]
+            return self._setup.schedule[self.step - 1]
         return self.decisions.get(name, DENSE)
 
     @property
     def measuring(self) -> bool:
         """Exploring, or in the ``explore_steps`` steps before a re-decision: codec times then
         count, and on GPU they are taken with the device synchronised."""
-        done = self.step - 1 - self.explore_steps * len(self._setup.roads)
+        done = self.step - 1 - len(self._setup.schedule)
         return done < 0 or done % self.interval >= self.interval - self.explore_steps
 
     def _phase(self, step: int) -> Optional[str]:
         """What the duration of ``step`` measures: a road (all tensors took it while exploring),
         ``"plan"`` (the steps after a decision), ``"before"`` (the steps before a re-decision)."""
         e = self.explore_steps
-        done = step - 1 - e * len(self._setup.roads)
+        done = step - 1 - len(self._setup.schedule)
         if done < 0:
-            return self._setup.roads[(step - 1) // e]
+            return self._setup.schedule[step - 1]
         r = done % self.interval
         if 1 <= r <= e:
             return "plan"
@@ -202,7 +274,7 @@ class Auto:
             self._durations.setdefault(label, []).append(now - self._step_t0)
         self._step_t0 = now
         e = self.explore_steps
-        done = self.step - 1 - e * len(self._setup.roads)
+        done = self.step - 1 - len(self._setup.schedule)
         if done >= 0 and done % self.interval == 0:
             roads = [r for r in self._setup.roads if r in self._durations]
             self._baseline = ({r: min(self._durations[r]) for r in roads} if done == 0 else
@@ -232,7 +304,6 @@ class Auto:
     def decide(self) -> Dict[str, str]:
         """Probe the link, average the measurements over ranks, decide every tensor's road on
         rank 0 and broadcast: a collective, called on every rank at the same step."""
-        hvd = _hvd()
         s = self._setup
         names = sorted(self.costs)
         roads = s.roads
@@ -244,7 +315,7 @@ class Auto:
                 if r in self.costs[n].codec_s:
                     meas[k], meas[k + 1] = self.costs[n].codec_s[r], self.costs[n].payload.get(r, 0.0)
         meas[-len(probes):] = torch.tensor(probes, dtype=torch.float64)
-        meas = hvd.allreduce(meas, op=hvd.Average, name=f"hvdgc.auto.meas.{self.step}", process_set=s.process_set)
+        meas = s.comm.mean(meas, f"meas.{self.step}")
         small, large, fp16, gather = (float(v) for v in meas[-len(probes):])
         self.link = policy.link_from_probe(s.ranks, small, large, self.probe_numel, fp16 if fp16 >= 0 else None,
                                            gather if gather >= 0 else None)
@@ -257,9 +328,7 @@ class Auto:
                     c.codec_s[r], c.payload[r] = float(meas[k]), float(meas[k + 1])
             choice = policy.decide(c, s.ranks, self.link, roads, self.decisions.get(n), self.hysteresis)
             codes[i] = policy.ROADS.index(choice)
-        root = s.process_set.ranks[0] if getattr(s.process_set, "ranks", None) else 0
-        codes = hvd.broadcast(codes, root_rank=root, name=f"hvdgc.auto.decide.{self.step}",
-                              process_set=s.process_set)
+        codes = s.comm.broadcast(codes, f"decide.{self.step}")
         for n, code in zip(names, codes.tolist()):
             road = policy.ROADS[code]
             if self.decisions.get(n) != road:
@@ -271,23 +340,23 @@ class Auto:
         """Seconds of a 1-value and of a ``probe_numel``-value float32 allreduce, of a
         ``probe_numel``-value fp16 allreduce and of an allgather of ``probe_numel`` bytes per rank
         (least of 3 / 2 / 2 / 2; -1 for a road not allowed)."""
-        hvd = _hvd()
-        ps = self._setup.process_set
+        comm = self._setup.comm
         roads = set(self._setup.roads)
+        device = getattr(comm, "device", torch.device("cpu"))
 
         def timed(collective: Any, numel: int, dtype: torch.dtype, tag: str, times: int = 2) -> float:
             best = float("inf")
             for i in range(times):
-                t = torch.zeros(numel, dtype=dtype)
+                t = torch.zeros(numel, dtype=dtype, device=device)
                 t0 = time.perf_counter()
-                collective(t, name=f"hvdgc.auto.probe.{tag}{i}.{self.step}", process_set=ps)
+                collective(t, f"{tag}{i}.{self.step}")
                 best = min(best, time.perf_counter() - t0)
             return best
 
-        small = timed(hvd.allreduce, 1, torch.float32, "s", 3)
-        large = timed(hvd.allreduce, self.probe_numel, torch.float32, "l")
-        fp16 = timed(hvd.allreduce, self.probe_numel, torch.float16, "h") if FP16 in roads else -1.0
-        gather = (timed(hvd.allgather, self.probe_numel, torch.uint8, "g")
+        small = timed(comm.allreduce, 1, torch.float32, "s", 3)
+        large = timed(comm.allreduce, self.probe_numel, torch.float32, "l")
+        fp16 = timed(comm.allreduce, self.probe_numel, torch.float16, "h") if FP16 in roads else -1.0
+        gather = (timed(comm.allgather, self.probe_numel, torch.uint8, "g")
                   if roads & {SPARSE, QSGD_AR, QSGD_AG} else -1.0)
         return small, large, fp16, gather
 
@@ -299,16 +368,13 @@ class Auto:
         plan = self._durations.get("plan")
         if not plan or not self._baseline:
             return
-        hvd = _hvd()
         s = self._setup
         keys = sorted(self._baseline)
         times = torch.tensor([min(plan)] + [self._baseline[k] for k in keys], dtype=torch.float64)
-        times = hvd.allreduce(times, op=hvd.Average, name=f"hvdgc.auto.verify.{self.step}", process_set=s.process_set)
+        times = s.comm.mean(times, f"verify.{self.step}")
         best = min(range(len(keys)), key=lambda i: float(times[i + 1]))
         code = torch.tensor([best + 1 if float(times[best + 1]) < float(times[0]) else 0], dtype=torch.int32)
-        root = s.process_set.ranks[0] if getattr(s.process_set, "ranks", None) else 0
-        code = int(hvd.broadcast(code, root_rank=root, name=f"hvdgc.auto.verdict.{self.step}",
-                                 process_set=s.process_set)[0])
+        code = int(s.comm.broadcast(code, f"verdict.{self.step}")[0])
         kept = "plan" if code == 0 else keys[code - 1]
         self.verdicts.append({"step": self.step, "plan_ms": 1e3 * float(times[0]), "kept": kept,
                               "against_ms": {k: 1e3 * float(t) for k, t in zip(keys, times[1:].tolist())}})
@@ -323,6 +389,15 @@ class Auto:
             self.decisions[n] = road
 
     # ------------------------------------------------------------ error feedback across roads
+    def owes(self, name: str, road: str) -> bool:
+        """Whether a road other than ``road`` holds a residual of ``name`` (which
+        :meth:`flush_residuals` would add to its next send)."""
+        s = self._setup
+        return ((road != SPARSE and self.sparse.residuals.residual(name) is not None)
+                or (road not in (QSGD_AR, QSGD_AG) and self.qsgd.residuals.residual(name) is not None)
+                or (road != QSGD_AR and s.mode != "stock"
+                    and self.qsgd.relay_residuals.residual(f"{name}#reduced{s.rank}") is not None))
+
     def flush_residuals(self, name: str, grad: torch.Tensor, road: str) -> torch.Tensor:
         """``grad`` plus whatever residual another road left for ``name`` (then dropped there)."""
         s = self._setup
@@ -331,11 +406,11 @@ class Auto:
             extra.append((self.sparse.residuals.pop(name), 0, 1.0))
         if road not in (QSGD_AR, QSGD_AG):
             extra.append((self.qsgd.residuals.pop(name), 0, 1.0))
-        if road != QSGD_AR and s.mode == "ours":
+        if road != QSGD_AR and s.mode != "stock":
             # The residual of this rank's reduced chunk belongs to the average at that chunk:
             # sent from this rank alone it is averaged again, hence the factor P.
             chunk = self.qsgd.relay_residuals.pop(f"{name}#reduced{s.rank}")
-            scale = float(s.ranks) if s.op == _hvd().Average else 1.0
+            scale = float(s.ranks) if s.average else 1.0
             start = chunk_bounds(grad.numel(), s.ranks)[s.rank]
             extra.append((chunk, start, scale))
         extra = [e for e in extra if e[0] is not None]

@@ -688,10 +688,21 @@ class TopK(GradientCompressor):
 
         >>> TopK(ratio=SparsityWarmup(0.01, steps=4)).ratio_at(2)
         0.05
+
+        Without a schedule, the feedback policy's ``sparsity_warmup`` applies (``"frozen"``: after
+        Adam's dense warm-up the share falls from 25% to the ratio over 100 steps):
+
+        >>> from hvd_gradcomp import FrozenVariance
+        >>> c = TopK(ratio=0.01, feedback=FrozenVariance(sparsity_warmup=4))
+        >>> [round(c.ratio_at(s), 4) for s in (0, 2, 4)]
+        [0.25, 0.05, 0.01]
         """
-        if self.schedule is None:
-            return self.ratio
-        return check_ratio(self.schedule(step))
+        if self.schedule is not None:
+            return check_ratio(self.schedule(step))
+        warm = self.feedback.sparsity_warmup  # the policy's own (e.g. "frozen", after its dense warm-up)
+        if step < warm:
+            return SparsityWarmup(self.ratio, warm, start=max(self.ratio, SparsityWarmup.start))(step)
+        return self.ratio
 
     def _select(self, flat: torch.Tensor) -> Tuple[torch.Tensor, int, List[torch.Tensor]]:
         idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()))

@@ -31,6 +31,9 @@ How each bucket travels (``torch.distributed`` collectives only, so Gloo, NCCL a
 * dense: parameters smaller than ``min_compress_numel`` and dtypes the codecs do not carry
   (float64) are averaged by ``all_reduce``, as are whole buckets before ``start_compress_iter``
   and with ``compression=None``; ``compression=torch.float16`` casts like torch's fp16 hook.
+* ``compression=gc.Auto()``: each bucket takes the road that costs least, measured while
+  training runs (sparse, QSGD, fp16 or dense; see :class:`_AutoRoads` and docs/AUTO.md), the
+  same on every rank; ``state.auto_report()`` says which and why.
 
 The hook returns a future and never waits: second-round collectives are chained on the
 first round's futures and issued, in bucket order, on a second process group, so that their
@@ -43,6 +46,7 @@ rank with the bad values leaves its residuals untouched and nobody hangs.
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
 import copy
 import threading
+import time
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -54,8 +58,10 @@ import torch.distributed as dist
 
 from . import feedback as fb
 from . import kernels, settings, wire
+from .auto import Auto
 from .compressors import QSGD, GradientCompressor, TopKQSGD, payload_size
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sum_parts
+from .policy import DENSE, FP16, QSGD_AR, SPARSE
 from .stats import ByteStats
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
@@ -100,9 +106,10 @@ class GradCompState:
 
     Args:
         process_group: the group to average over (None: the default group).
-        compression: an hvd-gradcomp compressor (``TopKQSGD``, ``TopK``, ``QSGD``), ``None``
-            (plain averaging allreduce) or ``torch.float16`` / ``torch.bfloat16`` (cast, like
-            torch's ``fp16_compress_hook``). A compressor belongs to one state: its error
+        compression: an hvd-gradcomp compressor (``TopKQSGD``, ``TopK``, ``QSGD``), ``gc.Auto()``
+            (a road per bucket, measured: :meth:`auto_report`), ``None`` (plain averaging
+            allreduce) or ``torch.float16`` / ``torch.bfloat16`` (cast, like torch's
+            ``fp16_compress_hook``). A compressor belongs to one state: its error
             feedback residuals are this rank's.
         named_parameters: ``module.named_parameters()`` of the wrapped module; needed with a
             compressor, because residuals and random streams are keyed by parameter name.
@@ -160,7 +167,8 @@ class GradCompState:
         self.min_compress_numel = max(min_compress_numel, self.world_size)  # QSGD chunks are never empty
         self._names: Dict[torch.Tensor, str] = {}
         self._at_step: Dict[str, None] = {}  # names whose received() waits for the optimizer step
-        if isinstance(compression, GradientCompressor):
+        self.auto: Optional["_AutoRoads"] = None
+        if isinstance(compression, (GradientCompressor, Auto)):
             if compression in _CLAIMED:
                 raise ValueError(f"this {type(compression).__name__} already serves another hook state; "
                                  "give every model its own compressor (its residuals are per model)")
@@ -169,9 +177,13 @@ class GradCompState:
                                  "parameter name): pass module.named_parameters() of the wrapped module")
             self._names = _name_map(named_parameters)
             _CLAIMED.add(compression)
-            compression.stream = self.rank  # independent rounding noise on every rank
-            _choose_feedback(compression, optimizer, self._names, self.rank)
-            if compression.feedback.moves_parameters:
+        if isinstance(compression, Auto):
+            self.auto = _AutoRoads(self, compression)
+        if isinstance(compression, (GradientCompressor, Auto)):
+            if isinstance(compression, GradientCompressor):
+                compression.stream = self.rank  # independent rounding noise on every rank
+                _choose_feedback(compression, optimizer, self._names, self.rank)
+            if isinstance(compression, GradientCompressor) and compression.feedback.moves_parameters:
                 self._by_name = {n: p for p, n in self._names.items()}
                 self._step_hook = optimizer.register_step_pre_hook(self._apply_at_step)
             ranks = dist.get_process_group_ranks(self.process_group)
@@ -202,6 +214,14 @@ class GradCompState:
             for old in [s for s in self._step_bytes if s < step - 1]:
                 del self._step_bytes[old]
 
+    def auto_report(self) -> Dict[str, Any]:
+        """With ``compression=gc.Auto()``: :meth:`hvd_gradcomp.Auto.report` of the hook, one
+        entry per bucket (named by its compressed parameters, e.g. ``"fc1.weight..fc3.weight (3)"``):
+        its road, measured codec milliseconds and payload bytes per road, the probed link."""
+        if self.auto is None:
+            raise ValueError(f"auto_report() needs compression=gc.Auto(); this state uses {self.compression!r}")
+        return self.auto.auto.report()
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, random streams and the exchange counter (not the process group).
@@ -210,9 +230,10 @@ class GradCompState:
         ``torch.save(state.state_dict(), f"hook-rank{dist.get_rank()}.pt")``.
         """
         comp = self.compression
+        ours = isinstance(comp, (GradientCompressor, Auto))
         return {"version": STATE_VERSION, "iter": self.iter, "rank": self.rank, "world_size": self.world_size,
-                "compressor": type(comp).__name__ if isinstance(comp, GradientCompressor) else repr(comp),
-                "compression": comp.state_dict() if isinstance(comp, GradientCompressor) else None}
+                "compressor": type(comp).__name__ if ours else repr(comp),
+                "compression": comp.state_dict() if ours else None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`; the same rank must load its own file."""
@@ -223,11 +244,12 @@ class GradCompState:
                              f"{self.rank} of {self.world_size}: residuals are per rank; load each rank's own file "
                              "with the same number of ranks")
         comp = self.compression
-        mine = type(comp).__name__ if isinstance(comp, GradientCompressor) else repr(comp)
+        ours = isinstance(comp, (GradientCompressor, Auto))
+        mine = type(comp).__name__ if ours else repr(comp)
         if state["compressor"] != mine:
             raise ValueError(f"hook state was saved with compression {state['compressor']}, this state uses "
                              f"{mine}; build the state with the same compression")
-        if isinstance(comp, GradientCompressor):
+        if ours:
             comp.load_state_dict(state["compression"])
         self.iter = int(state["iter"])
 
@@ -346,6 +368,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     if bucket.is_last():  # DDP launches buckets in index order: the last one closes the exchange
         state.iter += 1
     comp = state.compression
+    if state.auto is not None and step >= state.start_compress_iter:
+        return state.auto.hook(bucket, buffer, step)
     if not isinstance(comp, GradientCompressor) or step < state.start_compress_iter:
         return _allreduce(state, buffer, step, "dense", comp if comp in DENSE_DTYPES else None)
     plan = state._plan(bucket)
@@ -501,6 +525,252 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
     return result
 
 
+# ---------------------------------------------------------------- Auto: a road per bucket
+class _TorchComm:
+    """:class:`hvd_gradcomp.Auto`'s collectives over a ``torch.distributed`` group (the same
+    methods as :class:`hvd_gradcomp.auto.HorovodComm`), on the buckets' device."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._root = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+
+    def mean(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        t = t.to(self.device, copy=True)
+        dist.all_reduce(t, group=self.group)
+        return t.div_(self.size).cpu()
+
+    def broadcast(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        t = t.to(self.device, copy=True)
+        dist.broadcast(t, src=self._root, group=self.group)
+        return t.cpu()
+
+    def allreduce(self, t: torch.Tensor, tag: str) -> None:
+        dist.all_reduce(t, group=self.group)
+        self._sync()
+
+    def allgather(self, t: torch.Tensor, tag: str) -> None:
+        out = torch.empty(self.size * t.numel(), dtype=t.dtype, device=t.device)
+        _all_gather_single(out, t, group=self.group)
+        self._sync()
+
+    def _sync(self) -> None:  # the probe times the collective, not its launch
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class _RoadView:
+    """The hook state as one of Auto's compressed roads sees it: ``compression`` is that road's
+    compressor, everything else (counters, locks, the bucket order) is the state's own. It also
+    times the road's codec work for Auto: what runs in the hook (encode), in the second round's
+    launch (QSGD's reduce and re-quantisation) and in the decode, and sums the bytes sent.
+
+    Why a view: the road functions (:func:`_allgather`, :func:`_scatter_reduce`) take their
+    compressor from the state; a view lets Auto reuse them unchanged, one road per bucket.
+    """
+
+    _OWN = ("_state", "compression", "codec_s", "inline_s", "sent", "_clock", "_thread")
+
+    def __init__(self, state: GradCompState, compressor: GradientCompressor, clock: Callable[[], float]) -> None:
+        own = {"_state": state, "compression": compressor, "codec_s": 0.0, "inline_s": 0.0, "sent": 0,
+               "_clock": clock, "_thread": threading.get_ident()}
+        for name, value in own.items():
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(type(self._state), name, None)
+        if isinstance(attr, property):
+            return attr.fget(self)
+        if callable(attr):  # a method: bound to the view, so that it sees the road's compressor
+            return attr.__get__(self)
+        return getattr(self._state, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._state, name, value)
+
+    def _record(self, step: int, name: str, raw: int, sent: int) -> None:
+        object.__setattr__(self, "sent", self.sent + sent)
+        self._state._record(step, name, raw, sent)
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        t0 = self._clock()
+        try:
+            return fn()
+        finally:
+            dt = self._clock() - t0
+            object.__setattr__(self, "codec_s", self.codec_s + dt)
+            if threading.get_ident() == self._thread:   # ran inside the hook call: counted once
+                object.__setattr__(self, "inline_s", self.inline_s + dt)
+
+    def time_call(self, fn: Callable[..., Future], *args: Any) -> Future:
+        """``fn(self, *args)`` (a road function), its own time in the hook added to ``codec_s``."""
+        t0 = self._clock()
+        fut = fn(self, *args)
+        hook_s = self._clock() - t0 - self.inline_s
+        object.__setattr__(self, "codec_s", self.codec_s + max(hook_s, 0.0))
+        return fut
+
+    def _then_in_order(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
+                       result: Future, buffer: torch.Tensor, finish_dense: Callable[[], None]) -> None:
+        def timed_launch() -> Optional[Tuple[Future, Callable]]:
+            launched = self._timed(launch)
+            if launched is None:
+                return None
+            fut, decode = launched
+            return fut, lambda: self._timed(decode)
+
+        self._state._then_in_order(deps, timed_launch, result, buffer, finish_dense)
+
+
+KEY_SEP = "+"
+
+
+def _bucket_key(plan: _Plan) -> str:
+    """Auto's name for a bucket: its compressed parameters' names joined by ``+`` (so the road of
+    each parameter can be read back from Auto's decisions alone, e.g. after a checkpoint)."""
+    return KEY_SEP.join(s.name for s in plan.compressed)
+
+
+class _AutoRoads:
+    """The hook's side of :class:`hvd_gradcomp.Auto`: a road per bucket (its compressed
+    parameters; the small ones always go dense), decided by Auto from measured codec seconds,
+    payload bytes and the probed link, the same on every rank (measurements averaged over the
+    ranks, rank 0's decisions broadcast: :meth:`Auto.decide`).
+
+    Roads: ``sparse`` (Auto's TopKQSGD, :func:`_allgather`), ``qsgd`` (Auto's QSGD compressed
+    allreduce, :func:`_scatter_reduce`), ``fp16`` (allreduce of an fp16 cast), ``dense``. A
+    residual left by one road is added to the parameter's next send on whatever road it takes
+    (:meth:`Auto.flush_residuals`), only once the bucket is known finite, so a non-finite step
+    loses nothing.
+
+    DDP changes its buckets once, after its first iteration (one bucket first, then buckets in
+    the order gradients became ready), and again after a restart. While exploring, a new layout
+    starts the exploration again (every road is measured on the buckets that stay). A bucket
+    Auto has not decided for (the first iteration after a checkpoint) sends each parameter on
+    the road decided for it, one collective per road, so a resumed run is bit-identical.
+    """
+
+    def __init__(self, state: GradCompState, auto: Auto) -> None:
+        self.state, self.auto = state, auto
+        self._step_seen = -1
+        self._keys: Dict[str, None] = {}       # buckets of the current step
+        self._last_keys: Dict[str, None] = {}  # buckets of the previous step
+
+    def hook(self, bucket: dist.GradBucket, buffer: torch.Tensor, step: int) -> Future:
+        state, auto = self.state, self.auto
+        if auto._setup is None:
+            auto.configure("ddp", _TorchComm(state.process_group, buffer.device), average=True)
+        if step != self._step_seen:
+            self._begin_step(step)
+        clock = self._clock(buffer.device)
+        sparse = _RoadView(state, auto.sparse, clock)
+        plan = sparse._plan(bucket)
+        if not plan.compressed:
+            return _allreduce(state, buffer, step, "dense", None)
+        key = _bucket_key(plan)
+        self._keys[key] = None
+        if not auto.exploring and key not in auto.decisions:
+            return self._per_parameter(buffer, plan, step)
+        road = auto.road_of(key)
+        self._flush(plan, buffer, road)
+        numel = sum(s.numel for s in plan.compressed)
+        itemsize = buffer.element_size()
+        # On GPU the codec is timed only while Auto measures (the clock then synchronises).
+        timed = buffer.device.type != "cuda" or auto.measuring
+        if road in (DENSE, FP16):
+            t0 = clock()
+            fut = _allreduce(state, buffer, step, road, torch.float16 if road == FP16 else None)
+            codec, payload = clock() - t0, numel * (2 if road == FP16 else itemsize)
+            return fut.then(lambda f: self._done(f, key, road, numel, itemsize, codec, payload, timed))
+        view = sparse if road == SPARSE else _RoadView(state, auto.qsgd, clock)
+        fut = view.time_call(_allgather if road == SPARSE else _scatter_reduce, buffer, plan, step)
+
+        def done(f: Future) -> torch.Tensor:
+            payload = (sum(payload_size(auto.qsgd, (s.numel,)) for s in plan.compressed) if road == QSGD_AR
+                       else view.sent)
+            return self._done(f, key, road, numel, itemsize, view.codec_s, payload, timed)
+
+        return fut.then(done)
+
+    def _begin_step(self, step: int) -> None:
+        """The first bucket of a step (the previous step's exchanges are done on every rank):
+        Auto's step begins, and decides when due (a collective)."""
+        auto = self.auto
+        changed = bool(self._last_keys) and bool(self._keys) and set(self._keys) != set(self._last_keys)
+        if self._keys:
+            auto.keep_only(list(self._keys) + [k for k in auto.decisions if k not in self._keys and not changed])
+        if changed and auto.exploring:   # DDP rebuilt its buckets: measure every road on the new ones
+            auto.restart()
+        self._step_seen, self._last_keys, self._keys = step, self._keys or self._last_keys, {}
+        auto.start_step()
+
+    def _per_parameter(self, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
+        """A bucket Auto did not decide for: each parameter on the road decided for it (dense if
+        none), one collective per road; unmeasured."""
+        roads = {n: road for key, road in self.auto.decisions.items() for n in key.split(KEY_SEP)}
+        by_road: Dict[str, List[_Segment]] = {}
+        for s in plan.compressed:
+            by_road.setdefault(roads.get(s.name, DENSE), []).append(s)
+        for road, segs in by_road.items():
+            self._flush(_Plan(tuple(segs), ()), buffer, road)
+        state, auto, clock = self.state, self.auto, time.perf_counter
+        dense = plan.dense + tuple(by_road.pop(DENSE, ()))
+        futs: List[Future] = []
+        for road, comp, fn in ((SPARSE, auto.sparse, _allgather), (QSGD_AR, auto.qsgd, _scatter_reduce)):
+            if road in by_road:   # the dense segments ride with the first compressed road
+                futs.append(fn(_RoadView(state, comp, clock), buffer, _Plan(tuple(by_road[road]), dense), step))
+                dense = ()
+        for segs, cast in ((by_road.get(FP16, ()), torch.float16), (dense, None)):
+            if segs:
+                futs.append(_allreduce_segments(state, buffer, tuple(segs), step, cast))
+        return torch.futures.collect_all(futs).then(lambda f: [x.value() for x in f.value()] and buffer)
+
+    def _done(self, fut: Future, key: str, road: str, numel: int, itemsize: int, codec_s: float,
+              payload: float, timed: bool) -> torch.Tensor:
+        out = fut.value()   # raises a failed exchange
+        with self.state._lock:
+            self.auto.record(key, road, numel, itemsize, codec_s, 0.0, payload, measured=timed)
+        return out
+
+    def _flush(self, plan: _Plan, buffer: torch.Tensor, road: str) -> None:
+        """Residuals other roads hold for the bucket's parameters go into this send."""
+        owed = [s for s in plan.compressed if self.auto.owes(s.name, road)]
+        if not owed or not kernels.all_finite(buffer):   # a non-finite step keeps them for the next one
+            return
+        with self.state._lock:
+            for s in owed:
+                view = s.view(buffer)
+                flushed = self.auto.flush_residuals(s.name, view, road)
+                if flushed is not view:
+                    view.copy_(flushed.reshape(-1))
+
+    def _clock(self, device: torch.device) -> Callable[[], float]:
+        """perf_counter, after the device's queued work while Auto measures (GPU kernels run
+        asynchronously: without a sync the codec would look free)."""
+        if device.type == "cuda" and self.auto.measuring:
+            return lambda: (torch.cuda.synchronize(device), time.perf_counter())[1]
+        return time.perf_counter
+
+
+def _allreduce_segments(state: GradCompState, buffer: torch.Tensor, segs: Tuple[_Segment, ...], step: int,
+                        cast: Optional[torch.dtype]) -> Future:
+    """Average some segments of ``buffer`` by one allreduce (of a ``cast`` copy when given)."""
+    flat = torch.cat([s.view(buffer) for s in segs])
+
+    def copy_back(f: Future) -> torch.Tensor:
+        f.value()
+        offset = 0
+        for s in segs:
+            s.view(buffer).copy_(flat[offset:offset + s.numel])
+            offset += s.numel
+        return buffer
+
+    return _allreduce(state, flat, step, "fp16" if cast is not None else "dense", cast).then(copy_back)
+
+
 # ---------------------------------------------------------------- registration
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
              compression: Any = _DEFAULT_COMPRESSION, process_group: Optional[dist.ProcessGroup] = None,
@@ -573,6 +843,10 @@ def unread_settings_message(compression: Any, env: Optional[Dict[str, str]] = No
     """
     if compression is None or compression in DENSE_DTYPES:
         built: Dict[str, Any] = {"compression": "none" if compression is None else "fp16"}
+    elif isinstance(compression, Auto):
+        sparse = compression.sparse
+        built = {"compression": "auto", "ratio": sparse.ratio, "bits": sparse.bits,
+                 "error_feedback": sparse.error_feedback, "seed": sparse.seed}
     else:
         kind = "topk-qsgd" if isinstance(compression, TopKQSGD) else \
             "qsgd" if isinstance(compression, QSGD) else "topk"
@@ -593,7 +867,8 @@ class GradientAccumulator:
 
     ``flush()`` ends a partial window of k < N micro-batches (the end of an epoch): their
     gradients never left the rank, so it averages them with one uncompressed allreduce per
-    dtype, rescales by N/k and steps. Call it on every rank.
+    dtype, rescales by N/k and steps. Call it on every rank. (The hook does not see that
+    window: under ``feedback="frozen"`` the wrapped Adam steps it with its own state.)
 
     Example::
 
@@ -726,11 +1001,11 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
 
 
 def _check_compression(compression: Any) -> None:
-    if compression is None or isinstance(compression, GradientCompressor) or compression in DENSE_DTYPES:
+    if compression is None or isinstance(compression, (GradientCompressor, Auto)) or compression in DENSE_DTYPES:
         return
     hint = " (for Horovod's fp16 compressor use torch.float16)" if "Compress" in type(compression).__name__ or \
         "Compress" in getattr(compression, "__name__", "") else ""
-    raise ValueError(f"compression must be an hvd_gradcomp compressor (TopKQSGD, TopK, QSGD), None or "
+    raise ValueError(f"compression must be an hvd_gradcomp compressor (TopKQSGD, TopK, QSGD), gc.Auto(), None or "
                      f"torch.float16/torch.bfloat16, got {compression!r}{hint}")
 
 

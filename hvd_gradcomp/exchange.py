@@ -681,6 +681,11 @@ class FusedAllgatherExchange:
             if member is not caller:
                 member.extra["codec_s"] = member.extra.get("codec_s", 0.0) + spent[i]
                 caller.extra["codec_elsewhere_s"] = caller.extra.get("codec_elsewhere_s", 0.0) + spent[i]
+        # Each member points at its group (extra["group"]); the group lets go of its members now,
+        # else the pair is a reference cycle holding every member's p.grad (extra["out"]) until
+        # Python's cyclic GC runs: with zero_grad(set_to_none=True) several steps of gradients
+        # stayed alive, and every new step's gradients faulted in fresh pages (issue 13).
+        g.members = []
 
     def _split_ranks(self, blob: torch.Tensor, names: List[str], prefix: int) -> List[Tuple[int, bytes, List[int]]]:
         """Each rank's part of a fused allgather as (start, its prefix bytes on the host, its index):

@@ -49,10 +49,10 @@ CONV = {"conditions": {"steps": 800, "lr": 0.1, "seeds": [0, 1, 2], "eval_every"
 
 def test_plan_defaults_full_and_quick(tmp_path: Path) -> None:
     full = _plan(tmp_path)
-    assert [s.key for s in full.speed] == ["ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8"]
+    assert [s.key for s in full.speed] == ["ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8", "auto"]
     assert [s.key for s in full.convergence] == ["none", "powersgd-1", "powersgd-4", "topkqsgd", "topkqsgd-classic",
                                                  "qsgd8"]
-    assert (full.seeds, full.steps, full.lr, full.eval_every, full.jobs) == ([7, 8, 9], 800, 0.1, 100, 2 * 6 + 3 * 6)
+    assert (full.seeds, full.steps, full.lr, full.eval_every, full.jobs) == ([7, 8, 9], 800, 0.1, 100, 2 * 7 + 3 * 6)
     assert full.docs_dir == tmp_path / "ddp"
     quick = _plan(tmp_path, quick=True)
     assert (quick.seeds, quick.steps, [s.key for s in quick.speed]) == ([7], 40, ["ddp", "powersgd-1", "topkqsgd"])
@@ -82,7 +82,7 @@ def test_cli_flags_and_dry_run() -> None:
     assert not any("horovodrun" in ln for ln in lines)          # only the DDP half
     assert lines[:3] == [" ".join(c) for c in bddp.netns_setup_commands("NS", "1gbit")]
     speed = [ln for ln in lines if "bench_ddp.py" in ln]
-    assert len(speed) == 6 and all(ln.startswith("ip netns exec NS ") and "torchrun --standalone" in ln for ln in speed)
+    assert len(speed) == 7 and all(ln.startswith("ip netns exec NS ") and "torchrun --standalone" in ln for ln in speed)
     assert sum("train_ddp.py" in ln for ln in lines) == 18 and lines[-1].endswith("--compression qsgd --bits 8")
     res = runner.invoke(cli.main, ["--quick", "--dry-run", "--skip-ddp"])
     assert not any("torchrun" in ln for ln in res.output.splitlines())

@@ -391,3 +391,23 @@ def test_overflow_step_undoes_residuals_velocity_and_relay():
     assert c._steps == before[2] and c.exchange_step == 2
     assert torch.equal(c.feedback.velocity["w"], velocity)
     assert torch.equal(c.feedback.delivered["w"], delivered)
+
+
+def test_frozen_variance_sparsity_warmup_follows_the_dense_warmup():
+    """After the dense warm-up the share sent falls from 25% to the ratio over ``sparsity_warmup``
+    compressed steps (per tensor), then stays; a ratio schedule of the user's own takes precedence."""
+    p = torch.zeros(4000, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    c = TopK(ratio=0.01, feedback=gc.FrozenVariance(warmup=1, sparsity_warmup=4), seed=0)
+    c.attach(opt, {p: "w"})
+    p.grad = torch.randn(4000, generator=gen(0))
+    opt.step()
+    sent = []
+    for s in range(6):
+        idx, _ = c.decode_parts(c.compress_named("w", torch.randn(4000, generator=gen(s + 1))))
+        sent.append(idx.numel())
+    assert sent == [1000, 448, 200, 90, 40, 40], sent   # ceil(4000 * 0.25 * 0.04 ** (s / 4))
+    own = TopK(ratio=gc.SparsityWarmup(0.01, steps=2), feedback=gc.FrozenVariance(sparsity_warmup=4))
+    assert [own.ratio_at(s) for s in (0, 2, 3)] == [0.25, 0.01, 0.01]
+    with pytest.raises(ValueError, match="sparsity_warmup must be an int >= 0"):
+        gc.FrozenVariance(sparsity_warmup=-1)

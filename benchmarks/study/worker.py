@@ -5,20 +5,16 @@
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
-from typing import Any, Dict, List
-
-import torch
+from typing import Any, Dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import horovod.torch as hvd  # noqa: E402
 
 import hvd_gradcomp as gc  # noqa: E402
-from benchmarks.study.tasks import TASKS, evaluate, lr_factor, make_task  # noqa: E402
+from benchmarks.study import loop  # noqa: E402
+from benchmarks.study.tasks import make_task  # noqa: E402
 
 # setting -> (label, compressor factory). Every compressor uses the library's defaults
 # (feedback="auto") except "tq1-classic" (error feedback on gradients, the pre-issue-9 recipe) and
@@ -35,6 +31,8 @@ SETTINGS = {
     "tq1-momentum": ("TopKQSGD(1%, 8), momentum correction",
                      lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
     "tq1-update": ("TopKQSGD(1%, 8), compress the update", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="update")),
+    "tq1-spw": ("TopKQSGD(1%, 8), sparsity warm-up 100", lambda: gc.TopKQSGD(ratio=gc.SparsityWarmup(0.01, steps=100),
+                                                                            bits=8)),
 }
 DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic")
 
@@ -75,61 +73,18 @@ def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, An
     label, factory = SETTINGS[setting]
     compression = factory()
     opt = wrap(task, compression, seed)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, task.steps, task.warmup))
-    params = [p for p in task.model.parameters() if p.requires_grad]
-    raw = sum(p.numel() * p.element_size() for p in params)
+    raw = sum(p.numel() * p.element_size() for p in task.model.parameters() if p.requires_grad)
     counter = Bytes(opt, compression, raw)
     acc = gc.GradientAccumulator(opt, steps=task.accumulate)
-    every = max(1, task.steps // 20)
-    evals: List[Dict[str, float]] = [dict(zip(("step", "val_loss", "val_accuracy"), (0, *evaluate(task))))]
-    step_bytes: List[int] = []
-    t0 = time.perf_counter()
-    for step in range(1, task.steps + 1):
+
+    def one_step() -> None:
         for _ in range(task.accumulate):
             x, y = task.batch()
             acc.backward(task.loss(task.model, x, y))
-        sched.step()
-        step_bytes.append(counter.step())
-        if step % every == 0 or step == task.steps:
-            vl, va = evaluate(task)
-            if vl != vl:
-                raise FloatingPointError(f"{task_name}/{setting}/seed {seed}: held-out loss is NaN at step {step}")
-            evals.append({"step": step, "val_loss": vl, "val_accuracy": va})
-    half = step_bytes[len(step_bytes) // 2:]
-    return {"task": task_name, "setting": setting, "label": label, "seed": seed, "ranks": hvd.size(),
-            "wrapper": task.wrapper, "optimizer": type(task.optimizer).__name__, "steps": task.steps,
-            "accumulate": task.accumulate, "compressor": repr(compression),
-            "feedback": getattr(getattr(compression, "feedback", None), "key", None),
-            "val_loss": evals[-1]["val_loss"], "val_accuracy": evals[-1]["val_accuracy"], "evals": evals,
-            "raw_bytes_per_step": raw, "bytes_second_half": sum(half) / len(half),
-            "ratio_second_half": raw * len(half) / max(1, sum(half)), "wall_s": time.perf_counter() - t0}
 
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", choices=TASKS, required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
-    ap.add_argument("--out", default="runs/study")
-    ap.add_argument("--steps", type=int, default=0, help="override the task's steps (smoke tests)")
-    args = ap.parse_args()
-    settings = args.settings.split(",")
-    bad = [s for s in settings if s not in SETTINGS]
-    if bad:
-        ap.error(f"unknown settings {bad}; choose from {list(SETTINGS)}")
-    torch.set_num_threads(1)
-    hvd.init()
-    out = Path(args.out)
-    for setting in settings:
-        result = run(args.task, setting, args.seed, args.steps)
-        if hvd.rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"{args.task}-{setting}-s{args.seed}.json").write_text(json.dumps(result, indent=1) + "\n")
-            print(f"{args.task} {setting} seed {args.seed}: held-out loss {result['val_loss']:.4f} "
-                  f"acc {result['val_accuracy']:.3f} ratio(2nd half) {result['ratio_second_half']:.0f}x "
-                  f"feedback {result['feedback']} {result['wall_s']:.0f}s", flush=True)
-    return 0
+    trained = loop.train(task, opt, one_step, counter.step, f"{task_name}/{setting}/seed {seed}")
+    return loop.record(task, task_name, setting, label, seed, hvd.size(), compression, trained, raw)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(loop.main(__doc__, SETTINGS, DEFAULT_SETTINGS, hvd.init, hvd.rank, run))

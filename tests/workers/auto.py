@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import gc as pygc
 from typing import Any, Dict, List
 
 import horovod.torch as hvd
@@ -135,6 +136,13 @@ def fused(steps: int = 3) -> Dict[str, Any]:
                 res["ranks_equal"].append(all_ranks_equal(a.grad))
         t = opts[0].exchange_timing
         res["timing"] = [t.codec_s, t.codec_sync_s, t.wait_s, opts[0].comm_wait_s]
+        # what only the cyclic collector would free: no pending tensor or fusion group (such a cycle
+        # held p.grad, extra["out"], for several steps: the slow steps of issue 13)
+        pygc.set_debug(pygc.DEBUG_SAVEALL)
+        pygc.collect()
+        pygc.set_debug(0)
+        res["cyclic"] = sorted({type(o).__name__ for o in pygc.garbage} & {"Pending", "_Group"})
+        pygc.garbage.clear()
         for o in opts:
             o.remove_hooks()
         out[str(fusion_bytes)] = res

@@ -1,0 +1,76 @@
+"""What the study's two workers share (``worker.py``: Horovod; ``ddp_worker.py``: DDP): the
+training loop with its held-out evaluations, the JSON record of a run, and the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from benchmarks.study.tasks import TASKS, Task, evaluate, lr_factor
+
+
+def train(task: Task, optimizer: Any, one_step: Callable[[], None], step_bytes: Callable[[], int],
+          what: str) -> Tuple[List[Dict[str, float]], List[int], float]:
+    """``task.steps`` calls of ``one_step`` under the task's lr schedule (on ``optimizer``), 20
+    held-out evaluations; returns (evaluations, bytes per step, seconds). A NaN loss raises."""
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, task.steps, task.warmup))
+    every = max(1, task.steps // 20)
+    evals: List[Dict[str, float]] = [dict(zip(("step", "val_loss", "val_accuracy"), (0, *evaluate(task))))]
+    sent: List[int] = []
+    t0 = time.perf_counter()
+    for step in range(1, task.steps + 1):
+        one_step()
+        sched.step()
+        sent.append(step_bytes())
+        if step % every == 0 or step == task.steps:
+            vl, va = evaluate(task)
+            if vl != vl:
+                raise FloatingPointError(f"{what}: held-out loss is NaN at step {step}")
+            evals.append({"step": step, "val_loss": vl, "val_accuracy": va})
+    return evals, sent, time.perf_counter() - t0
+
+
+def record(task: Task, task_name: str, setting: str, label: str, seed: int, ranks: int, compression: Any,
+           trained: Tuple[List[Dict[str, float]], List[int], float], raw: int) -> Dict[str, Any]:
+    """The JSON record of one run (what ``report.py`` reads)."""
+    evals, sent, wall = trained
+    half = sent[len(sent) // 2:]
+    return {"task": task_name, "setting": setting, "label": label, "seed": seed, "ranks": ranks,
+            "wrapper": task.wrapper, "optimizer": type(task.optimizer).__name__, "steps": task.steps,
+            "accumulate": task.accumulate, "compressor": repr(compression),
+            "feedback": getattr(getattr(compression, "feedback", None), "key", None),
+            "val_loss": evals[-1]["val_loss"], "val_accuracy": evals[-1]["val_accuracy"], "evals": evals,
+            "raw_bytes_per_step": raw, "bytes_second_half": sum(half) / len(half),
+            "ratio_second_half": raw * len(half) / max(1, sum(half)), "wall_s": wall}
+
+
+def main(doc: str, settings_table: Dict[str, Any], defaults: Sequence[str], init: Callable[[], None],
+         rank: Callable[[], int], run: Callable[[str, str, int, int], Dict[str, Any]]) -> int:
+    """A worker's command line: runs each setting of ``--settings`` in turn; rank 0 writes the JSON."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--task", choices=TASKS, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settings", default=",".join(defaults), help=f"comma-separated, of {list(settings_table)}")
+    ap.add_argument("--out", default="runs/study")
+    ap.add_argument("--steps", type=int, default=0, help="override the task's steps (smoke tests)")
+    args = ap.parse_args()
+    settings = args.settings.split(",")
+    bad = [s for s in settings if s not in settings_table]
+    if bad:
+        ap.error(f"unknown settings {bad}; choose from {list(settings_table)}")
+    torch.set_num_threads(1)
+    init()
+    out = Path(args.out)
+    for setting in settings:
+        result = run(args.task, setting, args.seed, args.steps)
+        if rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{result['task']}-{setting}-s{args.seed}.json").write_text(json.dumps(result, indent=1) + "\n")
+            print(f"{result['task']} {setting} seed {args.seed}: held-out loss {result['val_loss']:.4f} "
+                  f"acc {result['val_accuracy']:.3f} ratio(2nd half) {result['ratio_second_half']:.0f}x "
+                  f"feedback {result['feedback']} {result['wall_s']:.0f}s", flush=True)
+    return 0

@@ -1,0 +1,42 @@
+"""The convergence study's workers (benchmarks/study) on 2 ranks, a few steps: each writes the record
+report.py reads, under Horovod and under DDP, and the page is generated from them."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.study import report
+from tests.harness import ROOT, horovodrun_argv, launch, rank_env
+
+pytestmark = pytest.mark.multirank
+
+
+def _check(res, out: Path, names) -> list:
+    assert res.returncode == 0, res.output
+    records = [json.loads((out / f"{n}.json").read_text()) for n in names]
+    for r in records:
+        assert r["steps"] == 4 and len(r["evals"]) == 5 and r["ranks"] == 2, r
+        assert 0 < r["val_loss"] < 10 and r["raw_bytes_per_step"] > 0 and r["ratio_second_half"] >= 1
+    return records
+
+
+def test_horovod_and_ddp_workers_write_the_records_the_report_reads(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    args = ["--seed", "0", "--steps", "4", "--out", str(out)]
+    res = launch(horovodrun_argv(2, "gloo", [sys.executable, str(ROOT / "benchmarks/study/worker.py"),
+                                             "--task", "char-mlp", "--settings", "none,tq1", *args]), 300, rank_env())
+    none, tq1 = _check(res, out, ["char-mlp-none-s0", "char-mlp-tq1-s0"])
+    assert (none["feedback"], tq1["feedback"]) == (None, "momentum")   # the library's choice for momentum SGD
+    assert tq1["ratio_second_half"] > 10 * none["ratio_second_half"]
+    res = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                  str(ROOT / "benchmarks/study/ddp_worker.py"), "--task", "transformer", "--settings", "none,tq1",
+                  *args], 300, rank_env())
+    none, tq1 = _check(res, out, ["transformer-ddp-none-s0", "transformer-ddp-tq1-s0"])
+    assert tq1["feedback"] == "frozen" and tq1["wrapper"] == "ddp"
+    assert tq1["val_loss"] == none["val_loss"]   # 4 steps: all inside frozen's dense warm-up, exactly uncompressed
+    report.write(out, tmp_path / "docs", command="test", minutes=0.1)
+    page = (tmp_path / "docs" / "STUDY.md").read_text()
+    assert "## char-mlp" in page and "## transformer-ddp" in page and "| transformer-ddp |" in page
