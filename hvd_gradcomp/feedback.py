@@ -422,7 +422,9 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         prev = self.delivered.get(name)
         now = avg.detach().clone()
         if prev is not None:
-            avg.sub_(prev.to(avg.dtype), alpha=m).div_(1.0 - d)
+            avg.sub_(prev.to(avg.dtype), alpha=m)
+            if d:  # dampening is 0 for nearly everyone: skip a pass over the tensor
+                avg.div_(1.0 - d)
         self.delivered[name] = now
 
     def describe(self) -> str:
