@@ -26,7 +26,7 @@ from benchmarks.study import report  # noqa: E402
 
 BEGIN, END = "<!-- readme_figures: begin -->", "<!-- readme_figures: end -->"
 HOROVOD_ROWS = ("horovod", "fp16", "topkqsgd", "auto")
-DDP_ROWS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd")
+DDP_ROWS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "auto")
 
 
 def _load(path: Path) -> Optional[Dict[str, Any]]:
@@ -63,7 +63,8 @@ def ddp_section(data: Dict[str, Any]) -> List[str]:
              "| setting | step time | MB per step per rank | vs DDP uncompressed | vs PowerSGD rank 1 |",
              "| --- | ---: | ---: | ---: | ---: |"]
     labels = {"ddp": "DDP, uncompressed", "fp16": "torch fp16 hook", "powersgd-1": "PowerSGD rank 1",
-              "powersgd-4": "PowerSGD rank 4", "topkqsgd": "hvd-gradcomp TopKQSGD(1%, 8)"}
+              "powersgd-4": "PowerSGD rank 4", "topkqsgd": "hvd-gradcomp TopKQSGD(1%, 8)",
+              "auto": "hvd-gradcomp Auto"}
     for key in DDP_ROWS:
         r = res.get(key)
         if r is None:
