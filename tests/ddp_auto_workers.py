@@ -6,13 +6,9 @@ traceback and exits at once, so torchrun stops the other one (see tests/ddp_work
 """
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict
 
 import torch
 import torch.distributed as dist
@@ -23,6 +19,7 @@ import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
 from hvd_gradcomp.exchange import chunk_bounds  # noqa: E402
 from tests.ddp_workers import BUCKET_MB, batch, flat_grads, loss_of, net, reference_grad  # noqa: E402
+from tests.ddp_workers import main as run_jobs  # noqa: E402
 
 ROADS = ("sparse", "qsgd", "dense")   # the exact roads: fp16 would round the average
 
@@ -206,24 +203,5 @@ SCENARIOS = {"auto_switches": auto_switches, "auto_measured": auto_measured, "au
              "auto_errors": auto_errors, "auto_nonfinite": auto_nonfinite}
 
 
-def main() -> None:
-    jobs, outdir = json.loads(sys.argv[1]), Path(sys.argv[2])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    results: List[Any] = []
-    try:
-        for job in jobs:
-            job = dict(job)
-            results.append(SCENARIOS[job.pop("fn")](**job))
-    except BaseException:
-        print(f"[rank {rank}] FAILED in {job}", file=sys.stderr, flush=True)
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    (outdir / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_jobs(SCENARIOS)

@@ -415,7 +415,8 @@ SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": acc
              "die": die, "momentum": momentum, "frozen": frozen}
 
 
-def main() -> None:
+def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:
+    """Run JOB (argv[1]) with ``scenarios`` (tests/ddp_auto_workers.py passes its own) on this rank."""
     jobs, outdir = json.loads(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -424,7 +425,7 @@ def main() -> None:
     try:
         for job in jobs:
             job = dict(job)
-            results.append(SCENARIOS[job.pop("fn")](**job))
+            results.append(scenarios[job.pop("fn")](**job))
     except BaseException:
         print(f"[rank {rank}] FAILED in {job}", file=sys.stderr, flush=True)
         traceback.print_exc()
