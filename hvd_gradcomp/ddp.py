@@ -177,15 +177,14 @@ class GradCompState:
                                  "parameter name): pass module.named_parameters() of the wrapped module")
             self._names = _name_map(named_parameters)
             _CLAIMED.add(compression)
-        if isinstance(compression, Auto):
-            self.auto = _AutoRoads(self, compression)
-        if isinstance(compression, (GradientCompressor, Auto)):
-            if isinstance(compression, GradientCompressor):
+            if isinstance(compression, Auto):
+                self.auto = _AutoRoads(self, compression)
+            else:
                 compression.stream = self.rank  # independent rounding noise on every rank
                 _choose_feedback(compression, optimizer, self._names, self.rank)
-            if isinstance(compression, GradientCompressor) and compression.feedback.moves_parameters:
-                self._by_name = {n: p for p, n in self._names.items()}
-                self._step_hook = optimizer.register_step_pre_hook(self._apply_at_step)
+                if compression.feedback.moves_parameters:  # "frozen": applied at the optimizer step
+                    self._by_name = {n: p for p, n in self._names.items()}
+                    self._step_hook = optimizer.register_step_pre_hook(self._apply_at_step)
             ranks = dist.get_process_group_ranks(self.process_group)
             self._second = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group))
             _KEEP_ALIVE.extend([self.process_group, self._second])

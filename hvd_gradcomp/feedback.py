@@ -674,7 +674,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "build the compressor with feedback='classic'.")
 
     def received(self, name: str, avg: torch.Tensor) -> None:
-        if not bool(torch.isfinite(avg).all()):
+        if not kernels.all_finite(avg):
             return  # passed on as it is: the loss scaler skips this step on every rank
         param, group, _ = self._bound[name]
         self._remember(name)
