@@ -338,10 +338,20 @@ class GradientCompressor:
         tensor of a dtype the codecs carry (the DDP hook checks a whole bucket in one pass,
         :func:`~hvd_gradcomp.kernels.all_finite`)."""
         policy = self._relay_policy() if relay else self.feedback
-        acc = policy.prepare(name, self._clipped(grad))
-        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=policy.contract)
+        k = self._selects(name, grad.numel())
+        if k is None:
+            acc, marked = policy.prepare(name, self._clipped(grad)), None
+        else:  # a top-k codec: its candidates are marked in the pass that builds acc
+            acc, marked = policy.prepare_marked(name, self._clipped(grad), k)
+        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=policy.contract,
+                                          marked=marked)
         policy.sent(name, acc, sent)
         return payload
+
+    def _selects(self, name: str, numel: int) -> Optional[int]:
+        """How many entries a top-k codec keeps of tensor ``name`` at its next exchange; None
+        for codecs that keep them all."""
+        return None
 
     def _relay_policy(self) -> Feedback:
         return self._relay if self.error_feedback else self.feedback
@@ -392,9 +402,9 @@ class GradientCompressor:
         return payloads
 
     def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
-                     name: str, contract: bool = False) -> Tuple[torch.Tensor, Sent]:
+                     name: str, contract: bool = False, marked: fb.Marked = None) -> Tuple[torch.Tensor, Sent]:
         self._step_now = self._steps.get(name, 0)  # for ratio schedules
-        enc = self._encode(flat, dtype, self._next_seed(name), contract)
+        enc = self._encode(flat, dtype, self._next_seed(name), contract, marked)
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
                              enc.bucket_size, self._checksummed)
         payload = wire.assemble(header, enc.sections, flat.device)
@@ -551,7 +561,10 @@ class GradientCompressor:
             self._relay.load_state_dict(state["relay"])
 
     # ------------------------------------------------------------ to implement
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
+                marked: fb.Marked = None) -> _Encoded:
+        """``marked``: top-k candidates of ``flat`` found while it was built (see
+        :meth:`Feedback.prepare_marked`), for the codecs that select."""
         raise NotImplementedError
 
     def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
@@ -622,7 +635,8 @@ class QSGD(_Quantiser, GradientCompressor):
         return (f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback}"
                 f"{self._extra_repr()})")
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
+                marked: fb.Marked = None) -> _Encoded:
         n = flat.numel()
         if self.bits == 8 and n >= kernels.COMPILE_MIN_NUMEL:
             # Codes are the payload bytes: write them in place, sparing assemble a copy.
@@ -704,13 +718,17 @@ class TopK(GradientCompressor):
             return SparsityWarmup(self.ratio, warm, start=max(self.ratio, SparsityWarmup.start))(step)
         return self.ratio
 
-    def _select(self, flat: torch.Tensor) -> Tuple[torch.Tensor, int, List[torch.Tensor]]:
-        idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()))
+    def _selects(self, name: str, numel: int) -> Optional[int]:
+        return kernels.num_selected(self.ratio_at(self._steps.get(name, 0)), numel)
+
+    def _select(self, flat: torch.Tensor, marked: fb.Marked = None) -> Tuple[torch.Tensor, int, List[torch.Tensor]]:
+        idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()), marked)
         mode, sections = wire.encode_indices(idx, flat.numel())
         return idx, mode, sections
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
-        idx, mode, sections = self._select(flat)
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
+                marked: fb.Marked = None) -> _Encoded:
+        idx, mode, sections = self._select(flat, marked)
         vals = _in_range(flat[idx], dtype)
         return _Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
 
@@ -754,8 +772,9 @@ class TopKQSGD(_Quantiser, TopK):
         return (f"TopKQSGD(ratio={self._ratio_repr()}, bits={self.bits}, bucket_size={self.bucket_size}, "
                 f"error_feedback={self.error_feedback}{self._extra_repr()})")
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False) -> _Encoded:
-        idx, mode, sections = self._select(flat)
+    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
+                marked: fb.Marked = None) -> _Encoded:
+        idx, mode, sections = self._select(flat, marked)
         vals = flat[idx]
         norms, codes = kernels.qsgd_encode(vals, self.bits, self.bucket_size, seed, dtype=dtype)
         norms = _shrunk(norms, contract, self.bits, min(vals.numel(), self.bucket_size))

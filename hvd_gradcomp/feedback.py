@@ -49,6 +49,7 @@ from . import kernels
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 Sent = Union["kernels.QSGDDecoded", Tuple[torch.Tensor, torch.Tensor]]
+Marked = Optional[Tuple[torch.Tensor, torch.Tensor]]  # see kernels.topk_indices(marked=)
 log = logging.getLogger("hvd_gradcomp")
 
 
@@ -70,7 +71,9 @@ def subtract_sent(acc: torch.Tensor, sent: Any) -> None:
         sent.subtract_from(acc)  # one fused pass, no dense decoded temporary
     else:
         idx, vals = sent
-        acc[idx] -= vals.to(acc.dtype)
+        # One pass over the k entries (indices are distinct): ``acc[idx] -= vals`` gathers,
+        # subtracts and scatters back in three. acc + (-1 * v) rounds exactly as acc - v.
+        acc.index_add_(0, idx, vals.to(acc.dtype), alpha=-1)
 
 
 class ResidualStore:
@@ -115,6 +118,16 @@ class ResidualStore:
             return out.copy_(flat)
         # One pass into the buffer, instead of a copy and then an in-place add.
         return torch.add(flat, res.to(flat.device), out=out)
+
+    def compensate_marked(self, name: str, grad: torch.Tensor, k: int) -> Tuple[torch.Tensor, Marked]:
+        """:meth:`compensate`, and in the same pass the candidates of a top-k of k entries
+        (:func:`hvd_gradcomp.kernels.add_marked`; None where top-k will not need them)."""
+        self.check_shape(name, grad)
+        res = self._residuals.get(name)
+        flat = grad.reshape(-1)
+        out = self._buffer(name, flat.numel(), residual_dtype(grad.dtype), flat.device)
+        marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k)
+        return out, marked
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The spare of ``name`` (see :meth:`_recycle`) if it fits, else a new tensor."""
@@ -253,6 +266,11 @@ class Feedback:
         self.residuals.check_shape(name, grad)
         return grad.reshape(-1)
 
+    def prepare_marked(self, name: str, grad: torch.Tensor, k: int) -> Tuple[torch.Tensor, Marked]:
+        """:meth:`prepare`, plus the candidates of a top-k of k entries where the policy can find
+        them in the pass that builds its result (else None: the codec finds them itself)."""
+        return self.prepare(name, grad), None
+
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         """``acc`` (from :meth:`prepare`) went out as ``what``."""
 
@@ -315,6 +333,11 @@ class ErrorFeedback(Feedback):
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         return self.residuals.compensate(name, grad)
+
+    def prepare_marked(self, name: str, grad: torch.Tensor, k: int) -> Tuple[torch.Tensor, Marked]:
+        if type(self).prepare is not ErrorFeedback.prepare:  # a subclass builds its input its own way
+            return self.prepare(name, grad), None
+        return self.residuals.compensate_marked(name, grad, k)
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         subtract_sent(acc, what)

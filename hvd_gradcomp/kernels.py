@@ -143,8 +143,34 @@ def _abs_at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     return (x.abs() >= threshold).to(torch.float32).to(torch.uint8)
 
 
+def _add_marked_eager(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+                      threshold: torch.Tensor) -> torch.Tensor:
+    """out = flat + residual (or a copy of flat), then the mask of :func:`_abs_at_least`: two passes."""
+    _add_into(flat, residual, out)
+    return _abs_at_least(out, threshold)
+
+
+def _add_into(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    if residual is None:
+        out.copy_(flat)
+    else:
+        torch.add(flat, residual, out=out)  # computed in out's dtype: flat is widened first
+
+
+def _add_marked_fused(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+                      threshold: torch.Tensor) -> torch.Tensor:
+    """:func:`_add_marked_eager` as one loop when compiled: the sum is compared while in registers,
+    not read back from memory (one pass over 4 bytes a value less)."""
+    acc = flat.to(out.dtype) if residual is None else flat.to(out.dtype) + residual
+    out.copy_(acc)
+    return _abs_at_least(acc, threshold)
+
+
 _EAGER: Dict[str, Callable] = {"qsgd_encode": _qsgd_encode_into, "qsgd_decode": _qsgd_decode_into,
-                               "qsgd_subtract": _qsgd_subtract_into, "abs_at_least": _abs_at_least}
+                               "qsgd_subtract": _qsgd_subtract_into, "abs_at_least": _abs_at_least,
+                               "add_marked": _add_marked_eager}
+_TO_COMPILE: Dict[str, Callable] = {"add_marked": _add_marked_fused}
+"""Kernels whose compiled form is written differently (fused) from their eager form; same values."""
 _COMPILED: Dict[str, Callable] = {}
 _compile_broken = False
 
@@ -157,7 +183,7 @@ def _kernel(name: str, numel: int) -> Callable:
     if not want or _compile_broken or not hasattr(torch, "compile"):
         return _EAGER[name]
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(_EAGER[name], dynamic=True)
+        _COMPILED[name] = torch.compile(_TO_COMPILE.get(name, _EAGER[name]), dynamic=True)
     compiled = _COMPILED[name]
 
     def run(*args, **kwargs):
@@ -295,44 +321,113 @@ def num_selected(ratio: float, numel: int) -> int:
     return max(1, math.ceil(ratio * numel * (1 - 1e-12)))
 
 
-def topk_indices(flat: torch.Tensor, k: int, sample_target: int = 1 << 16) -> torch.Tensor:
+def add_marked(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+               k: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Writes ``out = flat + residual`` (``residual`` None: ``flat`` in ``out``'s dtype) and returns
+    what :func:`topk_indices` of ``out`` would compute first, (threshold, mask), or None where it
+    would not sample (then only the sum is written).
+
+    Why: error feedback's sum and top-k's candidate compare each read the whole tensor; here
+    the threshold is estimated first from the *inputs* at the sampled positions (the same
+    float32 sums ``out`` will hold there) and one compiled loop writes the sum and the mask.
+
+    >>> out = torch.empty(3)
+    >>> add_marked(torch.tensor([1.0, -4.0, 2.0]), torch.tensor([0.5, 0.5, 0.5]), out, k=1) is None
+    True
+    >>> out.tolist()
+    [1.5, -3.5, 2.5]
+    """
+    n = flat.numel()
+    sl = sample_slice(n, k)
+    if sl is None:
+        _add_into(flat, residual, out)
+        return None
+    sample = flat[sl].to(out.dtype) if residual is None else flat[sl].to(out.dtype) + residual[sl]
+    threshold = sample_threshold(sample, k, n).to(out.dtype)
+    return threshold, _kernel("add_marked", n)(flat, residual, out, threshold)
+
+
+SAMPLE_TARGET = 1 << 14
+"""Values sampled to estimate a top-k threshold. The sample only decides how many candidates
+the exact selection looks at, never which entries it keeps: 16K samples aim at ~250 values
+above the threshold, whose count varies by ~6%, well inside the 1.5x margin."""
+
+
+def sample_slice(n: int, k: int, sample_target: int = SAMPLE_TARGET) -> Optional[slice]:
+    """The positions :func:`topk_indices` samples its threshold from, or None where it runs an
+    exact ``torch.topk`` instead (small tensors, k > n/8, k >= n).
+
+    The stride is odd: an even one (e.g. 256 on a 2048-wide matrix) samples the same few
+    columns of every row, and a Linear layer's gradient (an outer product) differs far more
+    between columns than a sample of 8 of them shows.
+    """
+    if k >= n or n < 4 * sample_target or k * 8 > n:
+        return None
+    stride = n // sample_target | 1
+    return slice(stride // 2, None, stride)
+
+
+def sample_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """A magnitude that ~1.5k of the n values reach, from values at :func:`sample_slice` (0-dim,
+    float32; no host sync)."""
+    mags = sample.abs().float()
+    want = min(mags.numel(), int(1.5 * k * mags.numel() / n) + 8)
+    return torch.topk(mags, want, sorted=False).values.min()
+
+
+def topk_indices(flat: torch.Tensor, k: int, marked: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                 ) -> torch.Tensor:
     """Sorted int64 indices of the k entries of largest magnitude: the exact top-k.
 
-    For large tensors, a threshold taken from a strided sample (aimed at ~1.5k entries)
-    selects a candidate superset with one fused compare; ``torch.topk`` over the candidates
-    gives the k-th largest magnitude, and comparing against it keeps the result in index order
-    without a sort. If the sample misjudged and fewer than k candidates pass, it falls back to
-    ``torch.topk`` over everything, so the result is always exact (ties aside).
+    For large tensors, a threshold taken from a strided sample (:func:`sample_slice`) selects a
+    candidate superset with one fused compare; the k-th largest magnitude among the candidates,
+    compared against them, keeps the result in index order without a sort. If the sample
+    misjudged and fewer than k candidates pass, it falls back to ``torch.topk`` over
+    everything, so the result is always exact (ties aside). ``marked``: (threshold, uint8 mask
+    of ``|flat| >= threshold``) computed by the pass that built ``flat`` (:func:`add_marked`),
+    for a threshold from this tensor's :func:`sample_slice`.
     """
     n = flat.numel()
     if k >= n:
         return torch.arange(n, device=flat.device)
-    if n < 4 * sample_target or k * 8 > n:
+    sl = sample_slice(n, k)
+    if sl is None:
         return _exact_topk(flat, k)
-    stride = n // sample_target
-    sample = flat[stride // 2::stride].abs().float()
-    want = min(sample.numel(), int(1.5 * k * sample.numel() / n) + 8)
-    threshold = torch.topk(sample, want, sorted=False).values.min()
-    candidates = _candidates(flat, threshold.to(flat.dtype))
+    if marked is None:
+        threshold = sample_threshold(flat[sl], k, n).to(flat.dtype)
+        marked = threshold, _kernel("abs_at_least", n)(flat, threshold)
+    candidates = _mask_indices(marked[1])
     if candidates.numel() < k:
         return _exact_topk(flat, k)
-    mags = flat.index_select(0, candidates).abs()
-    top = torch.topk(mags, k, sorted=False)
-    keep = (mags >= top.values.min()).nonzero().squeeze(1)
-    if keep.numel() != k:  # ties at the k-th magnitude: take topk's choice among them
-        keep = top.indices.sort().values
-    return candidates.index_select(0, keep)
+    return candidates.index_select(0, _top_of(flat.index_select(0, candidates).abs(), k))
 
 
-def _candidates(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """Ascending indices of |flat| >= threshold.
+def _top_of(mags: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending positions of the k largest of ``mags`` (k <= mags.numel()).
+
+    The k-th largest comes from whichever ``torch.topk`` is shorter (the k largest, or the
+    n - k + 1 smallest: 1.5x the cost apart at the usual 2:3); on a tie at it, ``torch.topk``'s
+    own choice of k decides, as it always did.
+    """
+    c = mags.numel()
+    if k <= c - k + 1:
+        kth = torch.topk(mags, k, sorted=False).values.min()
+    else:
+        kth = torch.topk(mags, c - k + 1, largest=False, sorted=False).values.max()
+    keep = (mags >= kth).nonzero().squeeze(1)
+    if keep.numel() != k:
+        keep = torch.topk(mags, k, sorted=False).indices.sort().values
+    return keep
+
+
+def _mask_indices(mask: torch.Tensor) -> torch.Tensor:
+    """Ascending indices of the non-zero bytes of a uint8 mask.
 
     ``nonzero`` over a byte mask of 25M entries costs more than the compare; viewing the mask
     as int64 words finds the few words holding a candidate 8x faster, and only their bytes are
     searched again.
     """
-    n = flat.numel()
-    mask = _kernel("abs_at_least", n)(flat, threshold)
+    n = mask.numel()
     n8 = n // 8 * 8
     packed = mask[:n8].view(torch.int64)
     words = packed.nonzero().squeeze(1)

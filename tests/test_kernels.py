@@ -1,0 +1,173 @@
+"""The fused and refactored kernels against their plain references (hvd_gradcomp.kernels)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from hvd_gradcomp import kernels
+from hvd_gradcomp.feedback import ErrorFeedback, subtract_sent
+
+NAN, INF = float("nan"), float("inf")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _inputs(n: int, kind: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = gen(seed)
+    x = torch.randn(n, generator=g)
+    if kind == "ties":      # few distinct magnitudes: ties at every threshold
+        x = torch.randint(-3, 4, (n,), generator=g).float()
+    elif kind == "zeros":   # mostly zeros: the sampled threshold can be 0
+        x = x * (torch.rand(n, generator=g) < 0.003)
+    elif kind == "nonfinite":
+        x[:: max(1, n // 7)] = INF
+        x[1:: max(1, n // 5)] = NAN
+        x[2:: max(1, n // 3)] = -INF
+    return x.to(dtype)
+
+
+def _reference_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(x.float().abs(), k).indices.sort().values
+
+
+def _check_topk(idx: torch.Tensor, x: torch.Tensor, k: int) -> None:
+    """k distinct ascending indices holding the k largest magnitudes (any choice among ties)."""
+    mags = x.double().abs()
+    assert idx.numel() == k and bool((idx[1:] > idx[:-1]).all())
+    kth = mags.sort(descending=True).values[k - 1]
+    assert bool((mags[idx] >= kth).all())
+    assert int((mags > kth).sum()) <= k and bool((mags[idx] > kth).sum() == (mags > kth).sum())
+
+
+SIZES = [1, 7, 1000, 70_001, 300_000]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "nonfinite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_marked_matches_the_unfused_passes(n, kind, dtype, with_residual):
+    """Sum, threshold and mask equal a plain add, the sampled threshold of the sum and the compare."""
+    flat = _inputs(n, kind, dtype, seed=n)
+    res = _inputs(n, "normal", torch.float32, seed=n + 1) * 0.1 if with_residual else None
+    want = flat.float() + res if with_residual else flat.float()
+    k = max(1, n // 100)
+    out = torch.full((n,), 7.0)
+    marked = kernels.add_marked(flat, res, out, k)
+    assert torch.equal(out, want) or (kind == "nonfinite" and torch.equal(out.nan_to_num(), want.nan_to_num()))
+    sl = kernels.sample_slice(n, k)
+    if sl is None:
+        assert marked is None
+        return
+    threshold, mask = marked
+    assert torch.equal(threshold, kernels.sample_threshold(want[sl], k, n))
+    assert mask.dtype == torch.uint8 and torch.equal(mask, (want.abs() >= threshold).to(torch.uint8))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros"])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1, 0.5])
+def test_topk_from_marks_is_the_topk_of_the_sum(n, kind, ratio):
+    flat = _inputs(n, kind, torch.float32, seed=3 * n)
+    res = torch.randn(n, generator=gen(n)) * 0.01
+    k = kernels.num_selected(ratio, n)
+    out = torch.empty(n)
+    marked = kernels.add_marked(flat, res, out, k)
+    idx = kernels.topk_indices(out, k, marked)
+    assert torch.equal(idx, kernels.topk_indices(out, k))  # the same selection with or without marks
+    _check_topk(idx, out, k)
+    if kind == "normal":  # no ties: exactly torch.topk's set
+        assert torch.equal(idx, _reference_topk(out, k))
+
+
+def test_topk_survives_a_misjudged_sample():
+    """A sample whose threshold lets fewer than k candidates through falls back to the exact top-k."""
+    n, k = 300_000, 30_000
+    flat = torch.randn(n, generator=gen(1))
+    flat[kernels.sample_slice(n, k)] = 1e6  # every sampled value huge: only they pass the threshold
+    out = torch.empty(n)
+    marked = kernels.add_marked(flat, None, out, k)
+    assert int(marked[1].sum()) < k
+    assert torch.equal(kernels.topk_indices(out, k, marked), _reference_topk(out, k))
+
+
+@pytest.mark.parametrize("c, k", [(10, 1), (10, 5), (10, 6), (10, 10), (1000, 999), (1000, 667)])
+def test_top_of_takes_topk_choice_on_ties(c, k):
+    for seed in range(5):
+        mags = torch.randint(0, 4, (c,), generator=gen(seed)).float()
+        keep = kernels._top_of(mags, k)
+        assert keep.numel() == k and bool((keep[1:] > keep[:-1]).all())
+        kth = mags.sort(descending=True).values[k - 1]
+        if int((mags >= kth).sum()) == k:
+            assert torch.equal(keep, (mags >= kth).nonzero().squeeze(1))
+        else:  # a tie at the k-th value: torch.topk's own choice, as before
+            assert torch.equal(keep, torch.topk(mags, k, sorted=False).indices.sort().values)
+
+
+def test_sample_stride_is_odd_and_spans_the_columns():
+    """An even stride on a 2048-wide matrix would sample the same columns of every row."""
+    n = 2048 * 2048
+    sl = kernels.sample_slice(n, n // 100)
+    assert sl.step % 2 == 1
+    cols = set((torch.arange(n)[sl] % 2048).tolist())
+    assert len(cols) > 1000
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_subtract_sent_equals_indexed_subtraction(dtype):
+    acc = torch.randn(10_000, generator=gen(2))
+    idx = torch.randperm(10_000, generator=gen(3))[:500].sort().values
+    vals = (acc[idx] * 0.9 + 1e-3).to(dtype)
+    want = acc.clone()
+    want[idx] -= vals.float()
+    subtract_sent(acc, (idx, vals))
+    assert torch.equal(acc, want)
+
+
+def test_error_feedback_marks_and_stays_exact():
+    """prepare_marked builds the same sum as prepare, and sent + new residual == input + old residual."""
+    a, b = ErrorFeedback(), ErrorFeedback()
+    for step in range(3):
+        g = torch.randn(300_000, generator=gen(step))
+        old = a.residuals.residual("w")
+        acc_a, marked = a.prepare_marked("w", g, 3000)
+        acc_b = b.prepare("w", g)
+        assert torch.equal(acc_a, acc_b) and marked is not None
+        before = acc_a.clone()
+        idx = kernels.topk_indices(acc_a, 3000, marked)
+        sent = (idx, acc_a[idx] * 0.5)
+        a.sent("w", acc_a, sent)
+        b.sent("w", acc_b, (idx, acc_b[idx] * 0.5))
+        rebuilt = a.residuals.residual("w").clone()
+        rebuilt[idx] += sent[1]
+        assert torch.equal(rebuilt, before)
+        assert torch.equal(before, g if old is None else g + old)
+        assert torch.equal(a.residuals.residual("w"), b.residuals.residual("w"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, dtype):
+    """HVDGC_COMPILE=1 (one fused loop) and =0 (two passes) write the same sum and mask, NaN/Inf included."""
+    n = (1 << 20) + 37
+    flat = _inputs(n, "nonfinite", dtype, seed=4)
+    res = torch.randn(n, generator=gen(5)) if with_residual else None
+    results = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv("HVDGC_COMPILE", mode)
+        out = torch.empty(n)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            threshold, mask = kernels.add_marked(flat, res, out, n // 100)
+        # a fallback to eager kernels would make this test vacuous
+        assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+        results.append((out, threshold, mask))
+    (o0, t0, m0), (o1, t1, m1) = results
+    assert torch.equal(o0.nan_to_num(), o1.nan_to_num()) and torch.equal(o0.isnan(), o1.isnan())
+    torch.testing.assert_close(t0, t1, rtol=0, atol=0, equal_nan=True)  # NaN: sampled NaNs outrank all
+    assert torch.equal(m0, m1)
