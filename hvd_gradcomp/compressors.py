@@ -745,7 +745,7 @@ class TopK(GradientCompressor):
                                        f"{h.total_bytes} bytes, far sparser than ratio={self.ratio}")
 
     def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
-        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel)
+        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
         vals = wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
         if not bool(torch.isfinite(vals).all()):  # encoders never send them (inputs are checked)
             raise wire.WireFormatError("corrupt payload: non-finite values")
@@ -783,7 +783,7 @@ class TopKQSGD(_Quantiser, TopK):
         return _Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
 
     def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
-        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel)
+        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
         return idx, _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
 
 

@@ -38,7 +38,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -451,8 +451,13 @@ def encode_indices(indices: torch.Tensor, numel: int) -> Tuple[int, List[torch.T
     return INDEX_DELTA, [widths, data]
 
 
-def decode_indices(reader: SectionReader, mode: int, k: int, numel: int) -> torch.Tensor:
+def decode_indices(reader: SectionReader, mode: int, k: int, numel: int,
+                   decode_deltas: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = decode_delta_indices
+                   ) -> torch.Tensor:
     """Read the index sections written by :func:`encode_indices`: k sorted indices below numel.
+
+    ``decode_deltas``: :func:`decode_delta_indices` or a faster equal (the codecs pass the
+    compiled one of :mod:`hvd_gradcomp.kernels`, which sits above this module).
 
     Raises :class:`WireFormatError` when the sections cannot hold such indices (a bitmap with
     another count of set bits, a block wider than any index of ``numel``, indices past it).
@@ -472,7 +477,7 @@ def decode_indices(reader: SectionReader, mode: int, k: int, numel: int) -> torc
     if widest > min((numel - 1).bit_length(), _MAX_DELTA_BITS) or widest + k.bit_length() > 62:
         raise WireFormatError(f"corrupt payload: {widest}-bit index deltas for a tensor of {numel} elements")
     data = reader.take(int(widths.to(torch.int64).sum()) * (INDEX_BLOCK // 8))
-    idx = decode_delta_indices(widths, data, k)
+    idx = decode_deltas(widths, data, k)
     if k and int(idx[-1]) >= numel:
         raise WireFormatError(f"corrupt payload: index {int(idx[-1])} out of range for {numel} elements")
     return idx

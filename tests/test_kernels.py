@@ -171,3 +171,22 @@ def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, dtype):
     assert torch.equal(o0.nan_to_num(), o1.nan_to_num()) and torch.equal(o0.isnan(), o1.isnan())
     torch.testing.assert_close(t0, t1, rtol=0, atol=0, equal_nan=True)  # NaN: sampled NaNs outrank all
     assert torch.equal(m0, m1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k, spread", [(40_000, 100), (50_000, 3), (33_000, 1 << 30), (70_000, 1)])
+def test_compiled_delta_decode_matches_wire(monkeypatch, k, spread):
+    """The compiled delta decoder returns wire's indices: narrow, wide (up to 30-bit deltas) and
+    all-zero (width 0) blocks, and a last block cut short."""
+    from hvd_gradcomp import wire
+    g = gen(k)
+    steps = torch.randint(1, spread + 1, (k,), generator=g)
+    steps[k // 3: k // 3 + 200] = 1           # whole blocks of zero deltas
+    idx = torch.cumsum(steps, 0) - 1
+    widths, data = wire.delta_index_bytes(idx)
+    monkeypatch.setenv("HVDGC_COMPILE", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = kernels.decode_delta_indices(widths, data, k)
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+    assert torch.equal(got, idx) and torch.equal(got, wire.decode_delta_indices(widths, data, k))
