@@ -297,7 +297,7 @@ def _adversarial(n: int, kind: str, g: torch.Generator) -> torch.Tensor:
         return torch.tan(math.pi * (u - 0.5))  # Cauchy
     if kind == "ramp":
         return (torch.randperm(n, generator=g).float() + 1) * torch.where(torch.rand(n, generator=g) < .5, -1., 1.)
-    x = torch.rand(n, generator=g)
+    x = ((torch.randperm(n, generator=g).double() + 1) / n).float()  # distinct, non-zero, also after += 10
     sl = kernels.sample_slice(n, max(1, n // 100))  # where the threshold is sampled (ratio 0.01)
     sampled = torch.arange(n)[sl] if sl is not None else torch.arange(0)
     if kind == "large-at-sample":
