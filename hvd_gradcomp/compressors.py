@@ -721,15 +721,17 @@ class TopK(GradientCompressor):
     def _selects(self, name: str, numel: int) -> Optional[int]:
         return kernels.num_selected(self.ratio_at(self._steps.get(name, 0)), numel)
 
-    def _select(self, flat: torch.Tensor, marked: fb.Marked = None) -> Tuple[torch.Tensor, int, List[torch.Tensor]]:
-        idx = kernels.topk_indices(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()), marked)
+    def _select(self, flat: torch.Tensor, marked: fb.Marked = None
+                ) -> Tuple[torch.Tensor, torch.Tensor, int, List[torch.Tensor]]:
+        """(indices, flat at them, index mode, index sections) of the top-k."""
+        idx, vals = kernels.topk(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()), marked)
         mode, sections = wire.encode_indices(idx, flat.numel())
-        return idx, mode, sections
+        return idx, vals, mode, sections
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
                 marked: fb.Marked = None) -> _Encoded:
-        idx, mode, sections = self._select(flat, marked)
-        vals = _in_range(flat[idx], dtype)
+        idx, vals, mode, sections = self._select(flat, marked)
+        vals = _in_range(vals, dtype)
         return _Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
 
     def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
@@ -774,8 +776,7 @@ class TopKQSGD(_Quantiser, TopK):
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
                 marked: fb.Marked = None) -> _Encoded:
-        idx, mode, sections = self._select(flat, marked)
-        vals = flat[idx]
+        idx, vals, mode, sections = self._select(flat, marked)
         norms, codes = kernels.qsgd_encode(vals, self.bits, self.bucket_size, seed, dtype=dtype)
         norms = _shrunk(norms, contract, self.bits, min(vals.numel(), self.bucket_size))
         sent_vals = kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, dtype)

@@ -190,3 +190,12 @@ def test_compiled_delta_decode_matches_wire(monkeypatch, k, spread):
         got = kernels.decode_delta_indices(widths, data, k)
     assert not [w for w in caught if "torch.compile failed" in str(w.message)]
     assert torch.equal(got, idx) and torch.equal(got, wire.decode_delta_indices(widths, data, k))
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (5, 5), (1000, 10), (300_000, 3000), (300_000, 30_000)])
+def test_topk_values_are_flat_at_the_indices(n, k):
+    flat = torch.randn(n, generator=gen(n))
+    idx, vals = kernels.topk(flat, k)
+    assert torch.equal(idx, kernels.topk_indices(flat, k)) and torch.equal(vals, flat[idx])
+    vals.zero_()  # never a view of flat
+    assert bool(flat[idx].ne(0).all())
