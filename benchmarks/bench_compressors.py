@@ -3,8 +3,17 @@
     .venv/bin/python benchmarks/bench_compressors.py            # 25M float32, as in the targets
     .venv/bin/python benchmarks/bench_compressors.py --numel 1000000 --repeat 3
     .venv/bin/python benchmarks/bench_compressors.py --threads 1   # steadier on a busy machine
+    .venv/bin/python benchmarks/bench_compressors.py --road        # CPU per step and per stage, below
 
 All ratios come from one run on one tensor (this machine is noisy: compare within a run).
+
+``--road`` profiles the CPU cost of one training step of the synthetic model (square Linear
+layers, ``--params``/``--width``, batch 4, one thread) in one process, min and median over
+``--repeat`` interleaved steps: forward+backward alone; a DDP step (1-rank Gloo group) with a
+no-op hook, with torch's PowerSGD hook (rank 1 and 4) and with our TopKQSGD(1%, 8) hook (CPU
+of all threads, ``time.process_time``); and each stage of our TopKQSGD road on that model's
+gradients as a 2-rank step sees it (this rank's encode, decode of 2 payloads and their sum;
+``time.thread_time`` around each stage's function).
 Kernels for large tensors are compiled (torch.compile) on first use; warm-up runs absorb
 that cost. Targets (issue 3): QSGD-8 <= 3x, TopK 1% <= 3x, TopKQSGD(1%, 8) <= 3.5x clone;
 size ratios TopKQSGD >= 150, QSGD 8/4/2-bit >= 3.9/7.8/15.
@@ -85,5 +94,154 @@ def main() -> None:
     print("all targets met" if not failures else "MISSED: " + "; ".join(failures))
 
 
+# ---------------------------------------------------------------- --road: CPU per step and stage
+STAGES = [  # (module, attribute, label): the functions of the TopKQSGD road, timed where they are looked up;
+    # rows for functions a version does not have (or call) are left out, so that older checkouts run too
+    ("feedback", "ResidualStore.compensate", "error-feedback add"),
+    ("feedback", "ResidualStore.compensate_marked", "error-feedback add + top-k compare (fused)"),
+    ("kernels", "topk_indices", "top-k selection"),
+    ("kernels", "topk", "top-k: candidates, k-th value, kept values"),
+    ("wire", "encode_indices", "index encode"),
+    ("kernels", "qsgd_encode", "QSGD encode"),
+    ("kernels", "qsgd_decode", "QSGD decode (sent values; received values)"),
+    ("wire", "assemble", "payload assembly + CRC32"),
+    ("feedback", "subtract_sent", "error-feedback subtract"),
+    ("compressors", "GradientCompressor._compress_finite", "= encode, this rank, total"),
+    ("wire", "decode_indices", "index decode"),
+    ("compressors", "_read_qsgd", "values decode"),
+    ("compressors", "GradientCompressor.decode_parts", "= decode of 2 payloads, total"),
+    ("exchange", "sum_parts", "sum of 2 payloads into the gradient"),
+]
+
+
+def _stats(values: List[float]) -> str:
+    return f"{min(values) * 1e3:8.1f} | {statistics.median(values) * 1e3:8.1f}"
+
+
+def _wrap_stages(times: dict) -> None:
+    import importlib
+    for mod, attr, label in STAGES:
+        owner = importlib.import_module(f"hvd_gradcomp.{mod}")
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t0 = time.thread_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                times[_label] = times.get(_label, 0.0) + time.thread_time() - t0
+        setattr(owner, name, timed)
+
+
+def _ddp_steps(model_fn: Callable, batch: int, width: int) -> dict:
+    """One step function per DDP setting, each on its own model (1-rank Gloo group)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from benchmarks.bench_ddp import _noop_hook  # annotated for DDP's check (no __future__ there)
+    from hvd_gradcomp import ddp as gc_ddp
+    if not dist.is_initialized():
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+    x, y = torch.randn(batch, width), torch.randint(0, 1000, (batch,))
+    steps = {}
+    for setting in ("DDP, no-op hook", "DDP + PowerSGD rank 1", "DDP + PowerSGD rank 4", "DDP + TopKQSGD(1%, 8)"):
+        psgd = "PowerSGD" in setting
+        model = DDP(model_fn(), bucket_cap_mb=1e5 if psgd else 25)  # PowerSGD on Gloo: one bucket (bench_ddp.py)
+        if psgd:
+            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=int(setting[-1]), start_powerSGD_iter=2)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif "TopKQSGD" in setting:
+            gc_ddp.register(model, compression=TopKQSGD(ratio=0.01, bits=8))
+        else:
+            model.register_comm_hook(None, _noop_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step(model=model, opt=opt) -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        steps[setting] = step
+    return steps
+
+
+def road(args: argparse.Namespace) -> None:
+    import warnings
+    import torch.nn.functional as F
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from models import build_model  # examples/models.py, as the speed benchmarks
+    from hvd_gradcomp import exchange
+    torch.set_num_threads(args.threads or 1)
+    torch.manual_seed(0)
+    model = build_model(args.params, args.width)
+    x, y = torch.randn(4, args.width), torch.randint(0, 1000, (4,))
+    warnings.filterwarnings("ignore", message=".*no optimizer was given.*")
+    steps = _ddp_steps(lambda: build_model(args.params, args.width), 4, args.width)
+
+    def fwd_bwd() -> None:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+    fwd_bwd()
+    grads = [(n, p.grad.clone()) for n, p in model.named_parameters() if p.numel() >= 1024]
+    mine, theirs = TopKQSGD(ratio=0.01, bits=8, seed=0), TopKQSGD(ratio=0.01, bits=8, seed=1)
+    outs = [torch.empty(g.numel()) for _, g in grads]
+    stage_times: dict = {}
+
+    other = [theirs._compress_finite(n, g * 0.5) for n, g in grads]  # the other rank's payloads
+
+    def codec_step() -> None:
+        sent = [mine._compress_finite(n, g) for n, g in grads]
+        for (n, g), a, b, out in zip(grads, sent, other, outs):
+            exchange.sum_parts(exchange.decode_payloads(mine, [a, b], 2, g.numel()), True, g.numel(), g.dtype, out=out)
+
+    _wrap_stages(stage_times)
+    timed = {"forward + backward (no DDP)": (fwd_bwd, time.thread_time), "TopKQSGD road (stages below)":
+             (codec_step, time.thread_time), **{k: (v, time.process_time) for k, v in steps.items()}}
+    results: dict = {k: [] for k in timed}
+    per_stage: dict = {label: [] for _, _, label in STAGES}
+    for i in range(args.warmup + args.repeat):
+        for key, (fn, clock) in timed.items():
+            stage_times.clear()
+            t0 = clock()
+            fn()
+            if i >= args.warmup:
+                results[key].append(clock() - t0)
+                if fn is codec_step:
+                    for label in per_stage:
+                        per_stage[label].append(stage_times.get(label, 0.0))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{n:,} parameters ({len(grads)} compressed tensors), batch 4, {torch.get_num_threads()} thread(s), "
+          f"torch {torch.__version__}; CPU ms per step over {args.repeat} interleaved steps")
+    print()
+    print("| step | min | median |")
+    print("| --- | ---: | ---: |")
+    for key, values in results.items():
+        print(f"| {key} | {_stats(values).replace('|', ' | ')} |")
+    for label, values in per_stage.items():
+        if not any(values):
+            continue
+        print(f"| {'&nbsp;' * 4}{label} | {_stats(values).replace('|', ' | ')} |")
+
+
 if __name__ == "__main__":
-    main()
+    if "--road" in sys.argv:
+        ap = argparse.ArgumentParser(description="CPU per training step and per stage of the TopKQSGD road")
+        ap.add_argument("--road", action="store_true")
+        ap.add_argument("--params", type=float, default=25e6)
+        ap.add_argument("--width", type=int, default=2048)
+        ap.add_argument("--repeat", type=int, default=9)
+        ap.add_argument("--warmup", type=int, default=3)
+        ap.add_argument("--threads", type=int, default=1)
+        road(ap.parse_args())
+    else:
+        main()
