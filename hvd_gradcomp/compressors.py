@@ -330,19 +330,27 @@ class GradientCompressor:
         _check_input(grad, name)
         if not name:
             raise ValueError("compress_named needs a non-empty tensor name")
-        _check_finite(grad, name)
-        return self._compress_finite(name, grad, relay)
+        policy = self._relay_policy() if relay else self.feedback
+        late = self.clip is None and policy.marks_input and self._selects(name, grad.numel()) is not None
+        if not late:
+            _check_finite(grad, name)
+        return self._compress_finite(name, grad, relay, check=late)
 
-    def _compress_finite(self, name: str, grad: torch.Tensor, relay: bool = False) -> torch.Tensor:
+    def _compress_finite(self, name: str, grad: torch.Tensor, relay: bool = False,
+                         check: bool = False) -> torch.Tensor:
         """:meth:`compress_named` for a caller that checked ``grad`` already: a named, dense, finite
         tensor of a dtype the codecs carry (the DDP hook checks a whole bucket in one pass,
-        :func:`~hvd_gradcomp.kernels.all_finite`)."""
+        :func:`~hvd_gradcomp.kernels.all_finite`). ``check``: not checked yet, and the policy
+        changes no state in ``prepare`` (:attr:`Feedback.marks_input`): its pass over ``grad``
+        also sums it, and the check raises before anything is committed or drawn."""
         policy = self._relay_policy() if relay else self.feedback
         k = self._selects(name, grad.numel())
         if k is None:
             acc, marked = policy.prepare(name, self._clipped(grad)), None
         else:  # a top-k codec: its candidates are marked in the pass that builds acc
-            acc, marked = policy.prepare_marked(name, self._clipped(grad), k)
+            acc, marked = policy.prepare_marked(name, self._clipped(grad), k, total=check)
+        if check and (marked is None or marked.total is None or not bool(torch.isfinite(marked.total))):
+            _check_finite(grad, name)  # exact; a finite sum proved it already
         payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=policy.contract,
                                           marked=marked)
         policy.sent(name, acc, sent)

@@ -49,7 +49,7 @@ from . import kernels
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 Sent = Union["kernels.QSGDDecoded", Tuple[torch.Tensor, torch.Tensor]]
-Marked = Optional[Tuple[torch.Tensor, torch.Tensor]]  # see kernels.topk_indices(marked=)
+Marked = Optional["kernels.Marks"]  # see kernels.add_marked and kernels.topk_indices(marked=)
 log = logging.getLogger("hvd_gradcomp")
 
 
@@ -119,14 +119,16 @@ class ResidualStore:
         # One pass into the buffer, instead of a copy and then an in-place add.
         return torch.add(flat, res.to(flat.device), out=out)
 
-    def compensate_marked(self, name: str, grad: torch.Tensor, k: int) -> Tuple[torch.Tensor, Marked]:
+    def compensate_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False
+                          ) -> Tuple[torch.Tensor, Marked]:
         """:meth:`compensate`, and in the same pass the candidates of a top-k of k entries
-        (:func:`hvd_gradcomp.kernels.add_marked`; None where top-k will not need them)."""
+        (:func:`hvd_gradcomp.kernels.add_marked`; None where top-k will not need them);
+        ``total``: with the sum of ``grad`` (a finiteness check)."""
         self.check_shape(name, grad)
         res = self._residuals.get(name)
         flat = grad.reshape(-1)
         out = self._buffer(name, flat.numel(), residual_dtype(grad.dtype), flat.device)
-        marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k)
+        marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k, total)
         return out, marked
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -266,9 +268,18 @@ class Feedback:
         self.residuals.check_shape(name, grad)
         return grad.reshape(-1)
 
-    def prepare_marked(self, name: str, grad: torch.Tensor, k: int) -> Tuple[torch.Tensor, Marked]:
+    @property
+    def marks_input(self) -> bool:
+        """Whether :meth:`prepare_marked` marks top-k candidates (and can sum ``grad``) in the pass
+        that builds its result. Such a policy changes no state in ``prepare``, so a caller may
+        check ``grad``'s finiteness after it."""
+        return False
+
+    def prepare_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False
+                       ) -> Tuple[torch.Tensor, Marked]:
         """:meth:`prepare`, plus the candidates of a top-k of k entries where the policy can find
-        them in the pass that builds its result (else None: the codec finds them itself)."""
+        them in the pass that builds its result (else None: the codec finds them itself);
+        ``total``: also the sum of ``grad`` (see :class:`hvd_gradcomp.kernels.Marks`)."""
         return self.prepare(name, grad), None
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
@@ -334,10 +345,15 @@ class ErrorFeedback(Feedback):
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         return self.residuals.compensate(name, grad)
 
-    def prepare_marked(self, name: str, grad: torch.Tensor, k: int) -> Tuple[torch.Tensor, Marked]:
-        if type(self).prepare is not ErrorFeedback.prepare:  # a subclass builds its input its own way
+    @property
+    def marks_input(self) -> bool:
+        return type(self).prepare is ErrorFeedback.prepare  # a subclass builds its input its own way
+
+    def prepare_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False
+                       ) -> Tuple[torch.Tensor, Marked]:
+        if not self.marks_input:
             return self.prepare(name, grad), None
-        return self.residuals.compensate_marked(name, grad, k)
+        return self.residuals.compensate_marked(name, grad, k, total)
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         subtract_sent(acc, what)

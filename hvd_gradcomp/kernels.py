@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -150,10 +150,11 @@ def _abs_at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
 
 
 def _add_marked_eager(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                      threshold: torch.Tensor) -> torch.Tensor:
-    """out = flat + residual (or a copy of flat), then the mask of :func:`_abs_at_least`: two passes."""
+                      threshold: torch.Tensor, total: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """out = flat + residual (or a copy of flat), then the mask of :func:`_abs_at_least`: two
+    passes; with ``total``, also the float32 sum of ``flat`` (a third)."""
     _add_into(flat, residual, out)
-    return _abs_at_least(out, threshold)
+    return _abs_at_least(out, threshold), flat.sum(dtype=torch.float32) if total else None
 
 
 def _add_into(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -164,12 +165,12 @@ def _add_into(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.T
 
 
 def _add_marked_fused(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                      threshold: torch.Tensor) -> torch.Tensor:
+                      threshold: torch.Tensor, total: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`_add_marked_eager` as one loop when compiled: the sum is compared while in registers,
-    not read back from memory (one pass over 4 bytes a value less)."""
+    not read back from memory, and ``flat``'s total is summed as it streams by."""
     acc = flat.to(out.dtype) if residual is None else flat.to(out.dtype) + residual
     out.copy_(acc)
-    return _abs_at_least(acc, threshold)
+    return _abs_at_least(acc, threshold), flat.sum(dtype=torch.float32) if total else None
 
 
 def _unpack_deltas(widths: torch.Tensor, starts: torch.Tensor, data: torch.Tensor, out: torch.Tensor) -> None:
@@ -360,11 +361,22 @@ def num_selected(ratio: float, numel: int) -> int:
     return max(1, math.ceil(ratio * numel * (1 - 1e-12)))
 
 
+class Marks(NamedTuple):
+    """What :func:`add_marked` found: the sampled threshold, the uint8 mask of the values that
+    reach it, and (when asked) the float32 sum of the input, whose finiteness proves the input
+    finite (see :func:`sums_finite`)."""
+
+    threshold: torch.Tensor
+    mask: torch.Tensor
+    total: Optional[torch.Tensor] = None
+
+
 def add_marked(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-               k: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+               k: int, total: bool = False) -> Optional[Marks]:
     """Writes ``out = flat + residual`` (``residual`` None: ``flat`` in ``out``'s dtype) and returns
     what :func:`topk_indices` of ``out`` would compute first, (threshold, mask), or None where it
-    would not sample (then only the sum is written).
+    would not sample (then only the sum is written). ``total``: also sum ``flat`` in the same
+    pass (the finiteness check of :func:`all_finite`, without a pass of its own).
 
     Why: error feedback's sum and top-k's candidate compare each read the whole tensor; here
     the threshold is estimated first from the *inputs* at the sampled positions (the same
@@ -383,7 +395,7 @@ def add_marked(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.
         return None
     sample = flat[sl].to(out.dtype) if residual is None else flat[sl].to(out.dtype) + residual[sl]
     threshold = sample_threshold(sample, k, n).to(out.dtype)
-    return threshold, _kernel("add_marked", n)(flat, residual, out, threshold)
+    return Marks(threshold, *_kernel("add_marked", n)(flat, residual, out, threshold, total))
 
 
 SAMPLE_TARGET = 1 << 13

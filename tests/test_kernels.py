@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from hvd_gradcomp import kernels
+from hvd_gradcomp import TopK, TopKQSGD, kernels
 from hvd_gradcomp.feedback import ErrorFeedback, subtract_sent
 
 NAN, INF = float("nan"), float("inf")
@@ -63,9 +63,12 @@ def test_add_marked_matches_the_unfused_passes(n, kind, dtype, with_residual):
     if sl is None:
         assert marked is None
         return
-    threshold, mask = marked
+    threshold, mask = marked.threshold, marked.mask
+    assert marked.total is None
     assert torch.equal(threshold, kernels.sample_threshold(want[sl], k, n))
     assert mask.dtype == torch.uint8 and torch.equal(mask, (want.abs() >= threshold).to(torch.uint8))
+    total = kernels.add_marked(flat, res, torch.empty(n), k, total=True).total  # the input's sum, for finiteness
+    assert bool(torch.isfinite(total)) == (kind != "nonfinite")
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -163,7 +166,7 @@ def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, dtype):
         out = torch.empty(n)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            threshold, mask = kernels.add_marked(flat, res, out, n // 100)
+            threshold, mask, _ = kernels.add_marked(flat, res, out, n // 100)
         # a fallback to eager kernels would make this test vacuous
         assert not [w for w in caught if "torch.compile failed" in str(w.message)]
         results.append((out, threshold, mask))
@@ -171,6 +174,11 @@ def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, dtype):
     assert torch.equal(o0.nan_to_num(), o1.nan_to_num()) and torch.equal(o0.isnan(), o1.isnan())
     torch.testing.assert_close(t0, t1, rtol=0, atol=0, equal_nan=True)  # NaN: sampled NaNs outrank all
     assert torch.equal(m0, m1)
+    monkeypatch.setenv("HVDGC_COMPILE", "1")
+    finite = flat.clone()
+    finite[~torch.isfinite(finite)] = 0
+    assert bool(torch.isfinite(kernels.add_marked(finite, res, torch.empty(n), n // 100, total=True).total))
+    assert not bool(torch.isfinite(kernels.add_marked(flat, res, torch.empty(n), n // 100, total=True).total))
 
 
 @pytest.mark.slow
@@ -199,3 +207,32 @@ def test_topk_values_are_flat_at_the_indices(n, k):
     assert torch.equal(idx, kernels.topk_indices(flat, k)) and torch.equal(vals, flat[idx])
     vals.zero_()  # never a view of flat
     assert bool(flat[idx].ne(0).all())
+
+
+@pytest.mark.parametrize("cls", [TopK, TopKQSGD])
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_nonfinite_gradient_found_in_the_marking_pass_changes_nothing(cls, bad):
+    """compress_named checks finiteness in the pass that adds the residual (large tensors): a
+    NaN/Inf still raises before the residual or the random stream moves."""
+    n = 300_000
+    a, b = cls(ratio=0.01, seed=3), cls(ratio=0.01, seed=3)
+    g0 = torch.randn(n, generator=gen(8))
+    a.compress_named("w", g0)
+    b.compress_named("w", g0)
+    before = a.residuals.residual("w").clone()
+    bad_grad = torch.randn(n, generator=gen(9))
+    bad_grad[12345] = bad
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):
+        a.compress_named("w", bad_grad)
+    assert torch.equal(a.residuals.residual("w"), before)
+    g1 = torch.randn(n, generator=gen(10))
+    assert torch.equal(a.compress_named("w", g1), b.compress_named("w", g1))  # same stream, same residual
+
+
+def test_finite_values_whose_sum_overflows_are_sent():
+    n = 300_000
+    g = torch.zeros(n)
+    g[:4] = 3e38  # the float32 sum is inf, every value is finite
+    c = TopK(ratio=0.01)
+    y = c.decode(c.compress_named("w", g))
+    assert torch.equal(y[:4], g[:4])
