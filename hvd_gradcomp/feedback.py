@@ -108,13 +108,22 @@ class ResidualStore:
         """grad + residual, as a flat tensor of the residual dtype that no residual shares (grad
         is not modified): the caller may change it and :meth:`commit` it."""
         self.check_shape(name, grad)
+        return self.add_flat(name, grad.reshape(-1))
+
+    def add_flat(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """:meth:`compensate` of an already flat tensor, without the shape check (a policy that
+        checked the gradient's shape and sends something derived from it, e.g. a velocity)."""
         res = self._residuals.get(name)
-        flat = grad.reshape(-1)
-        out = self._buffer(name, flat.numel(), residual_dtype(grad.dtype), flat.device)
+        out = self.buffer(name, flat)
         if res is None:
             return out.copy_(flat)
         # One pass into the buffer, instead of a copy and then an in-place add.
         return torch.add(flat, res.to(flat.device), out=out)
+
+    def buffer(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """An uninitialised flat tensor, of the residual dtype of ``flat``, to become the next
+        residual of ``name`` (no residual shares it; see :meth:`_recycle`)."""
+        return self._buffer(name, flat.numel(), residual_dtype(flat.dtype), flat.device)
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The spare of ``name`` (see :meth:`_recycle`) if it fits, else a new tensor."""
@@ -328,10 +337,38 @@ class _RoundUndo:
 
     _round_stores: Tuple[str, ...] = ()
     _undo: Optional[Dict[str, Tuple[Any, ...]]] = None
+    _spares: Optional[Dict[Tuple[str, str], torch.Tensor]] = None
 
     def _remember(self, name: str) -> None:
         if self._undo is not None and name not in self._undo:
             self._undo[name] = tuple(getattr(self, store).get(name) for store in self._round_stores)
+
+    def _buffer(self, store: str, name: str, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor shaped as ``like`` for the next value of ``store[name]``: the
+        value that one retired (:meth:`_replace`) if it fits. Why: on CPU a fresh gradient-sized
+        tensor per step costs ~3x a pass into a warm one (its pages fault in), and momentum
+        correction made three per tensor per step (see :meth:`ResidualStore._recycle`)."""
+        spare = (self._spares or {}).pop((store, name), None)
+        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype \
+                and spare.device == like.device:
+            return spare
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    def _replace(self, store: str, name: str, value: Any) -> None:
+        """``store[name] = value``. The value replaced is retired (the buffer of the next
+        :meth:`_buffer`) unless this step's undo log still holds it. These stores are private:
+        their tensors are never handed out (state_dict clones them), so nobody else holds one."""
+        self._remember(name)
+        old = getattr(self, store).get(name)
+        getattr(self, store)[name] = value
+        if self._undo is None:
+            self._retire(store, name, old)
+
+    def _retire(self, store: str, name: str, old: Any) -> None:
+        if isinstance(old, torch.Tensor) and old.device.type == "cpu":  # accelerators' allocators reuse
+            if self._spares is None:
+                self._spares = {}
+            self._spares[(store, name)] = old
 
     def track_rounds(self, on: bool) -> None:
         super().track_rounds(on)  # type: ignore[misc]
@@ -341,13 +378,19 @@ class _RoundUndo:
         super().end_round(keep)  # type: ignore[misc]
         if self._undo is None:
             return
-        if not keep:
-            for name, olds in self._undo.items():
-                for store, old in zip(self._round_stores, olds):
-                    if old is None:
-                        getattr(self, store).pop(name, None)
-                    else:
-                        getattr(self, store)[name] = old
+        for name, olds in self._undo.items():
+            for store, old in zip(self._round_stores, olds):
+                now = getattr(self, store).get(name)
+                if now is old:
+                    continue
+                if keep:  # the values this step replaced are retired
+                    self._retire(store, name, old)
+                    continue
+                self._retire(store, name, now)
+                if old is None:
+                    getattr(self, store).pop(name, None)
+                else:
+                    getattr(self, store)[name] = old
         self._undo.clear()
 
 
@@ -401,13 +444,17 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         self.residuals.check_shape(name, grad)
         m, d = self._coefficients(name)
         flat = grad.reshape(-1).to(residual_dtype(grad.dtype))
-        self._remember(name)
-        u = self.velocity.get(name)
-        # A new tensor, not u.mul_: the old velocity is what an undone step puts back.
-        u = flat.clone() if u is None else u.mul(m).add_(flat, alpha=1.0 - d)
-        self.velocity[name] = u
-        res = self.residuals.residual(name)
-        return u.clone() if res is None else u + res
+        old = self.velocity.get(name)
+        # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
+        u = self._buffer("velocity", name, flat)
+        if old is None:
+            u.copy_(flat)
+        elif d == 0.0:  # m*u + g in one pass (dampening is 0 for nearly everyone)
+            torch.add(flat, old, alpha=m, out=u)
+        else:
+            torch.mul(old, m, out=u).add_(flat, alpha=1.0 - d)
+        self._replace("velocity", name, u)
+        return self.residuals.add_flat(name, u)
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         super().sent(name, acc, what)
@@ -418,14 +465,13 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
 
     def received(self, name: str, avg: torch.Tensor) -> None:
         m, d = self._coefficients(name)
-        self._remember(name)
         prev = self.delivered.get(name)
-        now = avg.detach().clone()
+        now = self._buffer("delivered", name, avg).copy_(avg.detach())
         if prev is not None:
             avg.sub_(prev.to(avg.dtype), alpha=m)
             if d:  # dampening is 0 for nearly everyone: skip a pass over the tensor
                 avg.div_(1.0 - d)
-        self.delivered[name] = now
+        self._replace("delivered", name, now)
 
     def describe(self) -> str:
         m = "from the optimizer" if self.momentum is None else self.momentum
@@ -649,15 +695,16 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             param, _, optimizer = self._bound[name]
             optimizer.state[param]["exp_avg"].zero_()  # from now on it moves nothing but weight decay
         b1 = self._bound[name][1]["betas"][0]
-        self._remember(name)
-        # A new tensor, not u.mul_: the old velocity is what an undone step puts back.
-        u = self.velocity[name] = self.velocity[name].mul(b1).add_(grad.reshape(-1).to(self.velocity[name].dtype),
-                                                                   alpha=1.0 - b1)
+        old = self.velocity[name]
+        # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
+        # b1*u + (1-b1)*g in one pass.
+        u = torch.lerp(grad.reshape(-1).to(old.dtype), old, b1, out=self._buffer("velocity", name, old))
+        self._replace("velocity", name, u)
         # What goes out is the update direction u / denom, not u: top-k then picks the coordinates
         # that would move most, and the residual is kept in the units of movement.
-        acc = u / self.denom[name]
-        res = self.residuals.residual(name)
-        return acc if res is None else acc.add_(res)
+        acc, res = self.residuals.buffer(name, u), self.residuals.residual(name)
+        return torch.div(u, self.denom[name], out=acc) if res is None else \
+            torch.addcdiv(res, u, self.denom[name], out=acc)
 
     def _check_scale(self, name: str, grad: torch.Tensor) -> None:
         """Refuse gradients far larger than the warm-up's (a loss scaler's scaled gradients): the
