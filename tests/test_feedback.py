@@ -330,3 +330,30 @@ def test_a_held_residual_is_never_reused():
     for step in range(2, 6):
         c.compress_named("w", torch.randn(1000, generator=gen(step)))
     assert torch.equal(mine, snapshot) and torch.equal(view, view_snapshot)
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.3])
+def test_momentum_correction_on_a_sparse_support_equals_the_dense_rewrite(dampening):
+    """Told where the average is nonzero (a sparse exchange), momentum correction keeps D_t
+    sparse; what the optimizer gets and the checkpoint are those of the dense rewrite."""
+    from hvd_gradcomp.feedback import MomentumCorrection
+
+    dense, sparse = MomentumCorrection(0.9, dampening), MomentumCorrection(0.9, dampening)
+    for step in range(5):
+        g = gen(step)
+        support = torch.randperm(1000, generator=g)[:37].sort().values
+        avg = torch.zeros(1000)
+        avg[support] = torch.randn(37, generator=g)
+        a, b = avg.clone(), avg.clone()
+        dense.received("w", a)
+        sparse.received("w", b, support)
+        assert torch.equal(a, b), f"step {step}"
+    sd, ss = dense.state_dict(), sparse.state_dict()
+    assert torch.equal(sd["delivered"]["w"], ss["delivered"]["w"])
+    resumed = MomentumCorrection(0.9, dampening)
+    resumed.load_state_dict(ss)
+    x = torch.randn(1000, generator=gen(9))
+    y = x.clone()
+    resumed.received("w", x)
+    dense.received("w", y)
+    assert torch.equal(x, y)
