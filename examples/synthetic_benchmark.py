@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import add_compression_args, resolve_config  # noqa: E402  (examples/train.py)
+from train import add_compression_args, make_compression, resolve_config  # noqa: E402  (examples/train.py)
 from models import build_model, iterations_for, layer_plan  # noqa: E402,F401  (shared with benchmarks/bench_ddp.py)
 
 import horovod.torch as hvd  # noqa: E402
@@ -75,10 +75,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     return args, cfg
 
 
-def make_optimizer(model: nn.Module, cfg: CompressionConfig, kind: str, min_numel: int) -> Any:
-    """The distributed optimizer under test (public API only)."""
+def make_optimizer(model: nn.Module, cfg: CompressionConfig, kind: str, min_numel: int,
+                   args: Optional[argparse.Namespace] = None) -> Any:
+    """The distributed optimizer under test (public API only); ``args``: the feedback and
+    sparsity warm-up flags shared with train.py (``--feedback``, ``--warmup-steps``, ...)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    compression = cfg.make_compressor()
+    compression = cfg.make_compressor() if args is None else make_compression(
+        cfg, "momentum" if args.momentum_correction else args.feedback, args.momentum_masking,
+        args.warmup_steps, args.warmup_ratio)
     if kind == "stock":
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=compression or hvd.Compression.none)
@@ -148,7 +152,7 @@ def confidence(values: List[float]) -> Tuple[float, float]:
 def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = build_model(args.params, args.width)
-    opt = make_optimizer(model, cfg, args.optimizer, args.min_compress_numel)
+    opt = make_optimizer(model, cfg, args.optimizer, args.min_compress_numel, args)
     timer = StepTimer(model, opt, args.optimizer, cfg, args.batch_size, args.width, cfg.seed)
     say = print if hvd.rank() == 0 else (lambda *a, **k: None)
     n_params = sum(p.numel() for p in model.parameters())

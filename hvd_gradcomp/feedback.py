@@ -399,6 +399,22 @@ class _RoundUndo:
         self._undo.clear()
 
 
+SPARSITY_WARMUP = 100
+"""The default sparsity warm-up of the optimizer-aware policies (DGC's: the share sent falls
+geometrically from 25% to the ratio over a tensor's first this many compressed steps).
+FrozenVariance: after its dense warm-up (in the simulator, docs/STUDY.md: the transformer's gap
+fell from +2.86% to +1.61%, mean of 3 seeds). MomentumCorrection: from the first step (the
+study's char-MLP: +1.89% -> +1.31%, 3 seeds)."""
+
+
+def check_sparsity_warmup(value: Any, owner: str) -> int:
+    """``value`` if it is an int >= 0, else a ValueError naming ``owner``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner} sparsity_warmup must be an int >= 0 (compressed steps over which the share sent "
+                         f"falls from 25% to the ratio; 0: none), got {value!r}")
+    return value
+
+
 class SparseValues(NamedTuple):
     """A flat tensor of ``numel`` values, zero except at ``indices`` (sorted, distinct).
 
@@ -425,8 +441,11 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     SGD's momentum buffer equal ``D_t`` (weight decay is added by SGD on top, exactly). ``m``
     and ``dampening`` are read from the optimizer's param group at every step, so momentum
     schedules work. ``masking``: DGC's momentum factor masking (zero the velocity of the
-    coordinates sent); off by default, it measured worse (docs/STUDY.md). Chosen by
-    ``feedback="auto"`` for ``SGD(momentum > 0)``.
+    coordinates sent); off by default, it measured worse (docs/STUDY.md). ``sparsity_warmup``:
+    DGC's sparsity warm-up, the share a TopK-type compressor sends falls geometrically from 25%
+    to its ratio over each tensor's first this many compressed steps (default
+    :data:`SPARSITY_WARMUP`; 0: none; a ``ratio=SparsityWarmup(...)`` of the user's own takes
+    precedence). Chosen by ``feedback="auto"`` for ``SGD(momentum > 0)``.
 
     With ratio 1 (nothing dropped), training is exactly momentum SGD:
 
@@ -442,9 +461,11 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     uses_support = True
     _round_stores = ("velocity", "delivered")
 
-    def __init__(self, momentum: Optional[float] = None, dampening: float = 0.0, masking: bool = False) -> None:
+    def __init__(self, momentum: Optional[float] = None, dampening: float = 0.0, masking: bool = False,
+                 sparsity_warmup: int = SPARSITY_WARMUP) -> None:
         super().__init__()
         self.momentum, self.dampening, self.masking = momentum, dampening, masking
+        self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "MomentumCorrection")
         self._groups: Dict[str, Dict[str, Any]] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
         self.delivered: Dict[str, Union[torch.Tensor, SparseValues]] = {}
@@ -510,12 +531,15 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity),
                 "delivered": _clone_tensors({n: v.dense() if isinstance(v, SparseValues) else v
-                                             for n, v in self.delivered.items()})}
+                                             for n, v in self.delivered.items()}),
+                "sparsity_warmup": self.sparsity_warmup}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.velocity = _clone_tensors(state.get("velocity", {}))
         self.delivered = _clone_tensors(state.get("delivered", {}))
+        # Checkpoints from before the warm-up was the default ran without one: they resume so.
+        self.sparsity_warmup = int(state.get("sparsity_warmup", 0))
         if self._undo is not None:
             self._undo.clear()
 
@@ -614,10 +638,6 @@ class LocalUpdate(ErrorFeedback):
         self._pending_state = dict(state.get("local", {}))
 
 
-SPARSITY_WARMUP = 100
-"""FrozenVariance's default: after the dense warm-up, the share sent falls from 25% to the ratio
-over this many steps (in the simulator, docs/STUDY.md: the transformer's gap fell from +2.86% to
-+1.61%, mean of 3 seeds), instead of jumping from dense to the ratio."""
 
 
 class FrozenVariance(_RoundUndo, ErrorFeedback):
@@ -672,10 +692,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"FrozenVariance warmup must be an int >= 1 (dense Adam steps before v is frozen), "
                              f"got {warmup!r}")
-        if isinstance(sparsity_warmup, bool) or not isinstance(sparsity_warmup, int) or sparsity_warmup < 0:
-            raise ValueError(f"FrozenVariance sparsity_warmup must be an int >= 0 (compressed steps over which the "
-                             f"share sent falls from 25% to the ratio), got {sparsity_warmup!r}")
-        self.sparsity_warmup = sparsity_warmup
+        self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "FrozenVariance")
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"FrozenVariance floor must be in [0, 1] (share of the mean of sqrt(v)), got {floor!r}")
         self.warmup, self.floor = warmup, floor
