@@ -166,6 +166,32 @@ class DenseExchange:
         p.finished = True
 
 
+class HalfExchange:
+    """Tensors a compressor exempts from compression (``exempt="fp16"``, see
+    :meth:`~hvd_gradcomp.compressors.GradientCompressor.sends_half`), fused: one Horovod
+    allreduce (Sum) of their float16 cast, pre-divided by the number of ranks, so the float16
+    sum is the average and cannot overflow; the cast's error feedback is the compressor's.
+
+    A tensor holding NaN/Inf goes out as it is: its average is non-finite on every rank.
+    """
+
+    def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
+        self.compressor, self.op, self.process_set = compressor, op, process_set
+
+    def start(self, name: str, named: List[Tuple[str, torch.Tensor]]) -> Pending:
+        half, _ = self.compressor.encode_half(named, self.process_set.size())
+        handle = _hvd().allreduce_async(half, name=f"hvdgc.half.{name}", op=_hvd().Sum,
+                                        process_set=self.process_set)
+        return Pending(name, half.shape, torch.float32, handle, bytes_sent=half.numel() * half.element_size())
+
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        """``out``: a flat float32 tensor of the fused tensors' size."""
+        out.copy_(_hvd().synchronize(p.handle))
+        if not is_average(self.op):
+            out.mul_(self.process_set.size())
+        p.finished = True
+
+
 class SparseExchange:
     """Sparse gradients (``nn.Embedding(sparse=True)``): Horovod's own sparse allreduce (an
     allgather of indices and values), uncompressed, as ``hvd.DistributedOptimizer`` does."""
