@@ -45,8 +45,9 @@ Sent = fb.Sent
 DEFAULT_BUCKET = 512
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
 """Tensors with fewer elements (biases, norms) go uncompressed on both DistributedOptimizers:
-a 1% top-k of a 16-element bias sends one value. Not compressed is not free: in the study's
-transformer their 3,584 float32 values were two thirds of the bytes, hence ``exempt="fp16"``."""
+a 1% top-k of a 16-element bias sends one value. Not compressed is not free: the study's
+transformer's 3,584 such float32 values are two thirds of its bytes under TopKQSGD(1%, 8)
+(``benchmarks/bench_exempt_bytes.py``), hence ``exempt="fp16"``."""
 EXEMPT_MODES = ("fp16", "fp32")
 """``exempt=``: how tensors exempt from compression travel (see :class:`GradientCompressor`)."""
 
