@@ -29,8 +29,10 @@ How each bucket travels (``torch.distributed`` collectives only, so Gloo, NCCL a
   chunks, ``all_to_all_single`` sends chunk i to rank i, rank i averages and re-quantises it
   (with its own error feedback) and an ``all_gather`` returns every chunk;
 * dense: parameters smaller than ``min_compress_numel`` and dtypes the codecs do not carry
-  (float64) are averaged by ``all_reduce``, as are whole buckets before ``start_compress_iter``
-  and with ``compression=None``; ``compression=torch.float16`` casts like torch's fp16 hook.
+  (float64) are averaged by ``all_reduce`` (float32 ones under ``min_compress_numel`` or
+  ``exclude=``d as float16 with error feedback of the cast: the compressor's
+  ``exempt="fp16"``), as are whole buckets before ``start_compress_iter`` and with
+  ``compression=None``; ``compression=torch.float16`` casts like torch's fp16 hook.
 * ``compression=gc.Auto()``: each bucket takes the road that costs least, measured while
   training runs (sparse, QSGD, fp16 or dense; see :class:`_AutoRoads` and docs/AUTO.md), the
   same on every rank; ``state.auto_report()`` says which and why.

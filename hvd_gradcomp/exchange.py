@@ -4,6 +4,8 @@ Three roads, chosen per tensor by :func:`choose_exchange`:
 
 * :class:`DenseExchange`: Horovod's allreduce of the (optionally fp16-cast) tensor. Used
   with no compressor, with Horovod's own compressors, and for small tensors.
+* :class:`HalfExchange`: the tensors one of our compressors exempts from compression (small or
+  ``exclude=``d), fused, as float16 with error feedback of the cast (``exempt="fp16"``).
 * :class:`FusedAllgatherExchange`: sparse payloads (TopK, TopKQSGD), several tensors' per
   allgather (:class:`AllgatherExchange`: one each, the stock-Horovod road). Every rank
   decodes all payloads in rank order and averages, so all ranks end with identical gradients.

@@ -11,6 +11,14 @@ sparse indices would be meaningless, so the payload takes another road:
 3. ``decompress`` waits for the allgather, decodes every rank's payload in rank order and
    averages (or sums): every rank ends with the same bytes, so the same gradient.
 
+Tensors the compressor does not compress (fewer than ``DEFAULT_MIN_COMPRESS_NUMEL`` elements,
+``exclude=``, a feedback policy's dense step) go back to Horovod's own allreduce; the float32
+ones exempt by size or ``exclude=`` as float16 (``exempt="fp16"``): divided by the number of
+ranks first, so Horovod's float16 sum cannot overflow, with error feedback of the cast, and
+multiplied back in ``decompress``. With ``op=hvd.Average`` Horovod then divides the float16 sum
+by the ranks once more, in float16: one more rounding than on ``hvd_gradcomp``'s road, which
+sums. ``compressor.stats`` counts every tensor ``compress()`` hands to Horovod.
+
 Every road sets the compressor's noise stream to the rank (:func:`bind_noise_stream`), so
 ranks draw independent rounding noise even when they share one explicit seed.
 
