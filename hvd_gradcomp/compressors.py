@@ -419,11 +419,15 @@ class GradientCompressor:
         norm = float(grad.float().norm())
         return grad if norm <= self.clip else grad * (self.clip / norm)
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         """The average of all ranks' payloads for ``name`` (same on every rank), rewritten in place
-        by the feedback policy into what the optimizer sees."""
+        by the feedback policy into what the optimizer sees. ``support``: see
+        :meth:`hvd_gradcomp.feedback.Feedback.received` (a sparse exchange's sent indices)."""
         flat = avg.view(-1) if avg.is_contiguous() else avg.reshape(-1)
-        self.feedback.received(name, flat)
+        if support is not None and self.feedback.uses_support:
+            self.feedback.received(name, flat, support)
+        else:  # a policy of the user's own may predate ``support``
+            self.feedback.received(name, flat)
         if flat.data_ptr() != avg.data_ptr():
             avg.copy_(flat.view_as(avg))
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -108,13 +108,22 @@ class ResidualStore:
         """grad + residual, as a flat tensor of the residual dtype that no residual shares (grad
         is not modified): the caller may change it and :meth:`commit` it."""
         self.check_shape(name, grad)
+        return self.add_flat(name, grad.reshape(-1))
+
+    def add_flat(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """:meth:`compensate` of an already flat tensor, without the shape check (a policy that
+        checked the gradient's shape and sends something derived from it, e.g. a velocity)."""
         res = self._residuals.get(name)
-        flat = grad.reshape(-1)
-        out = self._buffer(name, flat.numel(), residual_dtype(grad.dtype), flat.device)
+        out = self.buffer(name, flat)
         if res is None:
             return out.copy_(flat)
         # One pass into the buffer, instead of a copy and then an in-place add.
         return torch.add(flat, res.to(flat.device), out=out)
+
+    def buffer(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """An uninitialised flat tensor, of the residual dtype of ``flat``, to become the next
+        residual of ``name`` (no residual shares it; see :meth:`_recycle`)."""
+        return self._buffer(name, flat.numel(), residual_dtype(flat.dtype), flat.device)
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The spare of ``name`` (see :meth:`_recycle`) if it fits, else a new tensor."""
@@ -310,6 +319,8 @@ class Feedback:
     ``moves_parameters``: whether :meth:`received` moves the parameter itself (and hands the
     optimizer a zero gradient); a caller that receives averages during backward (the DDP hook)
     must then defer :meth:`received` to the optimizer step.
+    ``uses_support``: whether :meth:`received` wants the ``support`` of a sparse average (else it
+    is called with ``name`` and ``avg`` alone).
     ``sparsity_warmup``: over a tensor's first this many compressed exchanges, a TopK-type
     compressor whose ``ratio`` has no schedule of its own sends a share falling geometrically
     from 25% to its ratio (DGC's sparsity warm-up, see
@@ -320,6 +331,7 @@ class Feedback:
     contract = False
     moves_parameters = False
     sparsity_warmup = 0
+    uses_support = False
 
     def __init__(self) -> None:
         self.residuals = ResidualStore()  # also the per-name shape check of every policy
@@ -332,8 +344,10 @@ class Feedback:
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         """``acc`` (from :meth:`prepare`) went out as ``what``."""
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
-        """``avg``: flat average of all ranks' payloads for ``name``; rewrite it in place if needed."""
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
+        """``avg``: flat average of all ranks' payloads for ``name``; rewrite it in place if needed.
+        ``support``: when the caller knows it (a sparse exchange), the sorted, distinct indices
+        outside which ``avg`` is zero, so a policy can work on those alone; None: dense."""
 
     def dense(self, name: str) -> bool:
         """True: send ``name`` uncompressed this step (in the dense allreduce, like small tensors).
@@ -404,10 +418,38 @@ class _RoundUndo:
 
     _round_stores: Tuple[str, ...] = ()
     _undo: Optional[Dict[str, Tuple[Any, ...]]] = None
+    _spares: Optional[Dict[Tuple[str, str], torch.Tensor]] = None
 
     def _remember(self, name: str) -> None:
         if self._undo is not None and name not in self._undo:
             self._undo[name] = tuple(getattr(self, store).get(name) for store in self._round_stores)
+
+    def _buffer(self, store: str, name: str, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor shaped as ``like`` for the next value of ``store[name]``: the
+        value that one retired (:meth:`_replace`) if it fits. Why: on CPU a fresh gradient-sized
+        tensor per step costs ~3x a pass into a warm one (its pages fault in), and momentum
+        correction made three per tensor per step (see :meth:`ResidualStore._recycle`)."""
+        spare = (self._spares or {}).pop((store, name), None)
+        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype \
+                and spare.device == like.device:
+            return spare
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    def _replace(self, store: str, name: str, value: Any) -> None:
+        """``store[name] = value``. The value replaced is retired (the buffer of the next
+        :meth:`_buffer`) unless this step's undo log still holds it. These stores are private:
+        their tensors are never handed out (state_dict clones them), so nobody else holds one."""
+        self._remember(name)
+        old = getattr(self, store).get(name)
+        getattr(self, store)[name] = value
+        if self._undo is None:
+            self._retire(store, name, old)
+
+    def _retire(self, store: str, name: str, old: Any) -> None:
+        if isinstance(old, torch.Tensor) and old.device.type == "cpu":  # accelerators' allocators reuse
+            if self._spares is None:
+                self._spares = {}
+            self._spares[(store, name)] = old
 
     def track_rounds(self, on: bool) -> None:
         super().track_rounds(on)  # type: ignore[misc]
@@ -417,14 +459,37 @@ class _RoundUndo:
         super().end_round(keep)  # type: ignore[misc]
         if self._undo is None:
             return
-        if not keep:
-            for name, olds in self._undo.items():
-                for store, old in zip(self._round_stores, olds):
-                    if old is None:
-                        getattr(self, store).pop(name, None)
-                    else:
-                        getattr(self, store)[name] = old
+        for name, olds in self._undo.items():
+            for store, old in zip(self._round_stores, olds):
+                now = getattr(self, store).get(name)
+                if now is old:
+                    continue
+                if keep:  # the values this step replaced are retired
+                    self._retire(store, name, old)
+                    continue
+                self._retire(store, name, now)
+                if old is None:
+                    getattr(self, store).pop(name, None)
+                else:
+                    getattr(self, store)[name] = old
         self._undo.clear()
+
+
+class SparseValues(NamedTuple):
+    """A flat tensor of ``numel`` values, zero except at ``indices`` (sorted, distinct).
+
+    >>> SparseValues(4, torch.tensor([1, 3]), torch.tensor([2.0, 5.0])).dense().tolist()
+    [0.0, 2.0, 0.0, 5.0]
+    """
+
+    numel: int
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        out = self.values.new_zeros(self.numel)
+        out[self.indices] = self.values
+        return out
 
 
 class MomentumCorrection(_RoundUndo, ErrorFeedback):
@@ -450,6 +515,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     """
 
     key = "momentum"
+    uses_support = True
     _round_stores = ("velocity", "delivered")
 
     def __init__(self, momentum: Optional[float] = None, dampening: float = 0.0, masking: bool = False) -> None:
@@ -457,7 +523,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         self.momentum, self.dampening, self.masking = momentum, dampening, masking
         self._groups: Dict[str, Dict[str, Any]] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
-        self.delivered: Dict[str, torch.Tensor] = {}
+        self.delivered: Dict[str, Union[torch.Tensor, SparseValues]] = {}
         self._undo = None  # see _RoundUndo
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
@@ -477,13 +543,17 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         self.residuals.check_shape(name, grad)
         m, d = self._coefficients(name)
         flat = grad.reshape(-1).to(residual_dtype(grad.dtype))
-        self._remember(name)
-        u = self.velocity.get(name)
-        # A new tensor, not u.mul_: the old velocity is what an undone step puts back.
-        u = flat.clone() if u is None else u.mul(m).add_(flat, alpha=1.0 - d)
-        self.velocity[name] = u
-        res = self.residuals.residual(name)
-        return u.clone() if res is None else u + res
+        old = self.velocity.get(name)
+        # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
+        u = self._buffer("velocity", name, flat)
+        if old is None:
+            u.copy_(flat)
+        elif d == 0.0:  # m*u + g in one pass (dampening is 0 for nearly everyone)
+            torch.add(flat, old, alpha=m, out=u)
+        else:
+            torch.mul(old, m, out=u).add_(flat, alpha=1.0 - d)
+        self._replace("velocity", name, u)
+        return self.residuals.add_flat(name, u)
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         super().sent(name, acc, what)
@@ -492,16 +562,22 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
             self.velocity[name][idx] = 0
             acc[idx] = 0
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         m, d = self._coefficients(name)
-        self._remember(name)
         prev = self.delivered.get(name)
-        now = avg.detach().clone()
+        # D_t, kept sparse when the exchange says where it is nonzero: then this rewrite costs
+        # O(sent values) instead of two passes over the tensor (a third of TopK's codec time).
+        now: Any = (SparseValues(avg.numel(), support, avg[support].clone()) if support is not None
+                    else self._buffer("delivered", name, avg).copy_(avg.detach()))
         if prev is not None:
-            avg.sub_(prev.to(avg.dtype), alpha=m)
+            if isinstance(prev, SparseValues):
+                # Gather, subtract, scatter: the same arithmetic (and rounding) as the dense sub_.
+                avg[prev.indices] = avg[prev.indices].sub_(prev.values.to(avg.dtype), alpha=m)
+            else:
+                avg.sub_(prev.to(avg.dtype), alpha=m)
             if d:  # dampening is 0 for nearly everyone: skip a pass over the tensor
                 avg.div_(1.0 - d)
-        self.delivered[name] = now
+        self._replace("delivered", name, now)
 
     def describe(self) -> str:
         m = "from the optimizer" if self.momentum is None else self.momentum
@@ -509,7 +585,8 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
 
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity),
-                "delivered": _clone_tensors(self.delivered)}
+                "delivered": _clone_tensors({n: v.dense() if isinstance(v, SparseValues) else v
+                                             for n, v in self.delivered.items()})}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -594,7 +671,7 @@ class LocalUpdate(ErrorFeedback):
         res = self.residuals.residual(name)
         return delta if res is None else delta.add_(res)
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         param, _ = self._bound[name]
         with torch.no_grad():
             param.add_(avg.view(param.shape).to(param.dtype))
@@ -725,15 +802,16 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             param, _, optimizer = self._bound[name]
             optimizer.state[param]["exp_avg"].zero_()  # from now on it moves nothing but weight decay
         b1 = self._bound[name][1]["betas"][0]
-        self._remember(name)
-        # A new tensor, not u.mul_: the old velocity is what an undone step puts back.
-        u = self.velocity[name] = self.velocity[name].mul(b1).add_(grad.reshape(-1).to(self.velocity[name].dtype),
-                                                                   alpha=1.0 - b1)
+        old = self.velocity[name]
+        # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
+        # b1*u + (1-b1)*g in one pass.
+        u = torch.lerp(grad.reshape(-1).to(old.dtype), old, b1, out=self._buffer("velocity", name, old))
+        self._replace("velocity", name, u)
         # What goes out is the update direction u / denom, not u: top-k then picks the coordinates
         # that would move most, and the residual is kept in the units of movement.
-        acc = u / self.denom[name]
-        res = self.residuals.residual(name)
-        return acc if res is None else acc.add_(res)
+        acc, res = self.residuals.buffer(name, u), self.residuals.residual(name)
+        return torch.div(u, self.denom[name], out=acc) if res is None else \
+            torch.addcdiv(res, u, self.denom[name], out=acc)
 
     def _check_scale(self, name: str, grad: torch.Tensor) -> None:
         """Refuse gradients far larger than the warm-up's (a loss scaler's scaled gradients): the
@@ -749,7 +827,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "update in synchronize(), before the scaler unscales. Use bf16 autocast without a scaler, or "
                 "build the compressor with feedback='classic'.")
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         if not kernels.all_finite(avg):
             return  # passed on as it is: the loss scaler skips this step on every rank
         param, group, _ = self._bound[name]
