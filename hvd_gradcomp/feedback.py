@@ -41,7 +41,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -209,6 +209,82 @@ class ResidualStore:
             self._undo.clear()
         self._shapes = {name: (tuple(shape), getattr(torch, dtype))
                         for name, (shape, dtype) in state["shapes"].items()}
+
+
+class HalfPrecision:
+    """Error feedback of the float16 road: float32 tensors a compressor exempts from compression
+    (fewer elements than ``min_compress_numel``, or matched by ``exclude=``) travel as float16,
+    half the bytes, and what the cast takes away is added to their next send.
+
+    :meth:`encode` takes this rank's gradients (several tensors fused into one send), adds each
+    one's residual, and casts with :func:`hvd_gradcomp.kernels.to_half_saturated`: divided by the
+    ``world`` ranks that sum them (so the float16 sum is the average and cannot overflow) and
+    saturated at its bound. The new residual is exactly what did not go out, in gradient units:
+    ``sent * world + residual == gradient + old residual`` (to float32 rounding), so a value
+    beyond float16's range is delivered over several steps instead of as inf, and a value below
+    its resolution is delivered once enough of it has accumulated. A tensor holding NaN/Inf is
+    sent as it is (non-finite on every rank after the sum) and no residual changes.
+
+    Residuals are kept per tensor name in a :class:`ResidualStore` (checkpointed, undone with the
+    exchange step like the policies' own). The rounding of the float16 *sum* itself (one per
+    addition, at most 2**-11 of the partial sum) happens after the ranks' values have met, and no
+    rank can keep it.
+
+    >>> hp = HalfPrecision()
+    >>> half, finite = hp.encode([("ln.weight", torch.tensor([1.0, 1e6, 1e-4]))], world=2)
+    >>> finite, half[:2].tolist()     # 1e6 / 2 saturated at half_bound(2)
+    (True, [0.5, 32720.0])
+    >>> hp.residuals.residual("ln.weight")[1].item()      # owed: 1e6 - 2 * 32720
+    934560.0
+    >>> torch.allclose(half.float() * 2 + hp.residuals.residual("ln.weight"), torch.tensor([1.0, 1e6, 1e-4]))
+    True
+    """
+
+    def __init__(self) -> None:
+        self.residuals = ResidualStore()
+
+    def encode(self, named: Sequence[Tuple[str, torch.Tensor]], world: int) -> Tuple[torch.Tensor, bool]:
+        """One flat float16 tensor for ``named`` (``(name, float32 gradient)`` pairs, in order),
+        for a float16 allreduce (sum) over ``world`` ranks; and whether it is all finite (if
+        not, no residual changed)."""
+        acc = self._compensated(named)
+        half, finite = kernels.to_half_saturated(acc, world)
+        if finite:
+            # acc is ours (a fresh buffer, see _compensated): it becomes the residuals, one view each.
+            acc.sub_(half.to(acc.dtype), alpha=world)
+            offset = 0
+            for name, grad in named:
+                n = grad.numel()
+                self.residuals.commit(name, acc[offset:offset + n])
+                offset += n
+        return half, finite
+
+    def _compensated(self, named: Sequence[Tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """The gradients, flat and concatenated, plus their residuals: a new float32 tensor."""
+        if len(named) == 1:
+            return self.residuals.compensate(*named[0])
+        for name, grad in named:
+            self.residuals.check_shape(name, grad)
+        acc = torch.cat([grad.reshape(-1) for _, grad in named]).to(torch.float32)
+        offset = 0
+        for name, grad in named:
+            res = self.residuals.residual(name)
+            if res is not None:
+                acc[offset:offset + grad.numel()].add_(res.to(acc.device))
+            offset += grad.numel()
+        return acc
+
+    def track_rounds(self, on: bool) -> None:
+        self.residuals.track_rounds(on)
+
+    def end_round(self, keep: bool) -> None:
+        self.residuals.end_round(keep)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.residuals.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.residuals.load_state_dict({"residuals": state.get("residuals", {}), "shapes": state.get("shapes", {})})
 
 
 def _storage_users(t: torch.Tensor) -> int:
