@@ -17,11 +17,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def code_version() -> str:
-    """The checkout's commit (``git describe --always --dirty``), so that a page mixing runs of
-    several code versions says so; "unknown" outside a git checkout."""
+    """The checkout's commit, ``+changes`` when the code that trains (the library, the study,
+    the examples) differs from it, so that a page mixing runs of several code versions says so;
+    "unknown" outside a git checkout. Results files changing (a rerun) do not count."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=30, check=True).stdout.strip() or "unknown"
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return "unknown"
+        changed = git("diff", "--quiet", "HEAD", "--", "hvd_gradcomp", "benchmarks/study", "examples").returncode
+        return head.stdout.strip() + ("+changes" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
