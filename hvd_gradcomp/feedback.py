@@ -346,8 +346,9 @@ class Feedback:
 
     def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         """``avg``: flat average of all ranks' payloads for ``name``; rewrite it in place if needed.
-        ``support``: when the caller knows it (a sparse exchange), the sorted, distinct indices
-        outside which ``avg`` is zero, so a policy can work on those alone; None: dense."""
+        ``support``: when the caller knows it (a sparse exchange), indices outside which ``avg``
+        is zero (in any order, possibly repeated: every rank's sent indices, concatenated), so a
+        policy can work on those alone; None: dense."""
 
     def dense(self, name: str) -> bool:
         """True: send ``name`` uncompressed this step (in the dense allreduce, like small tensors).
@@ -492,7 +493,8 @@ def check_sparsity_warmup(value: Any, owner: str) -> int:
 
 
 class SparseValues(NamedTuple):
-    """A flat tensor of ``numel`` values, zero except at ``indices`` (sorted, distinct).
+    """A flat tensor of ``numel`` values, zero except at ``indices`` (an index may repeat, with
+    the same value each time: writes and gathers then need no de-duplication).
 
     >>> SparseValues(4, torch.tensor([1, 3]), torch.tensor([2.0, 5.0])).dense().tolist()
     [0.0, 2.0, 0.0, 5.0]
