@@ -35,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from models import build_model  # noqa: E402  (examples/models.py)
+from models import build_model, iterations_for  # noqa: E402  (examples/models.py)
 
 import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
@@ -110,14 +110,17 @@ def time_setting(setting: str, args: argparse.Namespace) -> Dict[str, Any]:
         return time.perf_counter() - t0
 
     for _ in range(max(2, args.warmup, AUTO_WARMUP if setting == "auto" else 0)):
-        step()
+        last = step()
+    iters = torch.tensor([iterations_for(args.min_seconds, last, args.iters, args.max_iters)])
+    dist.broadcast(iters, 0)  # rank 0's count on every rank: the steps are collectives
+    iters = int(iters)
     sent(0)  # start counting bytes here
     cpu0 = time.process_time()
-    times = [step() for _ in range(args.iters)]
-    cpu_s = _mean_over_ranks((time.process_time() - cpu0) / args.iters)
+    times = [step() for _ in range(iters)]
+    cpu_s = _mean_over_ranks((time.process_time() - cpu0) / iters)
     step_s = _mean_over_ranks(sum(times) / len(times))
-    return {"setting": setting, "step_s": step_s, "cpu_s": cpu_s, "bytes_per_step": sent(args.iters) / args.iters,
-            "raw_bytes_per_step": sum(p.numel() * 4 for p in model.parameters())}
+    return {"setting": setting, "step_s": step_s, "cpu_s": cpu_s, "bytes_per_step": sent(iters) / iters,
+            "raw_bytes_per_step": sum(p.numel() * 4 for p in model.parameters()), "iters": iters}
 
 
 def _mean_over_ranks(value: float) -> float:
@@ -133,7 +136,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=4, help="samples per step per rank (small: cheap compute)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per setting (>= 2)")
-    p.add_argument("--iters", type=int, default=10, help="timed steps per setting")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per setting (at least)")
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="time more steps, up to --max-iters, until about this many seconds are timed")
+    p.add_argument("--max-iters", type=int, default=60)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {', '.join(CHOICES)}")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (PowerSGD on Gloo: one bucket)")
     p.add_argument("--quick", action="store_true", help="a 0.3M-parameter model, 2 timed steps: a smoke test")

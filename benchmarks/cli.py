@@ -138,6 +138,7 @@ def render_saved(plan: Plan, only_ddp: bool = False) -> None:
     saved = data["plan"]
     for key in ("params", "warmup", "iters", "batch_size", "steps", "seed", "compile_mode", "rates"):
         setattr(plan, key, saved[key])
+    plan.min_seconds = saved.get("min_seconds", 0.0)
     write_report(plan, data, data["command"], data["elapsed_s"])
 
 

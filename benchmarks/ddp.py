@@ -133,7 +133,7 @@ def speed_program(plan: DdpPlan, setting: Setting, out_json: Path) -> List[str]:
     b = plan.base
     return [sys.executable, str(BENCH_DDP), "--settings", setting.key, "--params", f"{b.params:g}",
             "--batch-size", str(b.batch_size), "--warmup", str(max(2, b.warmup)), "--iters", str(b.iters),
-            "--json", str(out_json)]
+            *(["--min-seconds", f"{b.min_seconds:g}"] if b.min_seconds else []), "--json", str(out_json)]
 
 
 def convergence_program(plan: DdpPlan, setting: Setting, seed: int, out_json: Path) -> List[str]:
@@ -207,7 +207,8 @@ def _run_speed(plan: DdpPlan, say: Callable[[str], None], job: Callable) -> Dict
         rates[rate] = {"mode": mode, "throttled": ns is not None, "results": results, "failures": failures}
     b = plan.base
     return {"rates": rates, "elapsed_s": time.perf_counter() - start,
-            "conditions": {"params": b.params, "batch_size": b.batch_size, "warmup": max(2, b.warmup), "iters": b.iters}}
+            "conditions": {"params": b.params, "batch_size": b.batch_size, "warmup": max(2, b.warmup), "iters": b.iters,
+                           "min_seconds": b.min_seconds}}
 
 
 def _run_convergence(plan: DdpPlan, say: Callable[[str], None], job: Callable) -> Dict[str, Any]:
@@ -379,11 +380,16 @@ def _verdict(what: str, value: Optional[float], goal: str, ok: Callable[[float],
 
 
 # ---------------------------------------------------------------- the page
+def _min_seconds(c: Dict[str, Any]) -> str:
+    """The option as run, or nothing for pages of runs before it existed."""
+    return f" --min-seconds {c['min_seconds']:g}" if c.get("min_seconds") else ""
+
+
 def _speed_section(speed: Dict[str, Any]) -> List[str]:
     c = speed["conditions"]
     out = ["## Step time over a rate-limited link", "", _generated(speed), "",
            f"`benchmarks/bench_ddp.py --params {c['params']:g} --batch-size {c['batch_size']} --warmup {c['warmup']} "
-           f"--iters {c['iters']} --settings KEY` under `torchrun --standalone --nproc-per-node 2`, one job per setting, "
+           f"--iters {c['iters']}{_min_seconds(c)} --settings KEY` under `torchrun --standalone --nproc-per-node 2`, one job per setting, "
            "Gloo, the synthetic model of the Horovod rows (square Linear layers, one fixed random batch). Each job "
            "runs as `ip netns exec NS torchrun ...` in a fresh network namespace whose loopback is limited by "
            f"`tc qdisc add dev lo root tbf rate RATE burst {TBF['burst']} latency {TBF['latency']}`, as the Horovod "

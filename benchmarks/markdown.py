@@ -79,7 +79,11 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
     return [
         f"- {link}",
         f"- Speed: `examples/synthetic_benchmark.py --params {plan.params:g} --batch-size {plan.batch_size} "
-        f"--warmup {plan.warmup} --iters {plan.iters}`: {_width(speed)} Linear layers, one fixed random batch. "
+        f"--warmup {plan.warmup} --iters {plan.iters}"
+        + (f" --min-seconds {plan.min_seconds:g}`: at least {plan.iters} timed steps and about {plan.min_seconds:g} s "
+           "of them (the faster rows get more steps, so that their ratios rest on as many samples), "
+           if plan.min_seconds else "`: ")
+        + f"{_width(speed)} Linear layers, one fixed random batch. "
         "Step time is the mean over timed steps and ranks; *in synchronize()* is the time the optimizer "
         "waited for exchanges to finish and decoded them (exposed communication); bytes are those each rank "
         "handed to Horovod per step. Horovod rows use `hvd.DistributedOptimizer`, the others "

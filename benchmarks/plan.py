@@ -95,6 +95,7 @@ class Plan:
     job_timeout: float
     compile_mode: str
     extra: Dict[str, Any] = field(default_factory=dict)
+    min_seconds: float = 0.0  # speed rows: time at least this long (more iterations for fast settings)
     two_hosts: bool = False  # speed rows: one rank per host of scripts/two_hosts.sh, across its veth link
 
 
@@ -108,6 +109,7 @@ def speed_program(plan: Plan, setting: Setting, out_json: Path) -> List[str]:
     """The synthetic benchmark's command line for one setting."""
     return [sys.executable, str(EXAMPLES / "synthetic_benchmark.py"), "--params", f"{plan.params:g}",
             "--batch-size", str(plan.batch_size), "--warmup", str(plan.warmup), "--iters", str(plan.iters),
+            *(["--min-seconds", f"{plan.min_seconds:g}"] if plan.min_seconds else []),
             "--seed", str(plan.seed), "--label", setting.label, "--json", str(out_json), *setting.flags]
 
 
@@ -134,6 +136,11 @@ CONVERGENCE_LABELS = {s.key: s.label for s in CONVERGENCE_SETTINGS}
 
 
 # ---------------------------------------------------------------- the command
+FULL_MIN_SECONDS = 12.0
+"""A full run times each speed row for at least this long (fast rows ~27 steps instead of 10):
+ratios between fast settings (Auto against the best fixed one) were within the noise of 10 steps."""
+
+
 def build_plan(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int],
                warmup: Optional[int], steps: Optional[int], seed: int, skip_speed: bool,
                skip_convergence: bool, docs_dir: Optional[str], job_timeout: float, compile_mode: str,
@@ -151,7 +158,8 @@ def build_plan(quick: bool, rates: Optional[str], params: Optional[float], iters
                 params=params or (5e6 if quick else 25e6), warmup=warmup if warmup is not None else (1 if quick else 3),
                 iters=iters or (3 if quick else 10), batch_size=4, steps=steps or (40 if quick else 400), seed=seed,
                 docs_dir=docs, runs_dir=ROOT / "runs" / ("bench-quick" if quick else "bench"),
-                job_timeout=job_timeout, compile_mode=compile_mode, two_hosts=two_hosts)
+                job_timeout=job_timeout, compile_mode=compile_mode, two_hosts=two_hosts,
+                min_seconds=0.0 if quick or iters else FULL_MIN_SECONDS)
 
 
 def planned_commands(plan: Plan) -> List[str]:

@@ -1,6 +1,8 @@
 """The example models, shared by train.py (Horovod) and train_ddp.py (PyTorch DDP)."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -50,3 +52,16 @@ def build_model(params: float, width: int, classes: int = 1000) -> nn.Module:
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers.append(nn.Linear(width, classes))
     return nn.Sequential(*layers)
+
+
+def iterations_for(min_seconds: float, step_s: float, iters: int, max_iters: int, batches: int = 1) -> int:
+    """Timed iterations: ``iters``, or more (at most ``max_iters``) so that about ``min_seconds``
+    are timed at ``step_s`` per step: a comparison of two fast settings then rests on as many
+    seconds of samples as one of slow ones.
+
+    >>> iterations_for(12.0, 0.45, 10, 60), iterations_for(12.0, 2.0, 10, 60), iterations_for(0.0, 0.1, 10, 60)
+    (27, 10, 10)
+    """
+    if min_seconds <= 0 or step_s <= 0:
+        return iters
+    return max(iters, min(max_iters, math.ceil(min_seconds / (step_s * batches))))

@@ -30,8 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import add_compression_args, resolve_config  # noqa: E402  (examples/train.py)
-from models import build_model, layer_plan  # noqa: E402,F401  (shared with benchmarks/bench_ddp.py)
+from train import add_compression_args, make_compression, resolve_config  # noqa: E402  (examples/train.py)
+from models import build_model, iterations_for, layer_plan  # noqa: E402,F401  (shared with benchmarks/bench_ddp.py)
 
 import horovod.torch as hvd  # noqa: E402
 import hvd_gradcomp as gc  # noqa: E402
@@ -45,7 +45,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     parser.add_argument("--width", type=int, default=2048, help="width of the square Linear layers")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per step per rank (small: cheap compute)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations (not timed)")
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations (at least)")
+    parser.add_argument("--min-seconds", type=float, default=0.0,
+                        help="time more iterations, up to --max-iters, until about this many seconds are timed "
+                             "(from the last warm-up step's time; fast settings otherwise get few samples)")
+    parser.add_argument("--max-iters", type=int, default=60, help="most timed iterations --min-seconds may ask for")
     parser.add_argument("--batches-per-iter", type=int, default=1, help="optimizer steps per iteration")
     parser.add_argument("--optimizer", choices=("gc", "stock"), default="gc",
                         help="gc: hvd_gradcomp.DistributedOptimizer; stock: hvd.DistributedOptimizer")
@@ -63,16 +67,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.min_seconds < 0 or args.max_iters < args.iters:
+        parser.error(f"--min-seconds must be >= 0 and --max-iters >= --iters, got {args.min_seconds}, {args.max_iters}")
     cfg = resolve_config(args, parser)
     if args.optimizer == "stock" and cfg.accumulate != 1:
         parser.error("--optimizer stock is timed with --accumulate 1")
     return args, cfg
 
 
-def make_optimizer(model: nn.Module, cfg: CompressionConfig, kind: str, min_numel: int) -> Any:
-    """The distributed optimizer under test (public API only)."""
+def make_optimizer(model: nn.Module, cfg: CompressionConfig, kind: str, min_numel: int,
+                   args: Optional[argparse.Namespace] = None) -> Any:
+    """The distributed optimizer under test (public API only); ``args``: the feedback and
+    sparsity warm-up flags shared with train.py (``--feedback``, ``--warmup-steps``, ...)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    compression = cfg.make_compressor()
+    compression = cfg.make_compressor() if args is None else make_compression(
+        cfg, "momentum" if args.momentum_correction else args.feedback, args.momentum_masking,
+        args.warmup_steps, args.warmup_ratio)
     if kind == "stock":
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=compression or hvd.Compression.none)
@@ -121,6 +131,13 @@ class StepTimer:
         return time.perf_counter() - t0, comm, self.raw_bytes // 2 if fp16 else self.raw_bytes
 
 
+def timed_iterations(args: argparse.Namespace, warm: Sequence[float]) -> int:
+    """:func:`iterations_for` from rank 0's last warm-up step, the same count on every rank."""
+    last = warm[-1] if warm else 0.0
+    n = iterations_for(args.min_seconds, last, args.iters, args.max_iters, args.batches_per_iter)
+    return int(hvd.broadcast(torch.tensor([n]), 0, name="bench.iters").item())
+
+
 def confidence(values: List[float]) -> Tuple[float, float]:
     """(mean, 1.96 x population standard deviation), as Horovod's benchmark prints them.
 
@@ -135,7 +152,7 @@ def confidence(values: List[float]) -> Tuple[float, float]:
 def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = build_model(args.params, args.width)
-    opt = make_optimizer(model, cfg, args.optimizer, args.min_compress_numel)
+    opt = make_optimizer(model, cfg, args.optimizer, args.min_compress_numel, args)
     timer = StepTimer(model, opt, args.optimizer, cfg, args.batch_size, args.width, cfg.seed)
     say = print if hvd.rank() == 0 else (lambda *a, **k: None)
     n_params = sum(p.numel() for p in model.parameters())
@@ -160,6 +177,7 @@ def run(args: argparse.Namespace, cfg: CompressionConfig) -> Dict[str, Any]:
     steps: List[Tuple[float, float, int, float, float]] = []
     rates: List[float] = []
     samples = args.batch_size * cfg.accumulate * args.batches_per_iter
+    args.iters = timed_iterations(args, warm)
     for i in range(args.iters):
         t0 = time.perf_counter()
         for _ in range(args.batches_per_iter):

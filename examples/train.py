@@ -69,9 +69,11 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=False,
                    help="with --feedback momentum: DGC's momentum factor masking (zero the local velocity of "
                         "the coordinates sent)")
-    g.add_argument("--warmup-steps", type=int, default=0,
+    g.add_argument("--warmup-steps", type=int, default=None,
                    help="topk/topk-qsgd: sparsity warm-up (DGC): the TopK ratio falls geometrically from "
-                        "--warmup-ratio to --ratio over this many optimizer steps (more bytes sent then)")
+                        "--warmup-ratio to --ratio over this many optimizer steps (more bytes sent then); "
+                        "default: the feedback policy's (100 steps for momentum correction and frozen, else "
+                        "none); 0: none")
     g.add_argument("--warmup-ratio", type=float, default=0.25, help="TopK ratio of the first warm-up step")
 
 
@@ -126,7 +128,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     if args.eval_every < 0:
         parser.error("--eval-every must be >= 0")
     cfg = resolve_config(args, parser)
-    if args.warmup_steps < 0:
+    if args.warmup_steps is not None and args.warmup_steps < 0:
         parser.error("--warmup-steps must be >= 0")
     if args.warmup_steps and cfg.compression not in ("topk", "topk-qsgd"):
         parser.error("--warmup-steps applies to --compression topk or topk-qsgd")
@@ -304,7 +306,7 @@ def _fmt_bytes(n: float) -> str:
 
 # ---------------------------------------------------------------- training
 def make_compression(cfg: CompressionConfig, feedback: str = "auto", masking: bool = False,
-                     warmup_steps: int = 0, warmup_ratio: float = 0.25) -> Any:
+                     warmup_steps: Optional[int] = None, warmup_ratio: float = 0.25) -> Any:
     """The compressor the settings name, with the feedback policy and sparsity warm-up asked for.
 
     >>> make_compression(CompressionConfig("topk-qsgd"), "momentum", warmup_steps=100).ratio_at(50)
@@ -316,7 +318,7 @@ def make_compression(cfg: CompressionConfig, feedback: str = "auto", masking: bo
     if feedback != "auto" and compression.error_feedback:
         compression.set_feedback(gcfb.MomentumCorrection(masking=masking) if feedback == "momentum"
                                  else feedback)
-    if warmup_steps:
+    if warmup_steps is not None and isinstance(compression, gc.TopK):  # 0: a constant ratio, no warm-up
         compression.schedule = gc.SparsityWarmup(cfg.ratio, warmup_steps, warmup_ratio)
     return compression
 
@@ -411,7 +413,9 @@ def _summary(args: argparse.Namespace, cfg: CompressionConfig, name: str, rows: 
         "effective_batch": acc.effective_batch(), "lr": args.lr, "momentum": args.momentum,
         "feedback": getattr(getattr(compression, "feedback", None), "key", None),
         "momentum_masking": bool(getattr(getattr(compression, "feedback", None), "masking", False)),
-        "warmup_steps": args.warmup_steps, "warmup_ratio": args.warmup_ratio if args.warmup_steps else None,
+        "warmup_steps": (args.warmup_steps if args.warmup_steps is not None  # else the policy's own
+                         else getattr(getattr(compression, "feedback", None), "sparsity_warmup", 0)),
+        "warmup_ratio": args.warmup_ratio if args.warmup_steps else None,
         "min_compress_numel": args.min_compress_numel, "steps": acc.optimizer_steps, "epochs_seen": epoch + 1,
         "params": sum(p.numel() for p in task.model.parameters()), "task": task.notes, "val_size": len(task.val_x),
         "first_loss": rows[0]["loss"] if rows else math.nan,

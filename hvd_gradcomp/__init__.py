@@ -19,7 +19,7 @@ _LAZY = {
     "Auto": "auto",
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "HorovodIntegrationError": "horovod",
     "GradientCompressor": "compressors", "SparsityWarmup": "compressors",
-    "ResidualStore": "feedback", "FrozenVariance": "feedback",
+    "ResidualStore": "feedback", "FrozenVariance": "feedback", "MomentumCorrection": "feedback",
     "ByteStats": "stats",
     "WireFormatError": "wire",
     "DistributedOptimizer": "optimizer",
@@ -30,8 +30,8 @@ __all__ = [*_LAZY, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ddp":  # the DDP communication hook (a submodule): torch.distributed only, no Horovod
-        return import_module(".ddp", __name__)
+    if name in ("ddp", "feedback"):  # submodules: the DDP hook (no Horovod), the feedback policies
+        return import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hvd_gradcomp' has no attribute {name!r}")

@@ -145,8 +145,10 @@ class Auto:
                  roads: Optional[Sequence[str]] = None, explore_steps: int = 2, interval: int = 200,
                  hysteresis: float = 0.1, probe_numel: int = 1 << 20, error_feedback: bool = True,
                  seed: Optional[int] = None, named_parameters: Any = None) -> None:
-        self.sparse = TopKQSGD(ratio=ratio, bits=bits, error_feedback=error_feedback, seed=seed)
-        self.qsgd = QSGD(bits=qsgd_bits, error_feedback=error_feedback, seed=seed)
+        # exempt="fp32": Auto's small tensors keep the dense road on every wrapper (in the DDP hook
+        # they would otherwise go float16 in the buckets that take a compressed road only).
+        self.sparse = TopKQSGD(ratio=ratio, bits=bits, error_feedback=error_feedback, seed=seed, exempt="fp32")
+        self.qsgd = QSGD(bits=qsgd_bits, error_feedback=error_feedback, seed=seed, exempt="fp32")
         self.roads = _check_roads(roads)
         for arg, value, low in (("explore_steps", explore_steps, 1), ("interval", interval, 1),
                                 ("probe_numel", probe_numel, 1)):

@@ -45,7 +45,11 @@ Sent = fb.Sent
 DEFAULT_BUCKET = 512
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
 """Tensors with fewer elements (biases, norms) go uncompressed on both DistributedOptimizers:
-a 1% top-k of a 16-element bias sends one value, and such tensors cost few bytes anyway."""
+a 1% top-k of a 16-element bias sends one value. Not compressed is not free: the study's
+transformer's 3,584 such float32 values are two thirds of its bytes under TopKQSGD(1%, 8)
+(``benchmarks/bench_exempt_bytes.py``), hence ``exempt="fp16"``."""
+EXEMPT_MODES = ("fp16", "fp32")
+"""``exempt=``: how tensors exempt from compression travel (see :class:`GradientCompressor`)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,14 @@ class GradientCompressor:
     * ``clip``: local gradient clipping: each rank scales each tensor's gradient to L2 norm
       <= ``clip`` before compression (DGC);
     * ``exclude``: a regular expression; parameters whose name matches go uncompressed.
+    * ``exempt``: how float32 tensors exempt from compression by design travel (fewer elements
+      than ``min_compress_numel``, e.g. biases and norms, or matched by ``exclude``):
+      ``"fp16"`` (default: as float16, half the bytes, divided by the number of ranks before
+      the cast so that the sum cannot overflow, saturated at float16's range, and what the cast
+      takes away kept and sent later by error feedback, see
+      :class:`~hvd_gradcomp.feedback.HalfPrecision`) or ``"fp32"`` (as they are). float16,
+      bfloat16 and float64 gradients always travel as they are, and so do the tensors a feedback
+      policy sends dense for a while (``feedback="frozen"``'s warm-up).
 
     Subclasses implement ``_encode(flat, seed) -> _Encoded`` and
     ``_decode(header, reader) -> flat tensor``.
@@ -132,7 +144,7 @@ class GradientCompressor:
 
     def __init__(self, error_feedback: bool = True, seed: Optional[int] = None,
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
-                 exclude: Optional[str] = None, checksum: Optional[bool] = None) -> None:
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -145,6 +157,7 @@ class GradientCompressor:
         if not (isinstance(feedback, Feedback) or feedback == "auto"):
             fb.make(feedback)  # validates the name now, not at the first step
         self.checksum = checksum
+        self.exempt = exempt
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
         self.stream = 0  # set to the rank by hvd_gradcomp.horovod on every road: ranks draw independent noise
         self.clip = clip
@@ -158,6 +171,7 @@ class GradientCompressor:
         # Until an optimizer is attached, "auto" means classic error feedback.
         self.feedback = fb.make("classic" if self.feedback_choice == "auto" else self.feedback_choice)
         self._relay = fb.ErrorFeedback()  # re-quantisation in QSGD's compressed allreduce
+        self._half = fb.HalfPrecision()   # the float16 road of exempt tensors (see sends_half)
         self._attached: Any = None
         self.stats = ByteStats()
         self._steps: Dict[str, int] = {}
@@ -166,7 +180,20 @@ class GradientCompressor:
         self._round = 0                                    # exchange steps ended (see end_round)
         self._in_flight: set = set()                       # see exchange_opened
         self._round_ok = True
+        self.join_checked = False                          # this step checked hvd.join() (stock road)
         self._undo_steps: Optional[Dict[str, int]] = None  # random streams at the round's start
+
+    @property
+    def exempt(self) -> str:
+        """How float32 tensors exempt from compression travel: ``"fp16"`` or ``"fp32"`` (see the class)."""
+        return self._exempt
+
+    @exempt.setter
+    def exempt(self, value: str) -> None:
+        if value not in EXEMPT_MODES:
+            raise ValueError(f"exempt must be one of {EXEMPT_MODES} (how tensors left uncompressed by size or "
+                             f"exclude= travel: float16 with error feedback, or as they are), got {value!r}")
+        self._exempt = value
 
     @property
     def error_feedback(self) -> bool:
@@ -249,7 +276,38 @@ class GradientCompressor:
             return False
         if self.feedback.dense(name):  # e.g. feedback="frozen": Adam's dense warm-up
             return False
-        return self.exclude is None or not self.exclude.search(name)
+        return not self._excluded(name)
+
+    def _excluded(self, name: str) -> bool:
+        return self.exclude is not None and self.exclude.search(name) is not None
+
+    def sends_half(self, name: str, dtype: torch.dtype, small: bool) -> bool:
+        """Whether tensor ``name``, not compressed, travels as float16 (``exempt="fp16"``): a float32
+        gradient exempt by design, ``small`` (under the caller's ``min_compress_numel``) or matched
+        by ``exclude``.
+
+        Not the dense steps a feedback policy asks for: ``feedback="frozen"``'s warm-up is there
+        for fidelity (exact Adam, whose second moment is then frozen for the rest of the run), so
+        it stays float32; it ends after ``warmup`` steps, so it cannot be what the bytes come to.
+
+        >>> c = TopK(exclude=r"norm")
+        >>> c.sends_half("fc.bias", torch.float32, small=True), c.sends_half("norm.weight", torch.float32, False)
+        (True, True)
+        >>> c.sends_half("fc.weight", torch.float32, False), c.sends_half("fc.bias", torch.bfloat16, True)
+        (False, False)
+        """
+        return self.exempt == "fp16" and dtype == torch.float32 and (small or self._excluded(name))
+
+    def encode_half(self, named: List[Tuple[str, torch.Tensor]], world: int) -> Tuple[torch.Tensor, bool]:
+        """The float16 send of tensors :meth:`sends_half` picked, fused: ``(flat float16 tensor,
+        finite)`` for a float16 sum over ``world`` ranks, whose result is their average; error
+        feedback of the cast per name (:class:`~hvd_gradcomp.feedback.HalfPrecision`)."""
+        return self._half.encode(named, world)
+
+    @property
+    def half_residuals(self) -> fb.ResidualStore:
+        """Residuals of the float16 road (see :meth:`sends_half`), per tensor name."""
+        return self._half.residuals
 
     def _extra_repr(self) -> str:
         extra = ""
@@ -259,6 +317,8 @@ class GradientCompressor:
             extra += f", clip={self.clip}"
         if self.exclude is not None:
             extra += f", exclude={self.exclude.pattern!r}"
+        if self.exempt != "fp16":
+            extra += f", exempt={self.exempt!r}"
         return extra
 
     @property
@@ -377,11 +437,15 @@ class GradientCompressor:
         norm = float(grad.float().norm())
         return grad if norm <= self.clip else grad * (self.clip / norm)
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         """The average of all ranks' payloads for ``name`` (same on every rank), rewritten in place
-        by the feedback policy into what the optimizer sees."""
+        by the feedback policy into what the optimizer sees. ``support``: see
+        :meth:`hvd_gradcomp.feedback.Feedback.received` (a sparse exchange's sent indices)."""
         flat = avg.view(-1) if avg.is_contiguous() else avg.reshape(-1)
-        self.feedback.received(name, flat)
+        if support is not None and self.feedback.uses_support:
+            self.feedback.received(name, flat, support)
+        else:  # a policy of the user's own may predate ``support``
+            self.feedback.received(name, flat)
         if flat.data_ptr() != avg.data_ptr():
             avg.copy_(flat.view_as(avg))
 
@@ -458,7 +522,7 @@ class GradientCompressor:
     def _track_rounds(self) -> None:
         """Make the residual stores undoable per exchange step once an optimizer is claimed."""
         if self._owner is not None:
-            for policy in (self.feedback, self._relay):
+            for policy in (self.feedback, self._relay, self._half):
                 policy.track_rounds(True)
 
     def _set_policy(self, policy: Feedback) -> None:
@@ -487,7 +551,7 @@ class GradientCompressor:
         its local optimizer steps on scaled gradients). Either way the step counter advances:
         the exchange did happen on every rank.
         """
-        for policy in (self.feedback, self._relay):
+        for policy in (self.feedback, self._relay, self._half):
             policy.end_round(ok)
         if not ok and self._undo_steps:
             self._steps.update(self._undo_steps)
@@ -495,6 +559,7 @@ class GradientCompressor:
             self._undo_steps = {}
         self._in_flight.clear()
         self._round_ok = True
+        self.join_checked = False
         self._round += 1
 
     def abandon_round(self) -> None:
@@ -540,7 +605,7 @@ class GradientCompressor:
         return {"compressor": repr(self), "kind": type(self).__name__, "error_feedback": self.error_feedback,
                 "world_size": self._world, "seed": self.seed, "stream": self.stream, "steps": dict(self._steps),
                 "residuals": state.pop("residuals"), "shapes": state.pop("shapes"),
-                "feedback": state, "relay": self._relay.state_dict()}
+                "feedback": state, "relay": self._relay.state_dict(), "half": self._half.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; checks everything before changing anything.
@@ -567,6 +632,7 @@ class GradientCompressor:
         self.feedback.load_state_dict({**extra, "residuals": state["residuals"], "shapes": state.get("shapes", {})})
         if "relay" in state:
             self._relay.load_state_dict(state["relay"])
+        self._half.load_state_dict(state.get("half", {}))
 
     # ------------------------------------------------------------ to implement
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
@@ -635,8 +701,8 @@ class QSGD(_Quantiser, GradientCompressor):
 
     def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
                  seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
-                 exclude: Optional[str] = None, checksum: Optional[bool] = None) -> None:
-        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum)
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
+        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
         self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
@@ -682,8 +748,8 @@ class TopK(GradientCompressor):
 
     def __init__(self, ratio: Ratio = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
-                 exclude: Optional[str] = None, checksum: Optional[bool] = None) -> None:
-        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum)
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
+        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
         self.schedule: Optional[Callable[[int], float]] = None
         if callable(ratio):
             self.schedule = ratio
@@ -774,8 +840,8 @@ class TopKQSGD(_Quantiser, TopK):
     def __init__(self, ratio: Ratio = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
                  error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
                  clip: Optional[float] = None, exclude: Optional[str] = None,
-                 checksum: Optional[bool] = None) -> None:
-        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum)
+                 checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
+        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt)
         self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
@@ -909,6 +975,10 @@ def _check_compressor_state(comp: GradientCompressor, state: Any) -> None:
                         f"{comp.feedback.key!r} (build it with feedback={saved_policy!r})")
     if not isinstance(state["steps"], dict) or not all(isinstance(v, int) for v in state["steps"].values()):
         problems.append("'steps' is not a dict of ints")
+    owed = state.get("half", {}).get("residuals") if isinstance(state.get("half", {}), dict) else None
+    if owed and comp.exempt != "fp16":
+        problems.append(f"it holds the float16 road's residuals of {len(owed)} exempt tensors, this compressor "
+                        f"has exempt={comp.exempt!r} and would drop them (build it with exempt='fp16')")
     if problems:
         raise ValueError("cannot load this compressor state: " + "; ".join(problems) + ". Resume with the "
                          "same compressor and number of ranks, or drop the compressor state (error feedback "

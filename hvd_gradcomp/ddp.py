@@ -29,8 +29,10 @@ How each bucket travels (``torch.distributed`` collectives only, so Gloo, NCCL a
   chunks, ``all_to_all_single`` sends chunk i to rank i, rank i averages and re-quantises it
   (with its own error feedback) and an ``all_gather`` returns every chunk;
 * dense: parameters smaller than ``min_compress_numel`` and dtypes the codecs do not carry
-  (float64) are averaged by ``all_reduce``, as are whole buckets before ``start_compress_iter``
-  and with ``compression=None``; ``compression=torch.float16`` casts like torch's fp16 hook.
+  (float64) are averaged by ``all_reduce`` (float32 ones under ``min_compress_numel`` or
+  ``exclude=``d as float16 with error feedback of the cast: the compressor's
+  ``exempt="fp16"``), as are whole buckets before ``start_compress_iter`` and with
+  ``compression=None``; ``compression=torch.float16`` casts like torch's fp16 hook.
 * ``compression=gc.Auto()``: each bucket takes the road that costs least, measured while
   training runs (sparse, QSGD, fp16 or dense; see :class:`_AutoRoads` and docs/AUTO.md), the
   same on every rank; ``state.auto_report()`` says which and why.
@@ -373,7 +375,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         return _allreduce(state, buffer, step, "dense", comp if comp in DENSE_DTYPES else None)
     plan = state._plan(bucket)
     if not plan.compressed:
-        return _allreduce(state, buffer, step, "dense", None)
+        return _dense_bucket(state, buffer, plan, step)
     road = _scatter_reduce if isinstance(comp, QSGD) else _allgather
     return road(state, buffer, plan, step)
 
@@ -396,21 +398,70 @@ def _allreduce(state: GradCompState, flat: torch.Tensor, step: int, name: str,
     return fut.then(done)
 
 
-def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan,
-                 step: int) -> Tuple[List[Future], Callable[[], None]]:
-    """The small parameters of a compressed bucket: one allreduce; returns (futures, copy-back)."""
-    if not plan.dense:
-        return [], lambda: None
-    flat = torch.cat([s.view(buffer) for s in plan.dense])
-    fut = _allreduce(state, flat, step, "dense", None)
+def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int,
+                 finite: bool) -> Tuple[List[Future], Callable[[], None]]:
+    """The parameters of a compressed bucket that go uncompressed: one allreduce, and one of
+    the float16 ones (:func:`_start_half`); returns (futures, copy-back). ``finite``: whether
+    this rank's bucket is all finite."""
+    half = tuple(s for s in plan.dense if _sends_half(state, s, buffer.dtype))
+    full = tuple(s for s in plan.dense if s not in half)
+    futs, backs = [], []
+    if full:
+        flat = torch.cat([s.view(buffer) for s in full])
+        futs.append(_allreduce(state, flat, step, "dense", None))
+        backs.append((full, flat))
+    if half:
+        fut, sent = _start_half(state, buffer, half, step, finite)
+        futs.append(fut)
+        backs.append((half, sent))
 
     def copy_back() -> None:
-        offset = 0
-        for s in plan.dense:
-            s.view(buffer).copy_(flat[offset:offset + s.numel])
-            offset += s.numel
+        for segs, flat in backs:
+            offset = 0
+            for s in segs:
+                s.view(buffer).copy_(flat[offset:offset + s.numel])
+                offset += s.numel
 
-    return [fut], copy_back
+    return futs, copy_back
+
+
+def _sends_half(state: GradCompState, seg: _Segment, dtype: torch.dtype) -> bool:
+    """Whether a segment the bucket does not compress travels as float16 (the compressor's
+    ``exempt="fp16"``: small or excluded, not a feedback policy's dense warm-up)."""
+    return state.compression.sends_half(seg.name, dtype, seg.numel < state.min_compress_numel)
+
+
+def _start_half(state: GradCompState, buffer: torch.Tensor, segs: Tuple[_Segment, ...], step: int,
+                finite: bool) -> Tuple[Future, torch.Tensor]:
+    """One allreduce (sum) of the float16 cast of ``segs``, pre-divided by the ranks, with error
+    feedback of the cast (:meth:`GradientCompressor.encode_half`): (its future, the float16
+    tensor, which holds the average once done). A rank whose bucket holds NaN/Inf
+    sends the cast alone and keeps its residuals, as the compressed segments do."""
+    with state._lock:
+        if finite:
+            half, _ = state.compression.encode_half([(s.name, s.view(buffer).view(s.shape)) for s in segs],
+                                                    state.world_size)
+        else:
+            half, _ = kernels.to_half_saturated(torch.cat([s.view(buffer) for s in segs]), state.world_size)
+    state._record(step, "exempt.fp16", sum(s.numel for s in segs) * buffer.element_size(),
+                  half.numel() * half.element_size())
+    return dist.all_reduce(half, group=state.process_group, async_op=True).get_future(), half
+
+
+def _dense_bucket(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
+    """A bucket with nothing to compress this step: one allreduce, or those of
+    :func:`_start_dense` when some of it travels as float16."""
+    if not any(_sends_half(state, s, buffer.dtype) for s in plan.dense):
+        return _allreduce(state, buffer, step, "dense", None)
+    futs, copy_back = _start_dense(state, buffer, plan, step, kernels.all_finite(buffer))
+
+    def done(f: Future) -> torch.Tensor:
+        for x in f.value():
+            x.value()   # raises a failed allreduce
+        copy_back()
+        return buffer
+
+    return torch.futures.collect_all(futs).then(done)
 
 
 def _meta(state: GradCompState, value: int, device: torch.device) -> Tuple[torch.Tensor, Future]:
@@ -430,7 +481,7 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
             if finite else []
     blob = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=buffer.device)
     sizes, meta_fut = _meta(state, blob.numel() if finite else -1, buffer.device)
-    dense_futs, copy_back = _start_dense(state, buffer, plan, step)
+    dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
     for s, pl in zip(plan.compressed, payloads):
         state._record(step, s.name, s.numel * buffer.element_size(), pl.numel())
 
@@ -481,7 +532,7 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
     a2a = dist.all_to_all_single(received, send, [per_dest[rank]] * world, per_dest,
                                  group=state.process_group, async_op=True).get_future()
     flags, meta_fut = _meta(state, 1 if finite else -1, buffer.device)
-    dense_futs, copy_back = _start_dense(state, buffer, plan, step)
+    dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
     cap = max(per_dest)
     state._record(step, "(flags)", 0, 8)
 

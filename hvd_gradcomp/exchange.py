@@ -4,6 +4,8 @@ Three roads, chosen per tensor by :func:`choose_exchange`:
 
 * :class:`DenseExchange`: Horovod's allreduce of the (optionally fp16-cast) tensor. Used
   with no compressor, with Horovod's own compressors, and for small tensors.
+* :class:`HalfExchange`: the tensors one of our compressors exempts from compression (small or
+  ``exclude=``d), fused, as float16 with error feedback of the cast (``exempt="fp16"``).
 * :class:`FusedAllgatherExchange`: sparse payloads (TopK, TopKQSGD), several tensors' per
   allgather (:class:`AllgatherExchange`: one each, the stock-Horovod road). Every rank
   decodes all payloads in rank order and averages, so all ranks end with identical gradients.
@@ -163,6 +165,32 @@ class DenseExchange:
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         out.copy_(self.compression.decompress(_hvd().synchronize(p.handle), p.ctx).view_as(out))
+        p.finished = True
+
+
+class HalfExchange:
+    """Tensors a compressor exempts from compression (``exempt="fp16"``, see
+    :meth:`~hvd_gradcomp.compressors.GradientCompressor.sends_half`), fused: one Horovod
+    allreduce (Sum) of their float16 cast, pre-divided by the number of ranks, so the float16
+    sum is the average and cannot overflow; the cast's error feedback is the compressor's.
+
+    A tensor holding NaN/Inf goes out as it is: its average is non-finite on every rank.
+    """
+
+    def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
+        self.compressor, self.op, self.process_set = compressor, op, process_set
+
+    def start(self, name: str, named: List[Tuple[str, torch.Tensor]]) -> Pending:
+        half, _ = self.compressor.encode_half(named, self.process_set.size())
+        handle = _hvd().allreduce_async(half, name=f"hvdgc.half.{name}", op=_hvd().Sum,
+                                        process_set=self.process_set)
+        return Pending(name, half.shape, torch.float32, handle, bytes_sent=half.numel() * half.element_size())
+
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        """``out``: a flat float32 tensor of the fused tensors' size."""
+        out.copy_(_hvd().synchronize(p.handle))
+        if not is_average(self.op):
+            out.mul_(self.process_set.size())
         p.finished = True
 
 

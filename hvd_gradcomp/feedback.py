@@ -41,7 +41,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -111,9 +111,13 @@ class ResidualStore:
         """grad + residual, as a flat tensor of the residual dtype that no residual shares (grad
         is not modified): the caller may change it and :meth:`commit` it."""
         self.check_shape(name, grad)
+        return self.add_flat(name, grad.reshape(-1))
+
+    def add_flat(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """:meth:`compensate` of an already flat tensor, without the shape check (a policy that
+        checked the gradient's shape and sends something derived from it, e.g. a velocity)."""
         res = self._residuals.get(name)
-        flat = grad.reshape(-1)
-        out = self._buffer(name, flat.numel(), residual_dtype(grad.dtype), flat.device)
+        out = self.buffer(name, flat)
         if res is None:
             return out.copy_(flat)
         # One pass into the buffer, instead of a copy and then an in-place add.
@@ -130,6 +134,11 @@ class ResidualStore:
         out = self._buffer(name, flat.numel(), residual_dtype(grad.dtype), flat.device)
         marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k, total)
         return out, marked
+
+    def buffer(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """An uninitialised flat tensor, of the residual dtype of ``flat``, to become the next
+        residual of ``name`` (no residual shares it; see :meth:`_recycle`)."""
+        return self._buffer(name, flat.numel(), residual_dtype(flat.dtype), flat.device)
 
     def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The spare of ``name`` (see :meth:`_recycle`) if it fits, else a new tensor."""
@@ -217,6 +226,82 @@ class ResidualStore:
                         for name, (shape, dtype) in state["shapes"].items()}
 
 
+class HalfPrecision:
+    """Error feedback of the float16 road: float32 tensors a compressor exempts from compression
+    (fewer elements than ``min_compress_numel``, or matched by ``exclude=``) travel as float16,
+    half the bytes, and what the cast takes away is added to their next send.
+
+    :meth:`encode` takes this rank's gradients (several tensors fused into one send), adds each
+    one's residual, and casts with :func:`hvd_gradcomp.kernels.to_half_saturated`: divided by the
+    ``world`` ranks that sum them (so the float16 sum is the average and cannot overflow) and
+    saturated at its bound. The new residual is exactly what did not go out, in gradient units:
+    ``sent * world + residual == gradient + old residual`` (to float32 rounding), so a value
+    beyond float16's range is delivered over several steps instead of as inf, and a value below
+    its resolution is delivered once enough of it has accumulated. A tensor holding NaN/Inf is
+    sent as it is (non-finite on every rank after the sum) and no residual changes.
+
+    Residuals are kept per tensor name in a :class:`ResidualStore` (checkpointed, undone with the
+    exchange step like the policies' own). The rounding of the float16 *sum* itself (one per
+    addition, at most 2**-11 of the partial sum) happens after the ranks' values have met, and no
+    rank can keep it.
+
+    >>> hp = HalfPrecision()
+    >>> half, finite = hp.encode([("ln.weight", torch.tensor([1.0, 1e6, 1e-4]))], world=2)
+    >>> finite, half[:2].tolist()     # 1e6 / 2 saturated at half_bound(2)
+    (True, [0.5, 32720.0])
+    >>> hp.residuals.residual("ln.weight")[1].item()      # owed: 1e6 - 2 * 32720
+    934560.0
+    >>> torch.allclose(half.float() * 2 + hp.residuals.residual("ln.weight"), torch.tensor([1.0, 1e6, 1e-4]))
+    True
+    """
+
+    def __init__(self) -> None:
+        self.residuals = ResidualStore()
+
+    def encode(self, named: Sequence[Tuple[str, torch.Tensor]], world: int) -> Tuple[torch.Tensor, bool]:
+        """One flat float16 tensor for ``named`` (``(name, float32 gradient)`` pairs, in order),
+        for a float16 allreduce (sum) over ``world`` ranks; and whether it is all finite (if
+        not, no residual changed)."""
+        acc = self._compensated(named)
+        half, finite = kernels.to_half_saturated(acc, world)
+        if finite:
+            # acc is ours (a fresh buffer, see _compensated): it becomes the residuals, one view each.
+            acc.sub_(half.to(acc.dtype), alpha=world)
+            offset = 0
+            for name, grad in named:
+                n = grad.numel()
+                self.residuals.commit(name, acc[offset:offset + n])
+                offset += n
+        return half, finite
+
+    def _compensated(self, named: Sequence[Tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """The gradients, flat and concatenated, plus their residuals: a new float32 tensor."""
+        if len(named) == 1:
+            return self.residuals.compensate(*named[0])
+        for name, grad in named:
+            self.residuals.check_shape(name, grad)
+        acc = torch.cat([grad.reshape(-1) for _, grad in named]).to(torch.float32)
+        offset = 0
+        for name, grad in named:
+            res = self.residuals.residual(name)
+            if res is not None:
+                acc[offset:offset + grad.numel()].add_(res.to(acc.device))
+            offset += grad.numel()
+        return acc
+
+    def track_rounds(self, on: bool) -> None:
+        self.residuals.track_rounds(on)
+
+    def end_round(self, keep: bool) -> None:
+        self.residuals.end_round(keep)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.residuals.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.residuals.load_state_dict({"residuals": state.get("residuals", {}), "shapes": state.get("shapes", {})})
+
+
 def _storage_users(t: torch.Tensor) -> int:
     """How many tensors and storage objects share ``t``'s memory (a large number when this torch
     cannot tell, so that nothing is reused)."""
@@ -249,6 +334,8 @@ class Feedback:
     ``moves_parameters``: whether :meth:`received` moves the parameter itself (and hands the
     optimizer a zero gradient); a caller that receives averages during backward (the DDP hook)
     must then defer :meth:`received` to the optimizer step.
+    ``uses_support``: whether :meth:`received` wants the ``support`` of a sparse average (else it
+    is called with ``name`` and ``avg`` alone).
     ``sparsity_warmup``: over a tensor's first this many compressed exchanges, a TopK-type
     compressor whose ``ratio`` has no schedule of its own sends a share falling geometrically
     from 25% to its ratio (DGC's sparsity warm-up, see
@@ -259,6 +346,7 @@ class Feedback:
     contract = False
     moves_parameters = False
     sparsity_warmup = 0
+    uses_support = False
 
     def __init__(self) -> None:
         self.residuals = ResidualStore()  # also the per-name shape check of every policy
@@ -285,8 +373,11 @@ class Feedback:
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         """``acc`` (from :meth:`prepare`) went out as ``what``."""
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
-        """``avg``: flat average of all ranks' payloads for ``name``; rewrite it in place if needed."""
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
+        """``avg``: flat average of all ranks' payloads for ``name``; rewrite it in place if needed.
+        ``support``: when the caller knows it (a sparse exchange), indices outside which ``avg``
+        is zero (in any order, possibly repeated: every rank's sent indices, concatenated), so a
+        policy can work on those alone; None: dense."""
 
     def dense(self, name: str) -> bool:
         """True: send ``name`` uncompressed this step (in the dense allreduce, like small tensors).
@@ -367,10 +458,38 @@ class _RoundUndo:
 
     _round_stores: Tuple[str, ...] = ()
     _undo: Optional[Dict[str, Tuple[Any, ...]]] = None
+    _spares: Optional[Dict[Tuple[str, str], torch.Tensor]] = None
 
     def _remember(self, name: str) -> None:
         if self._undo is not None and name not in self._undo:
             self._undo[name] = tuple(getattr(self, store).get(name) for store in self._round_stores)
+
+    def _buffer(self, store: str, name: str, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor shaped as ``like`` for the next value of ``store[name]``: the
+        value that one retired (:meth:`_replace`) if it fits. Why: on CPU a fresh gradient-sized
+        tensor per step costs ~3x a pass into a warm one (its pages fault in), and momentum
+        correction made three per tensor per step (see :meth:`ResidualStore._recycle`)."""
+        spare = (self._spares or {}).pop((store, name), None)
+        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype \
+                and spare.device == like.device:
+            return spare
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    def _replace(self, store: str, name: str, value: Any) -> None:
+        """``store[name] = value``. The value replaced is retired (the buffer of the next
+        :meth:`_buffer`) unless this step's undo log still holds it. These stores are private:
+        their tensors are never handed out (state_dict clones them), so nobody else holds one."""
+        self._remember(name)
+        old = getattr(self, store).get(name)
+        getattr(self, store)[name] = value
+        if self._undo is None:
+            self._retire(store, name, old)
+
+    def _retire(self, store: str, name: str, old: Any) -> None:
+        if isinstance(old, torch.Tensor) and old.device.type == "cpu":  # accelerators' allocators reuse
+            if self._spares is None:
+                self._spares = {}
+            self._spares[(store, name)] = old
 
     def track_rounds(self, on: bool) -> None:
         super().track_rounds(on)  # type: ignore[misc]
@@ -380,14 +499,54 @@ class _RoundUndo:
         super().end_round(keep)  # type: ignore[misc]
         if self._undo is None:
             return
-        if not keep:
-            for name, olds in self._undo.items():
-                for store, old in zip(self._round_stores, olds):
-                    if old is None:
-                        getattr(self, store).pop(name, None)
-                    else:
-                        getattr(self, store)[name] = old
+        for name, olds in self._undo.items():
+            for store, old in zip(self._round_stores, olds):
+                now = getattr(self, store).get(name)
+                if now is old:
+                    continue
+                if keep:  # the values this step replaced are retired
+                    self._retire(store, name, old)
+                    continue
+                self._retire(store, name, now)
+                if old is None:
+                    getattr(self, store).pop(name, None)
+                else:
+                    getattr(self, store)[name] = old
         self._undo.clear()
+
+
+SPARSITY_WARMUP = 100
+"""The default sparsity warm-up of the optimizer-aware policies (DGC's: the share sent falls
+geometrically from 25% to the ratio over a tensor's first this many compressed steps).
+FrozenVariance: after its dense warm-up (in the simulator, docs/STUDY.md: the transformer's gap
+fell from +2.86% to +1.61%, mean of 3 seeds). MomentumCorrection: from the first step (the
+study's char-MLP: +1.89% -> +1.31%, 3 seeds)."""
+
+
+def check_sparsity_warmup(value: Any, owner: str) -> int:
+    """``value`` if it is an int >= 0, else a ValueError naming ``owner``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner} sparsity_warmup must be an int >= 0 (compressed steps over which the share sent "
+                         f"falls from 25% to the ratio; 0: none), got {value!r}")
+    return value
+
+
+class SparseValues(NamedTuple):
+    """A flat tensor of ``numel`` values, zero except at ``indices`` (an index may repeat, with
+    the same value each time: writes and gathers then need no de-duplication).
+
+    >>> SparseValues(4, torch.tensor([1, 3]), torch.tensor([2.0, 5.0])).dense().tolist()
+    [0.0, 2.0, 0.0, 5.0]
+    """
+
+    numel: int
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        out = self.values.new_zeros(self.numel)
+        out[self.indices] = self.values
+        return out
 
 
 class MomentumCorrection(_RoundUndo, ErrorFeedback):
@@ -399,8 +558,11 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     SGD's momentum buffer equal ``D_t`` (weight decay is added by SGD on top, exactly). ``m``
     and ``dampening`` are read from the optimizer's param group at every step, so momentum
     schedules work. ``masking``: DGC's momentum factor masking (zero the velocity of the
-    coordinates sent); off by default, it measured worse (docs/STUDY.md). Chosen by
-    ``feedback="auto"`` for ``SGD(momentum > 0)``.
+    coordinates sent); off by default, it measured worse (docs/STUDY.md). ``sparsity_warmup``:
+    DGC's sparsity warm-up, the share a TopK-type compressor sends falls geometrically from 25%
+    to its ratio over each tensor's first this many compressed steps (default
+    :data:`SPARSITY_WARMUP`; 0: none; a ``ratio=SparsityWarmup(...)`` of the user's own takes
+    precedence). Chosen by ``feedback="auto"`` for ``SGD(momentum > 0)``.
 
     With ratio 1 (nothing dropped), training is exactly momentum SGD:
 
@@ -413,14 +575,17 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     """
 
     key = "momentum"
+    uses_support = True
     _round_stores = ("velocity", "delivered")
 
-    def __init__(self, momentum: Optional[float] = None, dampening: float = 0.0, masking: bool = False) -> None:
+    def __init__(self, momentum: Optional[float] = None, dampening: float = 0.0, masking: bool = False,
+                 sparsity_warmup: int = SPARSITY_WARMUP) -> None:
         super().__init__()
         self.momentum, self.dampening, self.masking = momentum, dampening, masking
+        self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "MomentumCorrection")
         self._groups: Dict[str, Dict[str, Any]] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
-        self.delivered: Dict[str, torch.Tensor] = {}
+        self.delivered: Dict[str, Union[torch.Tensor, SparseValues]] = {}
         self._undo = None  # see _RoundUndo
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
@@ -440,13 +605,17 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         self.residuals.check_shape(name, grad)
         m, d = self._coefficients(name)
         flat = grad.reshape(-1).to(residual_dtype(grad.dtype))
-        self._remember(name)
-        u = self.velocity.get(name)
-        # A new tensor, not u.mul_: the old velocity is what an undone step puts back.
-        u = flat.clone() if u is None else u.mul(m).add_(flat, alpha=1.0 - d)
-        self.velocity[name] = u
-        res = self.residuals.residual(name)
-        return u.clone() if res is None else u + res
+        old = self.velocity.get(name)
+        # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
+        u = self._buffer("velocity", name, flat)
+        if old is None:
+            u.copy_(flat)
+        elif d == 0.0:  # m*u + g in one pass (dampening is 0 for nearly everyone)
+            torch.add(flat, old, alpha=m, out=u)
+        else:
+            torch.mul(old, m, out=u).add_(flat, alpha=1.0 - d)
+        self._replace("velocity", name, u)
+        return self.residuals.add_flat(name, u)
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         super().sent(name, acc, what)
@@ -455,16 +624,22 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
             self.velocity[name][idx] = 0
             acc[idx] = 0
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         m, d = self._coefficients(name)
-        self._remember(name)
         prev = self.delivered.get(name)
-        now = avg.detach().clone()
+        # D_t, kept sparse when the exchange says where it is nonzero: then this rewrite costs
+        # O(sent values) instead of two passes over the tensor (a third of TopK's codec time).
+        now: Any = (SparseValues(avg.numel(), support, avg[support].clone()) if support is not None
+                    else self._buffer("delivered", name, avg).copy_(avg.detach()))
         if prev is not None:
-            avg.sub_(prev.to(avg.dtype), alpha=m)
+            if isinstance(prev, SparseValues):
+                # Gather, subtract, scatter: the same arithmetic (and rounding) as the dense sub_.
+                avg[prev.indices] = avg[prev.indices].sub_(prev.values.to(avg.dtype), alpha=m)
+            else:
+                avg.sub_(prev.to(avg.dtype), alpha=m)
             if d:  # dampening is 0 for nearly everyone: skip a pass over the tensor
                 avg.div_(1.0 - d)
-        self.delivered[name] = now
+        self._replace("delivered", name, now)
 
     def describe(self) -> str:
         m = "from the optimizer" if self.momentum is None else self.momentum
@@ -472,12 +647,16 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
 
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity),
-                "delivered": _clone_tensors(self.delivered)}
+                "delivered": _clone_tensors({n: v.dense() if isinstance(v, SparseValues) else v
+                                             for n, v in self.delivered.items()}),
+                "sparsity_warmup": self.sparsity_warmup}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.velocity = _clone_tensors(state.get("velocity", {}))
         self.delivered = _clone_tensors(state.get("delivered", {}))
+        # Checkpoints from before the warm-up was the default ran without one: they resume so.
+        self.sparsity_warmup = int(state.get("sparsity_warmup", 0))
         if self._undo is not None:
             self._undo.clear()
 
@@ -557,7 +736,7 @@ class LocalUpdate(ErrorFeedback):
         res = self.residuals.residual(name)
         return delta if res is None else delta.add_(res)
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         param, _ = self._bound[name]
         with torch.no_grad():
             param.add_(avg.view(param.shape).to(param.dtype))
@@ -576,10 +755,6 @@ class LocalUpdate(ErrorFeedback):
         self._pending_state = dict(state.get("local", {}))
 
 
-SPARSITY_WARMUP = 100
-"""FrozenVariance's default: after the dense warm-up, the share sent falls from 25% to the ratio
-over this many steps (in the simulator, docs/STUDY.md: the transformer's gap fell from +2.86% to
-+1.61%, mean of 3 seeds), instead of jumping from dense to the ratio."""
 
 
 class FrozenVariance(_RoundUndo, ErrorFeedback):
@@ -634,10 +809,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"FrozenVariance warmup must be an int >= 1 (dense Adam steps before v is frozen), "
                              f"got {warmup!r}")
-        if isinstance(sparsity_warmup, bool) or not isinstance(sparsity_warmup, int) or sparsity_warmup < 0:
-            raise ValueError(f"FrozenVariance sparsity_warmup must be an int >= 0 (compressed steps over which the "
-                             f"share sent falls from 25% to the ratio), got {sparsity_warmup!r}")
-        self.sparsity_warmup = sparsity_warmup
+        self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "FrozenVariance")
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"FrozenVariance floor must be in [0, 1] (share of the mean of sqrt(v)), got {floor!r}")
         self.warmup, self.floor = warmup, floor
@@ -688,15 +860,16 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             param, _, optimizer = self._bound[name]
             optimizer.state[param]["exp_avg"].zero_()  # from now on it moves nothing but weight decay
         b1 = self._bound[name][1]["betas"][0]
-        self._remember(name)
-        # A new tensor, not u.mul_: the old velocity is what an undone step puts back.
-        u = self.velocity[name] = self.velocity[name].mul(b1).add_(grad.reshape(-1).to(self.velocity[name].dtype),
-                                                                   alpha=1.0 - b1)
+        old = self.velocity[name]
+        # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
+        # b1*u + (1-b1)*g in one pass.
+        u = torch.lerp(grad.reshape(-1).to(old.dtype), old, b1, out=self._buffer("velocity", name, old))
+        self._replace("velocity", name, u)
         # What goes out is the update direction u / denom, not u: top-k then picks the coordinates
         # that would move most, and the residual is kept in the units of movement.
-        acc = u / self.denom[name]
-        res = self.residuals.residual(name)
-        return acc if res is None else acc.add_(res)
+        acc, res = self.residuals.buffer(name, u), self.residuals.residual(name)
+        return torch.div(u, self.denom[name], out=acc) if res is None else \
+            torch.addcdiv(res, u, self.denom[name], out=acc)
 
     def _check_scale(self, name: str, grad: torch.Tensor) -> None:
         """Refuse gradients far larger than the warm-up's (a loss scaler's scaled gradients): the
@@ -712,7 +885,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "update in synchronize(), before the scaler unscales. Use bf16 autocast without a scaler, or "
                 "build the compressor with feedback='classic'.")
 
-    def received(self, name: str, avg: torch.Tensor) -> None:
+    def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         if not kernels.all_finite(avg):
             return  # passed on as it is: the loss scaler skips this step on every rank
         param, group, _ = self._bound[name]

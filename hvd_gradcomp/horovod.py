@@ -11,6 +11,14 @@ sparse indices would be meaningless, so the payload takes another road:
 3. ``decompress`` waits for the allgather, decodes every rank's payload in rank order and
    averages (or sums): every rank ends with the same bytes, so the same gradient.
 
+Tensors the compressor does not compress (fewer than ``DEFAULT_MIN_COMPRESS_NUMEL`` elements,
+``exclude=``, a feedback policy's dense step) go back to Horovod's own allreduce; the float32
+ones exempt by size or ``exclude=`` as float16 (``exempt="fp16"``): divided by the number of
+ranks first, so Horovod's float16 sum cannot overflow, with error feedback of the cast, and
+multiplied back in ``decompress``. With ``op=hvd.Average`` Horovod then divides the float16 sum
+by the ranks once more, in float16: one more rounding than on ``hvd_gradcomp``'s road, which
+sums. ``compressor.stats`` counts every tensor ``compress()`` hands to Horovod.
+
 Every road sets the compressor's noise stream to the rank (:func:`bind_noise_stream`), so
 ranks draw independent rounding noise even when they share one explicit seed.
 
@@ -279,10 +287,17 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
         # underneath), before asking whether to compress: the policy may ask for a dense step.
         compressor.attach(call.optimizer, call.names, call.process_set.rank())
         if not compressor.compresses(call.name, tensor.numel()):
-            return tensor, None  # small, excluded or dense this step: Horovod's own allreduce takes it
-        if not compressor.in_step:  # the step's first exchange
+            # Small, excluded or dense this step: Horovod's own allreduce takes it (as float16 if exempt).
+            small = tensor.numel() < compressors.DEFAULT_MIN_COMPRESS_NUMEL
+            if compressor.sends_half(call.name, tensor.dtype, small):
+                return _compress_half(compressor, call, tensor)
+            compressor.stats.record(call.name, tensor.numel() * tensor.element_size(),
+                                    tensor.numel() * tensor.element_size())
+            return tensor, None
+        if not compressor.join_checked:  # the step's first allgather (float16 allreduces work with join)
             check_no_joined_ranks(call.process_set)
         compressor.exchange_opened(call.name)
+        compressor.join_checked = True
         exchange = AllgatherExchange(compressor, call.op, call.process_set)
         return tensor.new_empty(0), StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
     if compressor.error_feedback:
@@ -291,10 +306,43 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
     return compressor.encode(tensor), _LOCAL
 
 
+@dataclass
+class HalfContext:
+    """decompress()'s context of a tensor sent as float16 (see :func:`_compress_half`)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    world: int
+
+
+def _compress_half(compressor: GradientCompressor, call: HorovodCall, tensor: torch.Tensor
+                   ) -> Tuple[torch.Tensor, HalfContext]:
+    """An exempt tensor as float16, for Horovod's allreduce: divided by the ranks that sum it, so
+    the float16 sum cannot overflow, with error feedback of the cast (see
+    :meth:`GradientCompressor.encode_half`). Part of the compressor's exchange step (what the
+    cast kept back is undone with the rest when an average comes back NaN/Inf)."""
+    world = call.process_set.size()
+    compressor.exchange_opened(call.name)
+    half, _ = compressor.encode_half([(call.name, tensor)], world)
+    compressor.stats.record(call.name, tensor.numel() * tensor.element_size(), half.numel() * half.element_size())
+    return half, HalfContext(call.name, tensor.shape, tensor.dtype, world)
+
+
+def _decompress_half(compressor: GradientCompressor, tensor: torch.Tensor, ctx: HalfContext) -> torch.Tensor:
+    # Horovod's Average divides the float16 sum (already the average) by the ranks once more, and
+    # its Sum leaves the average: either way multiplying by the ranks gives what the op asks for.
+    out = tensor.to(ctx.dtype).mul_(ctx.world).view(ctx.shape)
+    compressor.exchange_closed(ctx.name, kernels.all_finite(out))
+    return out
+
+
 def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
     """Horovod's ``decompress``: see :meth:`HorovodCompressor.decompress`."""
     if ctx is None:
         return tensor
+    if isinstance(ctx, HalfContext):
+        return _decompress_half(compressor, tensor, ctx)
     if isinstance(ctx, StockContext):
         out = torch.empty(ctx.pending.shape, dtype=ctx.pending.dtype, device=ctx.device)
         ctx.exchange.finish(ctx.pending, out)

@@ -507,3 +507,51 @@ def _mask_indices(mask: torch.Tensor) -> torch.Tensor:
 
 def _exact_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+
+
+# ---------------------------------------------------------------- the float16 road
+HALF_MAX = 65504.0
+"""float16's largest finite value."""
+_HALF_UNIT = 2.0 ** -11   # float16's unit roundoff: one rounding moves a value by at most this share
+
+
+def half_bound(world: int) -> float:
+    """The largest magnitude each of ``world`` ranks may put into a float16 sum (an allreduce of
+    float16 values) so that the sum stays finite, whatever the order of its additions.
+
+    A float16 allreduce rounds each value once (the cast) and each of the ``world - 1``
+    additions once, each by at most 2**-11 of its value: ``world`` values of at most ``b`` sum
+    to at most ``world * b * (1 + 2**-11) ** world <= world * b * exp(world * 2**-11)``, which
+    this bound keeps at 65504.
+
+    >>> round(half_bound(1), 1), round(half_bound(2), 1), round(half_bound(64) * 64, 1)
+    (65472.0, 32720.0, 63488.7)
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an int >= 1 (the ranks that sum the values), got {world!r}")
+    return HALF_MAX / (world * math.exp(world * _HALF_UNIT))
+
+
+def to_half_saturated(x: torch.Tensor, world: int) -> Tuple[torch.Tensor, bool]:
+    """``(x / world as float16, whether x is all finite)``, finite values saturated at
+    ``+-half_bound(world)``: the float16 sum of ``world`` such tensors (an allreduce) is finite
+    and stands for the average of the ``x``. What saturation and rounding take away is the
+    caller's to keep (error feedback: :class:`hvd_gradcomp.feedback.HalfPrecision`).
+
+    NaN/Inf values are not saturated: they stay non-finite in the sum on every rank, as in an
+    uncompressed allreduce (a loss scaler then skips the step everywhere).
+
+    >>> half, finite = to_half_saturated(torch.tensor([1.0, 1e6, -1e6]), world=2)
+    >>> half.dtype, half.tolist(), finite
+    (torch.float16, [0.5, 32720.0, -32720.0], True)
+    >>> to_half_saturated(torch.tensor([1.0, float("inf")]), world=2)[0].tolist()
+    [0.5, inf]
+    """
+    finite = all_finite(x)
+    y = x.to(torch.float32) / world   # a new tensor: x is left as it was
+    bound = half_bound(world)
+    if finite:
+        y.clamp_(-bound, bound)
+    else:   # the rare path: clamp would turn +-inf into +-bound
+        y = torch.where(torch.isfinite(y), y.clamp(-bound, bound), y)
+    return y.to(torch.float16), finite

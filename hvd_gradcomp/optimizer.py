@@ -9,7 +9,9 @@ gradient takes (see :mod:`hvd_gradcomp.exchange`):
 * sparse payloads travel by allgather, QSGD by a compressed allreduce (alltoall + allgather);
 * tensors smaller than ``min_compress_numel`` (biases, norms) are not compressed and go
   in one fused allreduce per dtype, started from the hook of the last of them (or at
-  ``synchronize()`` in a step where one has no gradient).
+  ``synchronize()`` in a step where one has no gradient); with one of our compressors, float32
+  ones (and those matched by its ``exclude=``) travel as float16 with error feedback of the
+  cast (the compressor's ``exempt="fp16"``, :class:`~hvd_gradcomp.exchange.HalfExchange`).
 
 Example::
 
@@ -46,10 +48,11 @@ import torch
 
 from . import kernels
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
-from .exchange import DenseExchange, JoinGuard, Pending, SparseExchange, choose_exchange
+from .exchange import DenseExchange, HalfExchange, JoinGuard, Pending, SparseExchange, choose_exchange
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from .stats import ByteStats
 
+_HALF = "fp16"   # the fused allreduce of the tensors sent as float16 (see _start_fused)
 
 
 class _GradCompOptimizer(torch.optim.Optimizer):
@@ -81,6 +84,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._compressed = choose_exchange(compression, op, process_set, self._join)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
+        self._half = HalfExchange(compression, op, process_set) if isinstance(compression, GradientCompressor) \
+            else None
         self._sparse = SparseExchange(op, process_set)
         self._delay: Dict[torch.Tensor, int] = {}
         self._pending: Dict[torch.Tensor, Pending] = {}
@@ -234,24 +239,32 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         return bool(torch.stack([c.to(exact[0].device) for c in exact]).all())
 
     def _start_fused(self, params: List[torch.Tensor]) -> List[Tuple[List[torch.Tensor], Pending]]:
-        """One allreduce per dtype for all small tensors: fewer, larger messages."""
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        """One allreduce per dtype for all small tensors: fewer, larger messages. Those the
+        compressor sends as float16 (:meth:`GradientCompressor.sends_half`) form their own."""
+        groups: Dict[str, List[torch.Tensor]] = {}
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
+            half = self._half is not None and self.compression.sends_half(
+                self._parameter_names[p], p.grad.dtype, p.numel() < self.min_compress_numel)
+            groups.setdefault(_HALF if half else str(p.grad.dtype).replace("torch.", ""), []).append(p)
         fused = []
-        for dtype, ps in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([p.grad.reshape(-1) for p in ps])
-            pending = self._dense.start(f"fused.{dtype}".replace("torch.", ""), flat)
-            self._record(pending.name, flat.numel() * flat.element_size(), pending.bytes_sent)
+        for key, ps in sorted(groups.items()):   # the same order on every rank
+            raw = sum(p.numel() * p.element_size() for p in ps)
+            if key == _HALF:
+                pending = self._half.start(f"fused.{key}", [(self._parameter_names[p], p.grad) for p in ps])
+                pending.extra["half"] = True
+            else:
+                pending = self._dense.start(f"fused.{key}", torch.cat([p.grad.reshape(-1) for p in ps]))
+            self._record(pending.name, raw, pending.bytes_sent)
             fused.append((ps, pending))
         return fused
 
     def _finish_fused(self, fused: List[Tuple[List[torch.Tensor], Pending]]) -> None:
         for ps, pending in fused:
+            road = self._half if pending.extra.get("half") else self._dense
             flat = torch.empty(sum(p.numel() for p in ps), dtype=pending.dtype, device=ps[0].device)
-            self._dense.finish(pending, flat)
+            road.finish(pending, flat)
             offset = 0
             for p in ps:
                 n = p.numel()

@@ -31,6 +31,8 @@ payload moves more than the dense one, however small it is. :func:`crossover_ran
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
@@ -152,12 +154,15 @@ def link_from_probe(ranks: int, small_s: float, large_s: float, large_numel: int
     Link(bandwidth=500000000.0, latency=0.0005)
     >>> link_from_probe(2, 0.001, 0.081, 10_000_000, fp16_s=0.161).roads    # 20 MB in 160 ms
     {'fp16': 125000000.0}
+    >>> link_from_probe(1, 0.0, 0.0, 10_000_000).bandwidth    # one rank: nothing crosses a link
+    inf
     """
     steps = max(rounds(DENSE, ranks), 1)
     roads = {}
 
     def rate(nbytes: float, seconds: float) -> float:
-        return nbytes / max(seconds - small_s, 1e-9)
+        # One rank sends nothing: every road is free, so the codec cost alone decides (dense).
+        return math.inf if nbytes == 0 else nbytes / max(seconds - small_s, 1e-9)
 
     if fp16_s is not None:
         roads[FP16] = rate(wire_bytes(FP16, ranks, large_numel), fp16_s)

@@ -70,7 +70,7 @@ def test_horovodrun_and_programs(tmp_path: Path) -> None:
     topkqsgd = next(s for s in bplan.SPEED_SETTINGS if s.key == "topkqsgd")
     prog = bplan.speed_program(plan, topkqsgd, tmp_path / "o.json")
     assert prog[1].endswith("examples/synthetic_benchmark.py")
-    assert prog[2:] == ["--params", "2.5e+07", "--batch-size", "4", "--warmup", "3", "--iters", "10", "--seed", "0",
+    assert prog[2:] == ["--params", "2.5e+07", "--batch-size", "4", "--warmup", "3", "--iters", "10", "--min-seconds", "12", "--seed", "0",
                         "--label", "TopKQSGD(1%, 8)", "--json", str(tmp_path / "o.json"),
                         "--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8"]
     noef = next(s for s in bplan.CONVERGENCE_SETTINGS if s.key == "topkqsgd-noef")

@@ -63,7 +63,7 @@ def test_command_lines_are_exact(tmp_path: Path) -> None:
     out = tmp_path / "x.json"
     prog = bddp.speed_program(plan, bddp.SPEED_SETTINGS[2], out)
     assert prog[1:] == [str(bddp.BENCH_DDP), "--settings", "powersgd-1", "--params", "2.5e+07", "--batch-size", "4",
-                        "--warmup", "3", "--iters", "10", "--json", str(out)]
+                        "--warmup", "3", "--iters", "10", "--min-seconds", "12", "--json", str(out)]
     prog = bddp.convergence_program(plan, bddp.CONVERGENCE_SETTINGS[3], 8, out)
     assert prog[1:] == [str(bddp.TRAIN_DDP), "--steps", "800", "--lr", "0.1", "--cosine", "--seed", "8",
                         "--eval-every", "100", "--log-every", "800", "--out", str(out),

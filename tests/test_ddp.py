@@ -27,7 +27,7 @@ ONE_STEP_TOL = {"topkqsgd": 0.6, "qsgd8": 0.1, "qsgd4": 0.8}
 SCENARIOS: Dict[str, Dict[str, Any]] = {
     "none": {"fn": "one_step", "kind": "none"},
     "fp16": {"fn": "one_step", "kind": "fp16"},
-    "topk-all": {"fn": "one_step", "kind": "topk", "ratio": 1.0},
+    "topk-all": {"fn": "one_step", "kind": "topk", "ratio": 1.0, "exempt": "fp32"},
     "topkqsgd": {"fn": "one_step", "kind": "topkqsgd", "ratio": 0.05},
     "qsgd8": {"fn": "one_step", "kind": "qsgd", "bits": 8},
     "qsgd4": {"fn": "one_step", "kind": "qsgd", "bits": 4},
@@ -44,12 +44,13 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "ckpt-topkqsgd-frozen": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "bind": True, "adamw": True},
     "momentum": {"fn": "momentum"},
     "options-none": {"fn": "ddp_options", "kind": "none"},
-    "options-topk-all": {"fn": "ddp_options", "kind": "topk", "ratio": 1.0},
+    "options-topk-all": {"fn": "ddp_options", "kind": "topk", "ratio": 1.0, "exempt": "fp32"},
     "options-qsgd8": {"fn": "ddp_options", "kind": "qsgd", "bits": 8},
     "nonfinite-topkqsgd": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05},
     "nonfinite-qsgd": {"fn": "nonfinite", "kind": "qsgd", "bits": 8},
     "errors": {"fn": "errors"},
     "frozen": {"fn": "frozen"},
+    "exempt": {"fn": "exempt"},
 }
 
 
@@ -188,6 +189,32 @@ def test_adamw_gets_frozen_variance_and_it_is_exact_at_ratio_one(battery):
     r0 = battery["frozen"][0]
     assert r0["sent_bytes"][0] == r0["raw_bytes"]            # warm-up: everything dense
     assert r0["sent_bytes"][-1] != r0["raw_bytes"]           # then the weights go through TopK
+
+
+@pytest.mark.parametrize("label", ["mixed", "alone"])
+def test_exempt_tensors_travel_as_float16_with_error_feedback(battery, label):
+    """Issue 9: a tensor under min_compress_numel, beside compressed ones in a bucket (``mixed``) or in
+    a bucket with nothing compressed (``alone``): its average is float16 arithmetic done independently
+    (bit-exact), identical on every rank, never inf although values reach 2e6, and what arrived plus
+    what the ranks still owe is the sum of the true averages; 2 bytes a value are counted. A NaN/Inf
+    on rank 1 reaches every rank where it was (as uncompressed: the dense part of a bucket is not
+    blanked with its compressed part) and never enters rank 1's residual."""
+    for rank, r in enumerate(battery["exempt"]):
+        res = r[label]
+        assert res["identical"] and res["first_exact"], res
+        assert res["received_finite"] and res["owed_max"] > 1e5, "values beyond float16 must be delayed, not lost"
+        assert res["err_over_tol"] <= 1.0, res
+        assert res["bytes"] == [4 * 10 * 5, 2 * 10 * 5] and res["dense_bytes"] == 0, res
+        assert res["compressed"] == (["big"] if label == "mixed" else []), res
+        assert res["nonfinite_where"] == [3, 4], res
+        if rank == 1:
+            assert res["residual_kept"], "a non-finite gradient must not enter the residual"
+
+
+def test_exempt_biases_of_a_real_model_are_float16_arithmetic(battery):
+    for r in battery["exempt"]:
+        assert r["net"]["exact"], r["net"]
+        assert r["net"]["bytes"] == [4 * r["net"]["small_numel"], 2 * r["net"]["small_numel"]]
 
 
 def test_killed_rank_ends_the_job_nonzero_in_bounded_time():

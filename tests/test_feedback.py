@@ -270,6 +270,54 @@ def test_reused_residual_buffers_change_no_result(name, tracked):
             assert "w" in fast.residuals._spare, f"step {step}: the retired residual was not kept for reuse"
 
 
+def _no_reuse(policy):
+    """``policy`` with the buffer reuse of its velocity-type stores switched off (the reference)."""
+    policy._buffer = lambda store, name, like: torch.empty_like(like)
+    policy._retire = lambda store, name, old: None
+    return policy
+
+
+@pytest.mark.parametrize("tracked", [False, True], ids=["untracked", "rounds"])
+@pytest.mark.parametrize("key", ["momentum", "frozen"])
+def test_reused_policy_buffers_change_no_result(key, tracked):
+    """Momentum correction and frozen variance reuse retired velocity/delivered buffers on CPU;
+    payloads, residuals, velocities and what the optimizer gets stay those of a policy that
+    allocates afresh, also across a step undone for overflow."""
+    def build():
+        p = torch.nn.Parameter(torch.zeros(4096))
+        opt = (torch.optim.SGD([p], lr=0.1, momentum=0.9) if key == "momentum"
+               else torch.optim.AdamW([p], lr=1e-2))
+        c = TopKQSGD(ratio=0.05, bits=8, seed=4, feedback=key if key == "momentum" else
+                     __import__("hvd_gradcomp").FrozenVariance(warmup=1))
+        if tracked:
+            c._claim(opt, 2)
+        c.attach(opt, {p: "w"})
+        if key == "frozen":  # the dense warm-up: one exact AdamW step
+            p.grad = torch.randn(4096, generator=gen(99))
+            opt.step()
+        return c
+    fast, slow = build(), build()
+    _no_reuse(slow.feedback)
+    reused = 0
+    for step in range(6):
+        g = torch.randn(4096, generator=gen(step))
+        a, b = fast.compress_named("w", g), slow.compress_named("w", g)
+        assert torch.equal(a, b), f"step {step}: payloads differ"
+        avg_a, avg_b = fast.decode(a).reshape(-1), slow.decode(b).reshape(-1)
+        if step == 3 and tracked:  # an overflow step a loss scaler skips: undone on both
+            avg_a[0] = avg_b[0] = float("inf")
+        fast.received("w", avg_a)
+        slow.received("w", avg_b)
+        assert torch.equal(avg_a, avg_b), f"step {step}: the optimizer would get different gradients"
+        if tracked:
+            fast.end_round(not (step == 3))
+            slow.end_round(not (step == 3))
+        assert torch.equal(fast.residuals.residual("w"), slow.residuals.residual("w")), f"step {step}"
+        assert torch.equal(fast.feedback.velocity["w"], slow.feedback.velocity["w"]), f"step {step}"
+        reused += bool(fast.feedback._spares)
+    assert reused >= 4, "retired velocity buffers were not kept for reuse"
+
+
 def test_a_held_residual_is_never_reused():
     """A residual someone still reads (or a view of it) keeps its values after later steps."""
     c = TopK(ratio=0.1, seed=0)
@@ -282,3 +330,31 @@ def test_a_held_residual_is_never_reused():
     for step in range(2, 6):
         c.compress_named("w", torch.randn(1000, generator=gen(step)))
     assert torch.equal(mine, snapshot) and torch.equal(view, view_snapshot)
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.3])
+def test_momentum_correction_on_a_sparse_support_equals_the_dense_rewrite(dampening):
+    """Told where the average is nonzero (a sparse exchange), momentum correction keeps D_t
+    sparse; what the optimizer gets and the checkpoint are those of the dense rewrite."""
+    from hvd_gradcomp.feedback import MomentumCorrection
+
+    dense, sparse = MomentumCorrection(0.9, dampening), MomentumCorrection(0.9, dampening)
+    for step in range(5):
+        g = gen(step)
+        support = torch.randperm(1000, generator=g)[:37]
+        support = torch.cat([support, support[:5]])   # two ranks sent these: repeated
+        avg = torch.zeros(1000)
+        avg[support[:37]] = torch.randn(37, generator=g)
+        a, b = avg.clone(), avg.clone()
+        dense.received("w", a)
+        sparse.received("w", b, support)
+        assert torch.equal(a, b), f"step {step}"
+    sd, ss = dense.state_dict(), sparse.state_dict()
+    assert torch.equal(sd["delivered"]["w"], ss["delivered"]["w"])
+    resumed = MomentumCorrection(0.9, dampening)
+    resumed.load_state_dict(ss)
+    x = torch.randn(1000, generator=gen(9))
+    y = x.clone()
+    resumed.received("w", x)
+    dense.received("w", y)
+    assert torch.equal(x, y)

@@ -393,6 +393,32 @@ def test_overflow_step_undoes_residuals_velocity_and_relay():
     assert torch.equal(c.feedback.delivered["w"], delivered)
 
 
+def test_momentum_correction_starts_with_a_sparsity_warmup():
+    """Momentum correction (the default for SGD with momentum) sends a share falling from 25% to
+    the ratio over its first ``sparsity_warmup`` steps, per tensor; 0 or a ratio schedule of the
+    user's own turns it off; the setting is checkpointed (old checkpoints resume without one)."""
+    p = torch.zeros(4000, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    c = TopK(ratio=0.01, feedback=gc.feedback.MomentumCorrection(sparsity_warmup=4), seed=0)
+    c.attach(opt, {p: "w"})
+    sent = [c.decode_parts(c.compress_named("w", torch.randn(4000, generator=gen(s))))[0].numel() for s in range(6)]
+    assert sent == [1000, 448, 200, 90, 40, 40], sent   # ceil(4000 * 0.25 * 0.04 ** (s / 4))
+    auto = TopK(ratio=0.01)
+    auto.attach(opt, {p: "w"})
+    assert auto.feedback.key == "momentum" and auto.ratio_at(0) == 0.25
+    assert auto.feedback.sparsity_warmup == gc.feedback.SPARSITY_WARMUP
+    assert TopK(ratio=0.01, feedback=gc.feedback.MomentumCorrection(sparsity_warmup=0)).ratio_at(0) == 0.01
+    assert TopK(ratio=gc.SparsityWarmup(0.01, steps=0), feedback="momentum").ratio_at(0) == 0.01
+    state = c.feedback.state_dict()
+    assert state["sparsity_warmup"] == 4
+    old = {k: v for k, v in state.items() if k != "sparsity_warmup"}
+    resumed = gc.feedback.MomentumCorrection()
+    resumed.load_state_dict(old)
+    assert resumed.sparsity_warmup == 0
+    with pytest.raises(ValueError, match="sparsity_warmup must be an int >= 0"):
+        gc.feedback.MomentumCorrection(sparsity_warmup=2.5)
+
+
 def test_frozen_variance_sparsity_warmup_follows_the_dense_warmup():
     """After the dense warm-up the share sent falls from 25% to the ratio over ``sparsity_warmup``
     compressed steps (per tensor), then stays; a ratio schedule of the user's own takes precedence."""

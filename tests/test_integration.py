@@ -40,6 +40,8 @@ def _gradient_scenarios(_):
                for k, (kind, kw) in COMPRESSORS.items()})
     sc["ours-topk-sum"] = {"fn": "compressed_gradient", "kind": "topk", "op": "sum", "ratio": 0.05}
     sc["ours-qsgd-sum"] = {"fn": "compressed_gradient", "kind": "qsgd", "op": "sum", "bits": 8}
+    sc.update({f"exempt-{road}-{op}": {"fn": "exempt_half", "stock": road == "stock", "op": op}
+               for road in ("ours", "stock") for op in ("average", "sum")})
     sc["errors"] = {"fn": "stock_errors"}
     sc["noise"] = {"fn": "independent_noise"}
     return sc
@@ -57,8 +59,11 @@ def _bytes_scenarios(_):
 
 
 def _checkpoint_scenarios(tmp_path_factory):
-    return {kind: {"fn": "checkpoint_resume", "kind": kind, "ckpt_dir": str(tmp_path_factory.mktemp(kind))}
-            for kind in ("topkqsgd", "qsgd", "topk", "none")}
+    sc = {kind: {"fn": "checkpoint_resume", "kind": kind, "ckpt_dir": str(tmp_path_factory.mktemp(kind))}
+          for kind in ("topkqsgd", "qsgd", "topk", "none")}
+    sc["topkqsgd-stock"] = {"fn": "checkpoint_resume", "kind": "topkqsgd", "stock": True,
+                            "ckpt_dir": str(tmp_path_factory.mktemp("topkqsgd-stock"))}
+    return sc
 
 
 SCENARIOS = {"gradient": _gradient_scenarios, "accumulation": _accumulation_scenarios,
@@ -134,13 +139,34 @@ def test_bytes_handed_to_horovod_match_ratio(backend, case):
             assert r["compressor_ratio"] >= min_ratio, r
 
 
-@pytest.mark.parametrize("kind", ["topkqsgd", "qsgd", "topk", "none"])
+@pytest.mark.parametrize("kind", ["topkqsgd", "qsgd", "topk", "none", "topkqsgd-stock"])
 def test_checkpoint_resume_is_identical(backend, kind, tmp_path_factory):
-    """(d) stop, save per-rank state, rebuild everything, resume == never stopped."""
+    """(d) stop, save per-rank state, rebuild everything, resume == never stopped; the biases'
+    float16 road (exempt="fp16") is checkpointed with the rest."""
     for r in battery(backend, "checkpoint", tmp_path_factory)[kind]:
         assert r["moved"] > 1e-3, "training did not change the parameters: the test would prove nothing"
         assert r["identical"], f"resumed run differs by {r['max_diff']}"
         assert r["optimizer_steps"] == 6
+        if kind != "none":
+            assert r["half_residuals"] == {"fc1.bias": 128, "fc2.bias": 10}, r["half_residuals"]
+
+
+@pytest.mark.parametrize("road", ["ours", "stock"])
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_exempt_tensors_travel_as_float16_with_error_feedback(backend, road, op):
+    """Issue 9: a tensor under min_compress_numel, on hvd_gradcomp.DistributedOptimizer (the fused
+    allreduce) and inside stock hvd.DistributedOptimizer: its average is float16 arithmetic done
+    independently (bit-exact), identical on every rank, never inf although values reach 2e6
+    (beyond float16), and over the steps what arrived plus what the ranks still owe is the sum of
+    the true averages; 2 bytes a value are counted; a NaN/Inf on one rank arrives on every rank
+    and the step's residuals are put back."""
+    for r in battery(backend, "gradient")[f"exempt-{road}-{op}"]:
+        assert r["identical"] and r["first_exact"], r
+        assert r["received_finite"] and r["owed_max"] > 1e5, "values beyond float16 must be delayed, not lost"
+        assert r["err_over_tol"] <= 1.0, r
+        assert r["bytes"] == [4 * 10 * 5, 2 * 10 * 5], r["bytes"]   # 5 steps of 10 float32 values, as float16
+        assert r["fp32_fused"] == []
+        assert r["nonfinite_where"] == [3, 4] and r["rolled_back"], r
 
 
 @pytest.mark.parametrize("mode", ["raise", "kill"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
@@ -11,6 +12,24 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 
 from benchmarks.study.tasks import TASKS, Task, evaluate, lr_factor
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def code_version() -> str:
+    """The checkout's commit, ``+changes`` when the code that trains (the library, the study,
+    the examples) differs from it, so that a page mixing runs of several code versions says so;
+    "unknown" outside a git checkout. Results files changing (a rerun) do not count."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return "unknown"
+        changed = git("diff", "--quiet", "HEAD", "--", "hvd_gradcomp", "benchmarks/study", "examples").returncode
+        return head.stdout.strip() + ("+changes" if changed else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def train(task: Task, optimizer: Any, one_step: Callable[[], None], step_bytes: Callable[[], int],
@@ -45,7 +64,7 @@ def record(task: Task, task_name: str, setting: str, label: str, seed: int, rank
             "feedback": getattr(getattr(compression, "feedback", None), "key", None),
             "val_loss": evals[-1]["val_loss"], "val_accuracy": evals[-1]["val_accuracy"], "evals": evals,
             "raw_bytes_per_step": raw, "bytes_second_half": sum(half) / len(half),
-            "ratio_second_half": raw * len(half) / max(1, sum(half)), "wall_s": wall}
+            "ratio_second_half": raw * len(half) / max(1, sum(half)), "wall_s": wall, "code": code_version()}
 
 
 def main(doc: str, settings_table: Dict[str, Any], defaults: Sequence[str], init: Callable[[], None],

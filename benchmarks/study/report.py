@@ -5,7 +5,7 @@ import datetime
 import json
 import platform
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -24,7 +24,7 @@ TASK_TEXT = {
                 "`hvd_gradcomp.DistributedOptimizer`",
 }
 ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tq1", "tq01", "tq1-classic", "tq1-update", "tq1-momentum",
-         "tq1-spw"]
+         "tq1-nospw"]
 
 
 def load(out: Path) -> Dict[Tuple[str, str], List[dict]]:
@@ -158,6 +158,8 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         f"2 ranks (Gloo) on one machine, Python {platform.python_version()}, {versions}, 1 thread per rank. "
         f"Planned: {planned} runs; finished: {n_runs}. Each row lists the seeds it has.",
         "",
+        versions_line(runs),
+        "",
         "Every compressed row uses the library as the README shows it: `compression=...` in the "
         "DistributedOptimizer, nothing else. The column *feedback (auto)* is the error-feedback policy the "
         "library chose from the wrapped optimizer (`feedback=\"auto\"`, see `hvd_gradcomp/feedback.py`); "
@@ -186,6 +188,20 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         plot(task, runs, docs / "img" / f"study_{task}.png")
     lines += choice_section(docs)
     (docs / "STUDY.md").write_text("\n".join(lines) + "\n")
+
+
+def versions_line(runs: Dict[Tuple[str, str], List[dict]]) -> str:
+    """Which code versions (commits) produced the runs: reruns after a change keep the rest.
+
+    >>> versions_line({("t", "a"): [{"code": "abc"}, {}], ("t", "b"): [{"code": "abc"}]})
+    'Code versions of the runs (`git describe` of the checkout): abc: 2 runs; before the version was recorded: 1 run.'
+    """
+    counts = Counter(r.get("code") for v in runs.values() for r in v)
+    parts = [f"{c}: {n} run{'s' if n != 1 else ''}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1])
+             if c is not None]
+    if counts.get(None):
+        parts.append(f"before the version was recorded: {counts[None]} run{'s' if counts[None] != 1 else ''}")
+    return "Code versions of the runs (`git describe` of the checkout): " + "; ".join(parts) + "."
 
 
 def _shown(path: Path) -> str:

@@ -31,8 +31,9 @@ SETTINGS = {
     "tq1-momentum": ("TopKQSGD(1%, 8), momentum correction",
                      lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
     "tq1-update": ("TopKQSGD(1%, 8), compress the update", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="update")),
-    "tq1-spw": ("TopKQSGD(1%, 8), sparsity warm-up 100", lambda: gc.TopKQSGD(ratio=gc.SparsityWarmup(0.01, steps=100),
-                                                                            bits=8)),
+    # Momentum correction's default sparsity warm-up switched off: the default before it was one.
+    "tq1-nospw": ("TopKQSGD(1%, 8), no sparsity warm-up",
+                  lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.MomentumCorrection(sparsity_warmup=0))),
 }
 DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic")
 

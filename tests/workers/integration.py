@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import hvd_gradcomp as gc
 from hvd_gradcomp.compressors import qsgd_ef_scale
+from hvd_gradcomp.kernels import half_bound
 from hvd_gradcomp.stats import ByteStats  # noqa: F401  (documented attribute types)
 
 IN, HIDDEN, OUT = 64, 128, 10   # fc1.weight 8192 and fc2.weight 1280 elements: compressed
@@ -96,17 +97,24 @@ def error_bound(kind: str, g: torch.Tensor, op: Any, kw: Dict[str, Any], stock: 
     gradient for TopK kinds. QSGD moves each value by less than one level, norm/s, per
     quantisation; the compressed allreduce quantises twice (each rank's chunk, then the
     reduced chunk), and a bucket's norm is at most the tensor's norm. fp16: relative 2**-11.
+    Our compressors send tensors below min_compress_numel as float16 (exempt="fp16"): divided
+    by the ranks and cast (one rounding), summed in float16 (one more), divided by the ranks in
+    float16 by Horovod's Average on the stock road (one more); below float16's normal range a
+    rounding moves a value by up to 2**-25 of the ranks' scale.
     """
     scale = hvd.size() if op == hvd.Sum else 1
     if g.numel() < 1024:  # below min_compress_numel: uncompressed on both wrappers (fp16 still casts)
-        kind = "fp16" if kind == "fp16" else "none"
+        kind = "fp16" if kind == "fp16" else "exempt" if kind != "none" else "none"
+    gmax = hvd.allreduce(g.abs().max().reshape(1), op=hvd.Max).item()
+    if kind == "exempt":
+        return scale * (3 * gmax * 2 ** -11 + 3 * hvd.size() * 2 ** -24) + 1e-7
     gmax_norm = hvd.allreduce(g.norm().reshape(1), op=hvd.Max).item()
     if kind in ("qsgd", "topkqsgd"):
         s = 2 ** (kw.get("bits", 8) - 1) - 1
         stages = 2 if kind == "qsgd" else 1
         return scale * stages * gmax_norm / s * 1.0001 + 1e-7
     if kind == "fp16":
-        return scale * 2 * hvd.allreduce(g.abs().max().reshape(1), op=hvd.Max).item() * 2 ** -10 + 1e-7
+        return scale * 2 * gmax * 2 ** -10 + 1e-7
     return 1e-6 * scale
 
 
@@ -190,7 +198,8 @@ def bytes_per_step(kind: str, **kw: Any) -> Dict[str, Any]:
     model(x).pow(2).mean().backward()
     opt.step()
     big = [n for n, p in model.named_parameters() if p.numel() >= 1024]
-    small_bytes = sum(p.numel() * 4 for p in model.parameters() if p.numel() < 1024)
+    # Our compressors send the small float32 tensors as float16 (exempt="fp16"): 2 bytes a value.
+    small_bytes = sum(p.numel() * (2 if comp is not None else 4) for p in model.parameters() if p.numel() < 1024)
     raw_big = sum(p.numel() * 4 for n, p in model.named_parameters() if n in big)
     sent_big = sum(opt.comm_stats.per_tensor[n][1] for n in big)
     comp_ratio = None
@@ -209,32 +218,35 @@ def _train(model, acc, steps: int, start: int, n: int) -> None:
             acc.backward(F.cross_entropy(model(x), y))
 
 
-def _fresh(kind: str, n: int):
+def _fresh(kind: str, n: int, stock: bool = False):
     model = make_model()
     # Adam's default policy ("frozen") is dense for 100 steps: freeze after 2, so the checkpoint
-    # (after 3) holds the frozen second moment, the velocities and the residuals.
+    # (after 3) holds the frozen second moment, the velocities and the residuals (the biases':
+    # those of their float16 road, exempt="fp16").
     frozen = {"feedback": gc.FrozenVariance(warmup=2)} if kind in ("topk", "topkqsgd") else {}
     comp = make_compressor(kind, seed=7, **frozen) if kind != "none" else None
-    opt = gc.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                  named_parameters=model.named_parameters(), compression=comp,
-                                  backward_passes_per_step=n)
+    wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+               compression=comp or hvd.Compression.none, backward_passes_per_step=n)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     return model, opt, gc.GradientAccumulator(opt, steps=n, micro_batch=8)
 
 
-def checkpoint_resume(kind: str, ckpt_dir: str, n: int = 2, steps: int = 6) -> Dict[str, Any]:
+def checkpoint_resume(kind: str, ckpt_dir: str, n: int = 2, steps: int = 6, stock: bool = False) -> Dict[str, Any]:
     """Uninterrupted run vs a run stopped at steps/2, saved, rebuilt from scratch and resumed."""
-    model, _, acc = _fresh(kind, n)
+    model, _, acc = _fresh(kind, n, stock)
     _train(model, acc, steps, 0, n)
     straight = [p.detach().clone() for p in model.parameters()]
 
-    model, _, acc = _fresh(kind, n)
+    model, _, acc = _fresh(kind, n, stock)
     _train(model, acc, steps // 2, 0, n)
     path = os.path.join(ckpt_dir, f"ckpt-rank{hvd.rank()}.pt")
     torch.save({"model": model.state_dict(), "acc": acc.state_dict()}, path)
+    owed = {k: v.numel() for k, v in acc.state_dict()["compression"]["half"]["residuals"].items()} \
+        if kind != "none" else {}
     del model, acc
-    model, _, acc = _fresh(kind, n)       # new objects, new (same-seeded) compressor
+    model, _, acc = _fresh(kind, n, stock)       # new objects, new (same-seeded) compressor
     state = torch.load(path)
     model.load_state_dict(state["model"])
     acc.load_state_dict(state["acc"])
@@ -243,7 +255,76 @@ def checkpoint_resume(kind: str, ckpt_dir: str, n: int = 2, steps: int = 6) -> D
     moved = max((a - b).abs().max().item() for a, b in zip(straight, make_model().parameters()))
     return {"identical": all(torch.equal(a, b) for a, b in zip(straight, resumed)),
             "max_diff": max((a - b).abs().max().item() for a, b in zip(straight, resumed)),
-            "moved": moved, "optimizer_steps": acc.optimizer_steps}
+            "moved": moved, "optimizer_steps": acc.optimizer_steps, "half_residuals": owed}
+
+
+# ---------------------------------------------------------------- exempt tensors as float16 (issue 9)
+SMALL_VALUES = [1e6, -3e5, 70000.0, 1.0, -0.25, 1e-3, 3e-5, 1e-7, -2e-9, 0.0]
+
+
+def exempt_half(stock: bool = False, op: str = "average", steps: int = 4) -> Dict[str, Any]:
+    """A 10-value parameter (under min_compress_numel: exempt="fp16") given chosen gradients, from
+    beyond float16's range to below its resolution, beside a compressed one, for ``steps`` steps,
+    then a step where rank 1's gradient holds NaN and Inf. Returns what the test checks: the
+    first average bit-exact against float16 arithmetic done here, identical on every rank, the
+    sum of the averages plus what the ranks still owe against the sum of the true averages, the
+    bytes counted, and the non-finite step (NaN/Inf everywhere, residuals put back)."""
+    size, rank = hvd.size(), hvd.rank()
+    small, big = torch.nn.Parameter(torch.zeros(len(SMALL_VALUES))), torch.nn.Parameter(torch.zeros(2048))
+    comp = gc.TopKQSGD(ratio=0.05, bits=8, seed=3)
+    hvd_op = hvd.Average if op == "average" else hvd.Sum
+    scale = size if op == "sum" else 1
+    wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
+    tag = f"{'stock' if stock else 'ours'}-{op}"
+    opt = wrap(torch.optim.SGD([small, big], lr=0.0), named_parameters=[(f"{tag}.small", small), (f"{tag}.big", big)],
+               compression=comp, op=hvd_op)
+    d = torch.randn(2048, generator=torch.Generator().manual_seed(rank))
+    got, true, identical, tol = torch.zeros(len(SMALL_VALUES), dtype=torch.float64), None, True, None
+    first_exact = None
+    for step in range(steps + 1):
+        c = torch.tensor(SMALL_VALUES) * (1 + rank) * (1 + 0.1 * step)
+        if step == steps and rank == 1:
+            c[3], c[4] = float("nan"), float("inf")
+        owed_before = comp.half_residuals.residual(f"{tag}.small")
+        owed_before = None if owed_before is None else owed_before.clone()
+        opt.zero_grad()
+        ((small * c).sum() + (big * d).sum()).backward()
+        opt.synchronize()
+        avg = small.grad.detach().double().clone()
+        with opt.skip_synchronize():
+            opt.step()
+        identical = identical and all_ranks_equal(torch.nan_to_num(avg, nan=7.0, posinf=8.0, neginf=9.0))
+        if step == steps:   # the non-finite step
+            owed_after = comp.half_residuals.residual(f"{tag}.small")
+            return {"identical": identical, "first_exact": first_exact,
+                    "err_over_tol": ((got + owed - true).abs() / tol).max().item(),
+                    "owed_max": owed.abs().max().item(), "received_finite": bool(torch.isfinite(got).all()),
+                    "nonfinite_where": [i for i in range(len(SMALL_VALUES)) if not math.isfinite(avg[i])],
+                    "rolled_back": bool(torch.equal(owed_before, owed_after)),
+                    "bytes": list(comp.stats.per_tensor[f"{tag}.small"]) if stock else
+                    list(opt.comm_stats.per_tensor["fused.fp16"]),
+                    "fp32_fused": [k for k in getattr(opt, "comm_stats", ByteStats()).per_tensor if k.startswith("fused.f")
+                                   and k != "fused.fp16"]}
+        if step == 0:   # float16 arithmetic here: each rank's cast, the sum, Horovod's Average on the stock road
+            h = (c / size).clamp(-half_bound(size), half_bound(size)).half()
+            every = hvd.allgather(h.float().reshape(1, -1)).half()
+            s16 = every[0]
+            for r in range(1, size):
+                s16 = s16 + every[r]
+            expect = s16.float() * (size if stock or op == "sum" else 1)
+            if stock and op == "average":
+                expect = (s16.float() * (1.0 / size)).half().float() * size
+            first_exact = bool(torch.equal(avg.float(), expect))
+        true_avg = hvd.allreduce(c.double(), op=hvd_op)
+        got += avg
+        true = true_avg if true is None else true + true_avg
+        # The float16 sum (and the stock road's Average) round once each after the ranks' values
+        # met: at most 2**-11 of the value, or 2**-25 of the ranks' scale below float16's normal range.
+        # The float32 residuals round too: 2**-24 of their size, below 2**-22 of the running total.
+        step_tol = avg.abs() * 2 ** -10 + scale * size * 2 ** -23 + true_avg.abs() * (step + 1) * 2 ** -22
+        tol = step_tol if tol is None else tol + step_tol
+        owed = hvd.allreduce(comp.half_residuals.residual(f"{tag}.small").double(), op=hvd_op)
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------- (e) failures
