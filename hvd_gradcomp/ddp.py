@@ -62,7 +62,7 @@ from . import feedback as fb
 from . import kernels, settings, wire
 from .auto import Auto
 from .compressors import QSGD, GradientCompressor, TopKQSGD, payload_size
-from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sum_parts
+from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
 from .policy import DENSE, FP16, QSGD_AR, SPARSE
 from .stats import ByteStats
 
@@ -285,14 +285,15 @@ class GradCompState:
         return _Plan(tuple(compressed), tuple(dense))
 
     # ------------------------------------------------------------ feedback at the optimizer step
-    def _received(self, name: str, avg: torch.Tensor) -> None:
+    def _received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         """Hand the average of ``name`` to the feedback policy, now or, for a policy that moves
         the parameter itself, when the optimizer steps (not during backward: autograd, clipping
-        and a skipped step all expect the parameters to stay put until then)."""
+        and a skipped step all expect the parameters to stay put until then). ``support``: see
+        :func:`hvd_gradcomp.exchange.sparse_support`."""
         if self.compression.feedback.moves_parameters:
             self._at_step[name] = None
         else:
-            self.compression.received(name, avg)
+            self.compression.received(name, avg, support)
 
     def _apply_at_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: the deferred :meth:`_received` calls, on the averages DDP
@@ -502,7 +503,8 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
             for j, s in enumerate(plan.compressed):
                 parts = decode_payloads(comp, [per_rank[r][j] for r in range(world)], world, s.numel)
                 sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
-                state._received(s.name, s.view(buffer))  # momentum correction: what SGD should see
+                # momentum correction: what SGD should see
+                state._received(s.name, s.view(buffer), sparse_support(parts))
 
         return work.get_future(), decode
 

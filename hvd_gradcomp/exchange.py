@@ -337,7 +337,7 @@ class AllgatherExchange:
             self._decode(p)
         parts = p.extra.pop("parts")
         sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
-        self.compressor.received(p.name, out)
+        self.compressor.received(p.name, out, sparse_support(parts))
         p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
         p.finished = True
 
@@ -374,6 +374,21 @@ def decode_envelopes(compressor: GradientCompressor, envelopes: List[Envelope], 
     sent = [e.payload for e in envelopes if e.payload is not None]
     decoded = iter(decode_payloads(compressor, sent, len(sent), numel))
     return [(None, e.nan(numel)) if e.payload is None else next(decoded) for e in envelopes]
+
+
+def sparse_support(parts: Parts) -> Optional[torch.Tensor]:
+    """Every rank's sent indices, concatenated (repeats kept), when every part is sparse: outside
+    them the sum of ``parts`` is zero, so a feedback policy can rewrite the average there alone
+    (:meth:`hvd_gradcomp.feedback.Feedback.received`). None when a part is dense or non-finite.
+
+    >>> sparse_support([(torch.tensor([0, 4]), torch.ones(2)), (torch.tensor([4]), torch.ones(1))]).tolist()
+    [0, 4, 4]
+    >>> sparse_support([(None, torch.ones(5))]) is None
+    True
+    """
+    if not parts or any(idx is None for idx, _ in parts):
+        return None
+    return torch.cat([idx for idx, _ in parts])
 
 
 def is_average(op: Any) -> bool:
@@ -703,7 +718,7 @@ class FusedAllgatherExchange:
                     # The policy's rewrite too (momentum correction: a clone and two passes over the
                     # gradient), while backward goes on; not a policy that moves the parameter,
                     # which autograd may still need as it was.
-                    self.compressor.received(member.name, out)
+                    self.compressor.received(member.name, out, sparse_support(parts[i]))
                     member.extra["received"] = True
                 spent[i] += time.perf_counter() - t0
             if member is not caller:
@@ -748,7 +763,8 @@ class FusedAllgatherExchange:
         else:
             if not (summed and early is out):
                 sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
-            self.compressor.received(p.name, out)   # the feedback policy sees the average (issue 9)
+            # the feedback policy sees the average (issue 9)
+            self.compressor.received(p.name, out, sparse_support(parts))
         p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
         p.finished = True
 

@@ -293,7 +293,9 @@ def test_hvdgc_launch_torchrun_runs_the_ddp_example(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["steps"] == 12 and summary["ranks"] == 2
     assert summary["compression"].startswith("TopKQSGD(ratio=0.01")
-    assert summary["ratio"] > 20 and 0 < summary["bytes_per_step"] < 85_002 * 4 / 20
+    # SGD with momentum: momentum correction, whose first 100 steps are a sparsity warm-up (the
+    # share sent falls from 25% to 1%), so these 12 steps send ~1/5 of the values, 8-bit (~11x).
+    assert summary["ratio"] > 8 and 0 < summary["bytes_per_step"] < 85_002 * 4 / 8
     assert summary["val_loss"] < 2.3  # below chance level (ln 10 = 2.30) after 12 steps
 
 
