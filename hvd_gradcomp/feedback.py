@@ -59,6 +59,15 @@ def residual_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
+def spare_or_new(spare: Optional[torch.Tensor], shape: Tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """``spare`` (a retired buffer, see :meth:`ResidualStore._recycle`) if it has this shape,
+    dtype and device, else a new uninitialised contiguous tensor."""
+    if spare is not None and spare.shape == shape and spare.dtype == dtype and spare.device == device:
+        return spare
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def subtract_sent(acc: torch.Tensor, sent: Any) -> None:
     """acc -= what the payload carries (dense QSGD codes or sparse (indices, values)), in place.
 
@@ -131,21 +140,14 @@ class ResidualStore:
         self.check_shape(name, grad)
         res = self._residuals.get(name)
         flat = grad.reshape(-1)
-        out = self._buffer(name, flat.numel(), residual_dtype(grad.dtype), flat.device)
+        out = self.buffer(name, flat)
         marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k, total)
         return out, marked
 
     def buffer(self, name: str, flat: torch.Tensor) -> torch.Tensor:
         """An uninitialised flat tensor, of the residual dtype of ``flat``, to become the next
         residual of ``name`` (no residual shares it; see :meth:`_recycle`)."""
-        return self._buffer(name, flat.numel(), residual_dtype(flat.dtype), flat.device)
-
-    def _buffer(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The spare of ``name`` (see :meth:`_recycle`) if it fits, else a new tensor."""
-        spare = self._spare.pop(name, None)
-        if spare is not None and spare.numel() == numel and spare.dtype == dtype and spare.device == device:
-            return spare
-        return torch.empty(numel, dtype=dtype, device=device)
+        return spare_or_new(self._spare.pop(name, None), (flat.numel(),), residual_dtype(flat.dtype), flat.device)
 
     def _recycle(self, name: str, old: Optional[torch.Tensor]) -> None:
         """Keep ``old``, a residual that just left the store for good, as the buffer of the next
@@ -469,11 +471,7 @@ class _RoundUndo:
         value that one retired (:meth:`_replace`) if it fits. Why: on CPU a fresh gradient-sized
         tensor per step costs ~3x a pass into a warm one (its pages fault in), and momentum
         correction made three per tensor per step (see :meth:`ResidualStore._recycle`)."""
-        spare = (self._spares or {}).pop((store, name), None)
-        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype \
-                and spare.device == like.device:
-            return spare
-        return torch.empty_like(like, memory_format=torch.contiguous_format)
+        return spare_or_new((self._spares or {}).pop((store, name), None), like.shape, like.dtype, like.device)
 
     def _replace(self, store: str, name: str, value: Any) -> None:
         """``store[name] = value``. The value replaced is retired (the buffer of the next
@@ -643,7 +641,8 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
 
     def describe(self) -> str:
         m = "from the optimizer" if self.momentum is None else self.momentum
-        return f"momentum correction (DGC; momentum {m}, masking {'on' if self.masking else 'off'})"
+        return (f"momentum correction (DGC; momentum {m}, masking {'on' if self.masking else 'off'}, "
+                f"sparsity warm-up {self.sparsity_warmup} steps)")
 
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity),
