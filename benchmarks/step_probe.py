@@ -3,7 +3,14 @@
 Runs the synthetic benchmark unchanged and prints, on rank 0 after every step (warm-up
 included): wall and CPU milliseconds, system CPU, minor page faults (fresh pages the allocator
 touched), max RSS, and the tensors still alive (count and MB of their storages, found through
-``gc.get_objects()``). ``--garbage-at N,M`` (first argument) also runs a full collection under
+``gc.get_objects()``). ``--sync-breakdown`` (first argument) instead prints, on every rank after every step, where
+``synchronize()`` went: waiting on handles, decoding payloads, the scatter into ``p.grad``
+(zeroing included), the feedback policy's ``received``, the small tensors' fused allreduce,
+the finiteness check, ``end_round`` and the rest; how many fused groups were decoded there
+(the others were decoded during backward); and how late this rank entered ``synchronize()``
+after the first rank did (the ranks share one monotonic clock on one machine). At the end,
+rank by rank, the median of each over the steps after the warm-up.
+``--garbage-at N,M`` (first argument) also runs a full collection under
 ``gc.DEBUG_SAVEALL`` after steps N and M and prints what only the cyclic collector would have
 freed (object types; for each large tensor there, the chain of objects holding it).
 
@@ -18,6 +25,7 @@ import collections
 import gc
 import os
 import resource
+import statistics
 import sys
 import time
 from typing import Any, List, Set
@@ -64,7 +72,94 @@ def garbage_report(step: int) -> None:
         print(f"  {tuple(t.shape)} held by " + " <- ".join(chain), flush=True)
 
 
+PHASES = ("wait", "decode", "scatter", "received", "small", "finite", "end_round")
+
+
+class SyncBreakdown:
+    """Wraps the functions ``synchronize()`` calls and charges their seconds to phases (see module doc)."""
+
+    def __init__(self) -> None:
+        from hvd_gradcomp import compressors, exchange, optimizer
+        self.inside, self.now = False, collections.Counter()
+        self.rows: List[dict] = []
+        self.groups_in_sync = self.groups_early = 0
+        cls = optimizer._GradCompOptimizer
+        self._wrap(exchange, "wait_done", "wait")
+        self._wrap(exchange, "sum_parts", "scatter")
+        self._wrap(compressors.GradientCompressor, "decode_parts", "decode")
+        self._wrap(compressors.GradientCompressor, "received", "received")
+        self._wrap(compressors.GradientCompressor, "end_round", "end_round")
+        self._wrap(cls, "_finish_fused", "small")
+        self._wrap(cls, "_all_finite", "finite")
+        decode = exchange.FusedAllgatherExchange._decode
+
+        def counted(ex: Any, g: Any, caller: Any) -> Any:
+            if self.inside:
+                self.groups_in_sync += 1
+            else:
+                self.groups_early += 1
+            return decode(ex, g, caller)
+        exchange.FusedAllgatherExchange._decode = counted
+        self.sync = cls.synchronize
+
+    def _wrap(self, owner: Any, attr: str, phase: str) -> None:
+        fn = getattr(owner, attr)
+        is_static = isinstance(owner.__dict__.get(attr), staticmethod)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            if not self.inside:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.now[phase] += time.perf_counter() - t0
+        setattr(owner, attr, staticmethod(timed) if is_static else timed)
+
+    def install(self, opt: Any) -> None:
+        """Time ``opt.synchronize`` (the class is made per optimizer: patch the instance)."""
+        plain = type(opt).synchronize
+
+        def synchronize(o: Any) -> None:
+            t_enter = time.perf_counter()
+            self.inside, self.now = True, collections.Counter()
+            self.groups_in_sync = 0
+            try:
+                plain(o)
+            finally:
+                self.inside = False
+                total = time.perf_counter() - t_enter
+                row = {p: self.now[p] for p in PHASES}
+                row["other"] = total - sum(row.values())
+                row.update(total=total, enter=t_enter, in_sync=self.groups_in_sync, early=self.groups_early)
+                self.groups_early = 0
+                self.rows.append(row)
+        opt.synchronize = synchronize.__get__(opt)
+
+    def summary(self, skip: int) -> None:
+        """Every step's row, then the medians after ``skip`` warm-up steps. The ranks' entry times
+        are gathered here, once, not per step: a collective inside the step would time the ranks'
+        imbalance into the probe's own figures."""
+        enters = hvd.allgather_object([r["enter"] for r in self.rows], name="probe.enter")
+        for i, r in enumerate(self.rows):
+            r["late"] = r["enter"] - min(e[i] for e in enters)
+            print(f"SYNC rank {hvd.rank()} step {i + 1}: total {1e3 * r['total']:.1f} ms = "
+                  + ", ".join(f"{p} {1e3 * r[p]:.1f}" for p in (*PHASES, "other"))
+                  + f"; groups decoded in sync {r['in_sync']}, early {r['early']}; entered "
+                  f"{1e3 * r['late']:.1f} ms after the first rank", flush=True)
+        rows = self.rows[skip:]
+        if not rows:
+            return
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        print(f"SYNC MEDIAN rank {hvd.rank()} over {len(rows)} steps: total {1e3 * med['total']:.1f} ms = "
+              + ", ".join(f"{p} {1e3 * med[p]:.1f}" for p in (*PHASES, "other"))
+              + f"; groups in sync {med['in_sync']:g}, early {med['early']:g}; late {1e3 * med['late']:.1f} ms",
+              flush=True)
+
+
 def main(argv: List[str]) -> int:
+    if argv[:1] == ["--sync-breakdown"]:
+        return breakdown_main(argv[1:])
     garbage_at: Set[int] = set()
     if argv[:1] == ["--garbage-at"]:
         garbage_at, argv = {int(s) for s in argv[1].split(",") if s}, argv[2:]
@@ -89,6 +184,21 @@ def main(argv: List[str]) -> int:
 
     sb.StepTimer.step = step
     return sb.main(argv)
+
+
+def breakdown_main(argv: List[str]) -> int:
+    probe = SyncBreakdown()
+    make = sb.make_optimizer
+
+    def make_optimizer(*a: Any, **k: Any) -> Any:
+        opt = make(*a, **k)
+        probe.install(opt)
+        return opt
+
+    sb.make_optimizer = make_optimizer
+    rc = sb.main(argv)
+    probe.summary(skip=int(argv[argv.index("--warmup") + 1]) if "--warmup" in argv else 3)
+    return rc
 
 
 if __name__ == "__main__":

@@ -269,6 +269,23 @@ def test_finiteness_is_read_at_the_sparse_indices_only_where_that_is_exact() -> 
     assert finite_at_indices(gc.TopK(ratio=0.5, feedback="momentum"), parts[:1], out) is None
 
 
+def test_finiteness_from_the_values_bound_falls_back_to_the_sums_when_it_cannot_tell() -> None:
+    c = gc.TopK(ratio=0.5)
+    big = [(torch.tensor([0]), torch.tensor([3e38])), (torch.tensor([1]), torch.tensor([3e38]))]
+    # the values' magnitudes add up past float32's range, but no two meet: every sum is finite
+    assert bool(finite_at_indices(c, big, sum_parts(big, False, 4, torch.float32)))
+    same = [(torch.tensor([2]), torch.tensor([3e38])), (torch.tensor([2]), torch.tensor([3e38]))]
+    assert not bool(finite_at_indices(c, same, sum_parts(same, False, 4, torch.float32)))
+    assert bool(finite_at_indices(c, same, sum_parts(same, True, 4, torch.float32)))   # the average is finite
+    # float16 gradients: summed in float32, then cast; 40000 + 40000 overflows float16 (max 65504)
+    half = [(torch.tensor([1]), torch.tensor([4e4], dtype=torch.float16))] * 2
+    out = torch.empty(4, dtype=torch.float16)
+    assert not bool(finite_at_indices(c, half, sum_parts(half, False, 4, torch.float16, out=out)))
+    assert bool(finite_at_indices(c, half, sum_parts(half, True, 4, torch.float16, out=out)))
+    nan = [(torch.tensor([1]), torch.tensor([float("nan")]))]
+    assert not bool(finite_at_indices(c, nan, sum_parts(nan, True, 4, torch.float32)))
+
+
 class _Handles:
     """Horovod's allreduce_async/synchronize for JoinGuard, counting ranks still training."""
 
