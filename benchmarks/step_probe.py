@@ -72,7 +72,33 @@ def garbage_report(step: int) -> None:
         print(f"  {tuple(t.shape)} held by " + " <- ".join(chain), flush=True)
 
 
-PHASES = ("wait", "decode", "scatter", "received", "small", "finite", "end_round")
+PHASES = ("wait", "decode", "scatter", "received", "finite_at", "small", "finite", "end_round")
+
+
+class Variant:
+    """A code path for ``--ab``: ``apply()`` runs before each ``synchronize()`` the variant times."""
+
+    def __init__(self, name: str, apply: Any) -> None:
+        self.name, self.apply = name, apply
+
+
+def old_finite_at_indices(compressor: Any, parts: Any, out: torch.Tensor) -> Any:
+    """The finiteness check before the values' bound (a gather at every index), for ``--ab``."""
+    from hvd_gradcomp import exchange
+    if not parts or any(idx is None for idx, _ in parts) or \
+            type(compressor.feedback).received is not exchange.Feedback.received:
+        return None
+    flat = out.reshape(-1)
+    return torch.stack([torch.isfinite(flat[idx]).all() for idx, _ in parts]).all()
+
+
+def ab_variants(probe: "SyncBreakdown") -> List[Variant]:
+    """Old and new code paths, alternated step by step (the same on every rank) by ``--ab``."""
+    def use(**impl: Any) -> Any:
+        def apply() -> None:
+            probe.impl = impl
+        return apply
+    return [Variant("old", use(finite_at_indices=old_finite_at_indices)), Variant("new", use())]
 
 
 class SyncBreakdown:
@@ -81,11 +107,13 @@ class SyncBreakdown:
     def __init__(self) -> None:
         from hvd_gradcomp import compressors, exchange, optimizer
         self.inside, self.now = False, collections.Counter()
+        self.impl: dict = {}
         self.rows: List[dict] = []
         self.groups_in_sync = self.groups_early = 0
         cls = optimizer._GradCompOptimizer
         self._wrap(exchange, "wait_done", "wait")
         self._wrap(exchange, "sum_parts", "scatter")
+        self._wrap(exchange, "finite_at_indices", "finite_at")
         self._wrap(compressors.GradientCompressor, "decode_parts", "decode")
         self._wrap(compressors.GradientCompressor, "received", "received")
         self._wrap(compressors.GradientCompressor, "end_round", "end_round")
@@ -100,20 +128,22 @@ class SyncBreakdown:
                 self.groups_early += 1
             return decode(ex, g, caller)
         exchange.FusedAllgatherExchange._decode = counted
-        self.sync = cls.synchronize
+        self.variants = [Variant("new", lambda: None)]
 
     def _wrap(self, owner: Any, attr: str, phase: str) -> None:
         fn = getattr(owner, attr)
         is_static = isinstance(owner.__dict__.get(attr), staticmethod)
 
         def timed(*a: Any, **k: Any) -> Any:
+            impl = self.impl.get(attr, fn)   # --ab swaps implementations here
             if not self.inside:
-                return fn(*a, **k)
-            t0 = time.perf_counter()
+                return impl(*a, **k)
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
-                return fn(*a, **k)
+                return impl(*a, **k)
             finally:
                 self.now[phase] += time.perf_counter() - t0
+                self.now["cpu_" + phase] += time.thread_time() - c0
         setattr(owner, attr, staticmethod(timed) if is_static else timed)
 
     def install(self, opt: Any) -> None:
@@ -121,17 +151,21 @@ class SyncBreakdown:
         plain = type(opt).synchronize
 
         def synchronize(o: Any) -> None:
-            t_enter = time.perf_counter()
+            t_enter, c_enter = time.perf_counter(), time.thread_time()
+            variant = self.variants[len(self.rows) % len(self.variants)]
+            variant.apply()
             self.inside, self.now = True, collections.Counter()
             self.groups_in_sync = 0
             try:
                 plain(o)
             finally:
                 self.inside = False
-                total = time.perf_counter() - t_enter
+                total, cpu = time.perf_counter() - t_enter, time.thread_time() - c_enter
                 row = {p: self.now[p] for p in PHASES}
                 row["other"] = total - sum(row.values())
-                row.update(total=total, enter=t_enter, in_sync=self.groups_in_sync, early=self.groups_early)
+                row["cpu_decode_scatter"] = self.now["cpu_decode"] + self.now["cpu_scatter"]
+                row.update(total=total, cpu=cpu, enter=t_enter, in_sync=self.groups_in_sync, early=self.groups_early,
+                           variant=variant.name)
                 self.groups_early = 0
                 self.rows.append(row)
         opt.synchronize = synchronize.__get__(opt)
@@ -147,14 +181,16 @@ class SyncBreakdown:
                   + ", ".join(f"{p} {1e3 * r[p]:.1f}" for p in (*PHASES, "other"))
                   + f"; groups decoded in sync {r['in_sync']}, early {r['early']}; entered "
                   f"{1e3 * r['late']:.1f} ms after the first rank", flush=True)
-        rows = self.rows[skip:]
-        if not rows:
-            return
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        print(f"SYNC MEDIAN rank {hvd.rank()} over {len(rows)} steps: total {1e3 * med['total']:.1f} ms = "
-              + ", ".join(f"{p} {1e3 * med[p]:.1f}" for p in (*PHASES, "other"))
-              + f"; groups in sync {med['in_sync']:g}, early {med['early']:g}; late {1e3 * med['late']:.1f} ms",
-              flush=True)
+        for v in self.variants:
+            rows = [r for r in self.rows[skip:] if r["variant"] == v.name]
+            if not rows:
+                continue
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "variant"}
+            print(f"SYNC MEDIAN {v.name} rank {hvd.rank()} over {len(rows)} steps: total {1e3 * med['total']:.1f} ms "
+                  f"(cpu {1e3 * med['cpu']:.2f} ms, of which decode+scatter {1e3 * med['cpu_decode_scatter']:.2f}) = "
+                  + ", ".join(f"{p} {1e3 * med[p]:.1f}" for p in (*PHASES, "other"))
+                  + f"; groups in sync {med['in_sync']:g}, early {med['early']:g}; late {1e3 * med['late']:.1f} ms",
+                  flush=True)
 
 
 def main(argv: List[str]) -> int:
@@ -188,6 +224,9 @@ def main(argv: List[str]) -> int:
 
 def breakdown_main(argv: List[str]) -> int:
     probe = SyncBreakdown()
+    if argv[:1] == ["--ab"]:
+        argv = argv[1:]
+        probe.variants = ab_variants(probe)
     make = sb.make_optimizer
 
     def make_optimizer(*a: Any, **k: Any) -> Any:
