@@ -93,12 +93,17 @@ def old_finite_at_indices(compressor: Any, parts: Any, out: torch.Tensor) -> Any
 
 
 def ab_variants(probe: "SyncBreakdown") -> List[Variant]:
-    """Old and new code paths, alternated step by step (the same on every rank) by ``--ab``."""
-    def use(**impl: Any) -> Any:
+    """Old and new code paths, alternated step by step (the same on every rank) by ``--ab``:
+    "old" (the finiteness check by gather, fused groups untouched until their allgather is
+    done), "bound" (the new finiteness check only) and "new"."""
+    from hvd_gradcomp import exchange
+
+    def use(prepare: bool, **impl: Any) -> Any:
         def apply() -> None:
-            probe.impl = impl
+            probe.impl, exchange._PREPARE = impl, prepare
         return apply
-    return [Variant("old", use(finite_at_indices=old_finite_at_indices)), Variant("new", use())]
+    return [Variant("old", use(False, finite_at_indices=old_finite_at_indices)), Variant("bound", use(False)),
+            Variant("new", use(True))]
 
 
 class SyncBreakdown:
@@ -108,6 +113,7 @@ class SyncBreakdown:
         from hvd_gradcomp import compressors, exchange, optimizer
         self.inside, self.now = False, collections.Counter()
         self.impl: dict = {}
+        self.last_exit = 0.0
         self.rows: List[dict] = []
         self.groups_in_sync = self.groups_early = 0
         cls = optimizer._GradCompOptimizer
@@ -149,11 +155,11 @@ class SyncBreakdown:
     def install(self, opt: Any) -> None:
         """Time ``opt.synchronize`` (the class is made per optimizer: patch the instance)."""
         plain = type(opt).synchronize
+        self.variants[0].apply()
 
         def synchronize(o: Any) -> None:
             t_enter, c_enter = time.perf_counter(), time.thread_time()
-            variant = self.variants[len(self.rows) % len(self.variants)]
-            variant.apply()
+            variant = self.variants[len(self.rows) % len(self.variants)]   # applied since the last step
             self.inside, self.now = True, collections.Counter()
             self.groups_in_sync = 0
             try:
@@ -164,10 +170,15 @@ class SyncBreakdown:
                 row = {p: self.now[p] for p in PHASES}
                 row["other"] = total - sum(row.values())
                 row["cpu_decode_scatter"] = self.now["cpu_decode"] + self.now["cpu_scatter"]
-                row.update(total=total, cpu=cpu, enter=t_enter, in_sync=self.groups_in_sync, early=self.groups_early,
+                row.update({"cpu_" + p: self.now["cpu_" + p] for p in PHASES})
+                # the step's cycle: from the end of the last synchronize() to the end of this one
+                cycle = time.perf_counter() - self.last_exit if self.rows else float("nan")
+                self.last_exit = time.perf_counter()
+                row.update(total=total, cpu=cpu, enter=t_enter, cycle=cycle, in_sync=self.groups_in_sync, early=self.groups_early,
                            variant=variant.name)
                 self.groups_early = 0
                 self.rows.append(row)
+                self.variants[len(self.rows) % len(self.variants)].apply()   # for the next step's backward
         opt.synchronize = synchronize.__get__(opt)
 
     def summary(self, skip: int) -> None:
@@ -177,7 +188,8 @@ class SyncBreakdown:
         enters = hvd.allgather_object([r["enter"] for r in self.rows], name="probe.enter")
         for i, r in enumerate(self.rows):
             r["late"] = r["enter"] - min(e[i] for e in enters)
-            print(f"SYNC rank {hvd.rank()} step {i + 1}: total {1e3 * r['total']:.1f} ms = "
+            print(f"SYNC rank {hvd.rank()} step {i + 1} ({r['variant']}): {1e3 * r['cycle']:.0f} ms, "
+                  f"in synchronize() {1e3 * r['total']:.1f} ms = "
                   + ", ".join(f"{p} {1e3 * r[p]:.1f}" for p in (*PHASES, "other"))
                   + f"; groups decoded in sync {r['in_sync']}, early {r['early']}; entered "
                   f"{1e3 * r['late']:.1f} ms after the first rank", flush=True)
@@ -186,11 +198,12 @@ class SyncBreakdown:
             if not rows:
                 continue
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "variant"}
-            print(f"SYNC MEDIAN {v.name} rank {hvd.rank()} over {len(rows)} steps: total {1e3 * med['total']:.1f} ms "
+            print(f"SYNC MEDIAN {v.name} rank {hvd.rank()} over {len(rows)} steps: step {1e3 * med['cycle']:.1f} ms, "
+                  f"in synchronize() {1e3 * med['total']:.1f} ms "
                   f"(cpu {1e3 * med['cpu']:.2f} ms, of which decode+scatter {1e3 * med['cpu_decode_scatter']:.2f}) = "
                   + ", ".join(f"{p} {1e3 * med[p]:.1f}" for p in (*PHASES, "other"))
-                  + f"; groups in sync {med['in_sync']:g}, early {med['early']:g}; late {1e3 * med['late']:.1f} ms",
-                  flush=True)
+                  + f"; groups in sync {med['in_sync']:g}, early {med['early']:g}; late {1e3 * med['late']:.1f} ms"
+                  + "; cpu: " + ", ".join(f"{p} {1e3 * med['cpu_' + p]:.2f}" for p in PHASES), flush=True)
 
 
 def main(argv: List[str]) -> int:

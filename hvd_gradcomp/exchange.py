@@ -402,19 +402,21 @@ def is_average(op: Any) -> bool:
 
 
 def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              out: Optional[torch.Tensor] = None, zeroed: bool = False) -> torch.Tensor:
     """The average (``average=True``) or sum of decoded parts; no collective, any backend.
 
     Every rank runs the same additions in the same order on the same bytes, so every rank
     gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
     added straight into one zeroed buffer; with ``out`` (contiguous, of the accumulation
-    dtype) the result is written there.
+    dtype) the result is written there. ``zeroed``: ``out`` is known to hold zeros already
+    (see :func:`sums_in_place`), so that pass is skipped.
     """
     scale = 1.0 / len(parts) if average else 1.0
     acc_dtype = residual_dtype(dtype)
-    direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
+    direct = sums_in_place(out, dtype)
     acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
-    acc.zero_()
+    if not (direct and zeroed):
+        acc.zero_()
     for idx, vals in parts:
         if idx is None:
             acc.add_(vals.to(acc_dtype), alpha=scale)
@@ -424,6 +426,12 @@ def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
         out.copy_(acc.view_as(out))
         return out
     return acc if acc.dtype == dtype else acc.to(dtype)
+
+
+def sums_in_place(out: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether :func:`sum_parts` writes its sum straight into ``out`` (which may then be zeroed
+    ahead of time, ``zeroed=True``) rather than into a buffer copied over."""
+    return out is not None and out.dtype == residual_dtype(dtype) and out.is_contiguous()
 
 
 def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.Tensor) -> Optional[torch.Tensor]:
@@ -555,6 +563,9 @@ class ScatterReduceExchange:
 
 
 FUSE_MAGIC = 0x47434655  # "GCFU"
+# FusedAllgatherExchange._prepare on (False: groups wait for their allgather untouched). Private:
+# benchmarks/step_probe.py --ab and the tests compare both paths.
+_PREPARE = True
 # Raw gradient bytes per fused allgather (2M float32 values: a ~40 kB TopKQSGD(1%, 8) payload).
 # Small tensors still travel together, but the last group of backward (which nothing overlaps:
 # its allgather and decode wait in synchronize()) stays small. 64 MB, Horovod's fusion
@@ -589,6 +600,8 @@ class _Group:
         self.raw_bytes = 0
         self.handle: Any = None
         self.decoded = False
+        self.prepared = False   # outputs zeroed, own payloads decoded (see FusedAllgatherExchange._prepare)
+        self.own_parts: List[Optional[Tuple[Optional[torch.Tensor], torch.Tensor]]] = []
 
     def prefix_bytes(self) -> int:
         """Size of each rank's prefix: known to every rank from the tensors' shapes alone."""
@@ -669,15 +682,41 @@ class FusedAllgatherExchange:
         g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
         for m in g.members:
             m.handle = g.handle
-        g.payloads = []
+        g.own_parts = [None] * len(g.members)   # this rank's payloads stay in g.payloads until _prepare
         if self._open is g:
             self._open = None
 
     def progress(self, p: Pending) -> None:
-        """Decode the whole group as soon as its allgather is done; never blocks."""
+        """Decode the whole group as soon as its allgather is done, else prepare it; never blocks."""
         g = p.extra["group"]
-        if g.handle is not None and not g.decoded and _hvd().poll(g.handle):
+        if g.handle is None or g.decoded:
+            return
+        if _hvd().poll(g.handle):
             self._decode(g, p)
+        elif not g.prepared and _PREPARE:
+            self._prepare(g, p)
+
+    def _prepare(self, g: _Group, caller: Pending) -> None:
+        """While the allgather travels: zero the outputs the sums go straight into and decode this
+        rank's own payloads, so that only the other ranks' parts are left once it is done. This is
+        what takes the last group of backward (whose allgather nothing else overlaps) out of
+        ``synchronize()``: ~40% of its decode and scatter with 2 ranks.
+
+        Own payloads are decoded here only where they sit on the CPU: elsewhere reading their
+        headers would be a device-to-host sync in the middle of backward, so they are decoded
+        with the others, from the header copies in the group's index. Either way every rank
+        decodes the same bytes with the same code: gradients stay bit-identical."""
+        g.prepared = True
+        for i, (member, payload) in enumerate(zip(g.members, g.payloads)):
+            t0 = time.perf_counter()
+            out = member.extra.get("out")
+            if sums_in_place(out, member.dtype):
+                out.zero_()
+                member.extra["zeroed"] = True
+            if payload is not None and payload.device.type == "cpu":
+                g.own_parts[i] = self.compressor.decode_parts(payload)
+            _charge(member, caller, time.perf_counter() - t0)
+        g.payloads = []
 
     def advance(self, p: Pending) -> None:
         """At synchronize(): launch the group still open; the step's tensor count is learnt."""
@@ -698,6 +737,7 @@ class FusedAllgatherExchange:
         check_steps(self.compressor, ", ".join(names), [index[4] for _, _, index in ranks])
         spent = [0.0] * n
         parts: List[Parts] = [[] for _ in range(n)]
+        me = self.process_set.rank()
         for rank, (pos, raw, index) in enumerate(ranks):
             if index[1] != n or index[2] != prefix:
                 raise RuntimeError(f"fused allgather of {names}: rank {rank} sent a group of {index[1]} tensors "
@@ -714,6 +754,8 @@ class FusedAllgatherExchange:
                 t0 = time.perf_counter()
                 if flags_i & FLAG_NONFINITE:
                     parts[i].append((None, Envelope(index[4], None, blob.device).nan(member.shape.numel())))
+                elif rank == me and g.own_parts and g.own_parts[i] is not None:
+                    parts[i].append(g.own_parts[i])   # decoded by _prepare from the same bytes
                 else:
                     h = wire.parse_header(raw[head_pos:head_pos + head_i], size_i)
                     if h.shape != tuple(member.shape):
@@ -723,12 +765,14 @@ class FusedAllgatherExchange:
                 spent[i] += time.perf_counter() - t0
                 head_pos, body = head_pos + head_i, body + size_i
         g.decoded = True
+        g.payloads, g.own_parts = [], []
         for i, member in enumerate(g.members):
             member.extra["parts"] = parts[i]
             out = member.extra.get("out")
             if out is not None:   # scatter now, not in synchronize() (see finish)
                 t0 = time.perf_counter()
-                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out)
+                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out,
+                          zeroed=member.extra.pop("zeroed", False))
                 member.extra["summed"] = True
                 if not self.compressor.feedback.moves_parameters:
                     # The policy's rewrite too (momentum correction: a clone and two passes over the
@@ -737,9 +781,7 @@ class FusedAllgatherExchange:
                     self.compressor.received(member.name, out, sparse_support(parts[i]))
                     member.extra["received"] = True
                 spent[i] += time.perf_counter() - t0
-            if member is not caller:
-                member.extra["codec_s"] = member.extra.get("codec_s", 0.0) + spent[i]
-                caller.extra["codec_elsewhere_s"] = caller.extra.get("codec_elsewhere_s", 0.0) + spent[i]
+            _charge(member, caller, spent[i])
         # Each member points at its group (extra["group"]); the group lets go of its members now,
         # else the pair is a reference cycle holding every member's p.grad (extra["out"]) until
         # Python's cyclic GC runs: with zero_grad(set_to_none=True) several steps of gradients
@@ -778,11 +820,20 @@ class FusedAllgatherExchange:
                 out.copy_(early.view_as(out))
         else:
             if not (summed and early is out):
-                sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
+                sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out,
+                          zeroed=p.extra.pop("zeroed", False) and early is out)
             # the feedback policy sees the average (issue 9)
             self.compressor.received(p.name, out, sparse_support(parts))
         p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
         p.finished = True
+
+
+def _charge(member: Pending, caller: Pending, seconds: float) -> None:
+    """Charge codec seconds spent on ``member`` while serving ``caller`` (a group's decode runs
+    inside one member's call), so that :class:`TimedExchange` charges each tensor its own."""
+    if member is not caller:
+        member.extra["codec_s"] = member.extra.get("codec_s", 0.0) + seconds
+        caller.extra["codec_elsewhere_s"] = caller.extra.get("codec_elsewhere_s", 0.0) + seconds
 
 
 def wait_done(handle: Any) -> float:

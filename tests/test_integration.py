@@ -44,6 +44,7 @@ def _gradient_scenarios(_):
                for road in ("ours", "stock") for op in ("average", "sum")})
     sc["errors"] = {"fn": "stock_errors"}
     sc["noise"] = {"fn": "independent_noise"}
+    sc["prepared"] = {"fn": "prepared_groups"}
     return sc
 
 
@@ -104,6 +105,19 @@ def test_ranks_draw_independent_noise_with_the_same_seed(backend):
     assert set(r0) == {"stock-qsgd", "stock-topkqsgd", "ours-topkqsgd", "direct"}
     same = sorted(road for road in r0 if r0[road] == r1[road])
     assert not same, f"ranks drew the same rounding noise on: {same}"
+
+
+def test_fused_groups_prepared_in_flight_give_the_same_gradients(backend):
+    """Issue 13: zeroing p.grad and decoding this rank's payloads while a fused group's allgather
+    travels (out of synchronize()) changes no bit of the gradients or parameters, on any rank."""
+    for r in battery(backend, "gradient")["prepared"]:
+        assert all(r["same"].values()), r["same"]
+        assert r["ranks_equal"]
+        # step 1 launches its last group at synchronize() (unprepared); steps 2-3 launch both during
+        # backward; with the allgathers held in flight every one of them is prepared
+        assert r["prepared"]["prepare=True,in_flight=True"] == [2] + [2, 1] * 2, r["prepared"]
+        assert r["prepared"]["prepare=False,in_flight=True"] == []
+        assert r["moved"] == 0.0
 
 
 @pytest.mark.parametrize("case", ["ours", "stock"])

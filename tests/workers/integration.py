@@ -371,6 +371,53 @@ def stock_errors() -> Dict[str, List[str]]:
     return {"messages": messages}
 
 
+# ---------------------------------------------------------------- prepared fused groups
+def prepared_groups(steps: int = 3) -> Dict[str, Any]:
+    """The fused allgather's groups prepared while their allgather travels (outputs zeroed, this
+    rank's payloads decoded ahead: exchange._prepare) against groups left untouched until done:
+    the same parameters and gradients, bit for bit, after a few steps with error feedback. Each
+    way runs twice: as it comes, and with every allgather seen as still in flight during
+    backward (hvd.poll answers False there), so that every launched group is prepared."""
+    from hvd_gradcomp import exchange
+
+    def train(prepare: bool, in_flight: bool) -> Dict[str, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
+                                    torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+        comp = gc.TopKQSGD(ratio=0.05, bits=8, seed=3)
+        opt = gc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(), compression=comp)
+        road = exchange._roads(opt._compressed)[0]
+        road.fusion_bytes = 40_000   # 3 weights (5, 64 and 32 kB of float32) in 2 groups
+        real_prepare, poll, prepared = road._prepare, hvd.poll, []
+        road._prepare = lambda g, p: (prepared.append(len(g.members)), real_prepare(g, p))
+        exchange._PREPARE = prepare
+        try:
+            for step in range(steps):
+                x, y = batch(hvd.rank(), step)
+                opt.zero_grad()
+                if in_flight:
+                    hvd.poll = lambda handle: False
+                try:
+                    F.cross_entropy(model(x), y).backward()
+                finally:
+                    hvd.poll = poll
+                opt.step()
+        finally:
+            exchange._PREPARE = True
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return {"grads": grads, "params": params, "prepared": prepared}
+
+    runs = {(prepare, in_flight): train(prepare, in_flight) for prepare in (True, False) for in_flight in (True, False)}
+    ref = runs[(False, False)]
+    return {"same": {f"prepare={k[0]},in_flight={k[1]}": torch.equal(r["grads"], ref["grads"]) and
+                     torch.equal(r["params"], ref["params"]) for k, r in runs.items()},
+            "ranks_equal": all_ranks_equal(runs[(True, True)]["params"]) and all_ranks_equal(runs[(True, True)]["grads"]),
+            "prepared": {f"prepare={k[0]},in_flight={k[1]}": r["prepared"] for k, r in runs.items()},
+            "moved": (ref["params"] - runs[(True, True)]["params"]).abs().max().item()}
+
+
 def battery(scenarios: List[Dict[str, Any]]) -> List[Any]:
     """Run several scenarios in one job (starting ranks costs seconds): [{"fn": name, **kwargs}]."""
     return [globals()[sc.pop("fn")](**sc) for sc in scenarios]
