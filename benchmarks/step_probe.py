@@ -3,21 +3,29 @@
 Runs the synthetic benchmark unchanged and prints, on rank 0 after every step (warm-up
 included): wall and CPU milliseconds, system CPU, minor page faults (fresh pages the allocator
 touched), max RSS, and the tensors still alive (count and MB of their storages, found through
-``gc.get_objects()``). ``--sync-breakdown`` (first argument) instead prints, on every rank after every step, where
-``synchronize()`` went: waiting on handles, decoding payloads, the scatter into ``p.grad``
-(zeroing included), the feedback policy's ``received``, the small tensors' fused allreduce,
-the finiteness check, ``end_round`` and the rest; how many fused groups were decoded there
-(the others were decoded during backward); and how late this rank entered ``synchronize()``
-after the first rank did (the ranks share one monotonic clock on one machine). At the end,
-rank by rank, the median of each over the steps after the warm-up.
-``--garbage-at N,M`` (first argument) also runs a full collection under
+``gc.get_objects()``).
+
+``--sync-breakdown`` (first argument) instead prints, on every rank, where each step's
+``synchronize()`` went, in wall and thread CPU time: waiting on handles, decoding payloads, the
+scatter into ``p.grad`` (zeroing included), the feedback policy's ``received``, the finiteness
+check at the sparse indices, the small tensors' fused allreduce, the overall finiteness check,
+``end_round`` and the rest; how many fused groups were decoded there (the others were decoded
+during backward); the step's cycle time; and how late this rank entered ``synchronize()`` after
+the first rank did (the ranks share one monotonic clock on one machine). Then, per rank, the
+medians over the steps after the warm-up. With ``--ab`` (next argument) the old code paths of
+issue 13 and the new ones alternate step by step inside the job (see :func:`ab_variants`): on a
+shared machine an A/B inside one job, in thread CPU time, is the comparison that holds.
+
+In the memory probe, ``--garbage-at N,M`` (first argument) also runs a full collection under
 ``gc.DEBUG_SAVEALL`` after steps N and M and prints what only the cyclic collector would have
 freed (object types; for each large tensor there, the chain of objects holding it).
 
-Example (2 ranks at 1 Gbit/s, as in docs/AUTO.md)::
+Examples (2 ranks at 1 Gbit/s, as in docs/AUTO.md; then the A/B of synchronize(), unthrottled)::
 
     ip netns exec NS horovodrun -np 2 -H localhost:2 --gloo python benchmarks/step_probe.py \\
         --params 2.5e7 --batch-size 4 --warmup 10 --iters 10 --compression auto --ratio 0.01 --bits 8
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/step_probe.py --sync-breakdown --ab \\
+        --params 2.5e7 --batch-size 4 --warmup 3 --iters 30 --compression topk-qsgd --ratio 0.01 --bits 8
 """
 from __future__ import annotations
 
@@ -174,8 +182,8 @@ class SyncBreakdown:
                 # the step's cycle: from the end of the last synchronize() to the end of this one
                 cycle = time.perf_counter() - self.last_exit if self.rows else float("nan")
                 self.last_exit = time.perf_counter()
-                row.update(total=total, cpu=cpu, enter=t_enter, cycle=cycle, in_sync=self.groups_in_sync, early=self.groups_early,
-                           variant=variant.name)
+                row.update(total=total, cpu=cpu, enter=t_enter, cycle=cycle, in_sync=self.groups_in_sync,
+                           early=self.groups_early, variant=variant.name)
                 self.groups_early = 0
                 self.rows.append(row)
                 self.variants[len(self.rows) % len(self.variants)].apply()   # for the next step's backward

@@ -402,21 +402,19 @@ def is_average(op: Any) -> bool:
 
 
 def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
-              out: Optional[torch.Tensor] = None, zeroed: bool = False) -> torch.Tensor:
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The average (``average=True``) or sum of decoded parts; no collective, any backend.
 
     Every rank runs the same additions in the same order on the same bytes, so every rank
     gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
     added straight into one zeroed buffer; with ``out`` (contiguous, of the accumulation
-    dtype) the result is written there. ``zeroed``: ``out`` is known to hold zeros already
-    (see :func:`sums_in_place`), so that pass is skipped.
+    dtype) the result is written there.
     """
     scale = 1.0 / len(parts) if average else 1.0
     acc_dtype = residual_dtype(dtype)
-    direct = sums_in_place(out, dtype)
+    direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
     acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
-    if not (direct and zeroed):
-        acc.zero_()
+    acc.zero_()
     for idx, vals in parts:
         if idx is None:
             acc.add_(vals.to(acc_dtype), alpha=scale)
@@ -426,12 +424,6 @@ def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
         out.copy_(acc.view_as(out))
         return out
     return acc if acc.dtype == dtype else acc.to(dtype)
-
-
-def sums_in_place(out: Optional[torch.Tensor], dtype: torch.dtype) -> bool:
-    """Whether :func:`sum_parts` writes its sum straight into ``out`` (which may then be zeroed
-    ahead of time, ``zeroed=True``) rather than into a buffer copied over."""
-    return out is not None and out.dtype == residual_dtype(dtype) and out.is_contiguous()
 
 
 def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.Tensor) -> Optional[torch.Tensor]:
@@ -600,7 +592,7 @@ class _Group:
         self.raw_bytes = 0
         self.handle: Any = None
         self.decoded = False
-        self.prepared = False   # outputs zeroed, own payloads decoded (see FusedAllgatherExchange._prepare)
+        self.prepared = False   # own payloads decoded (see FusedAllgatherExchange._prepare)
         self.own_parts: List[Optional[Tuple[Optional[torch.Tensor], torch.Tensor]]] = []
 
     def prefix_bytes(self) -> int:
@@ -697,25 +689,22 @@ class FusedAllgatherExchange:
             self._prepare(g, p)
 
     def _prepare(self, g: _Group, caller: Pending) -> None:
-        """While the allgather travels: zero the outputs the sums go straight into and decode this
-        rank's own payloads, so that only the other ranks' parts are left once it is done. This is
-        what takes the last group of backward (whose allgather nothing else overlaps) out of
-        ``synchronize()``: ~40% of its decode and scatter with 2 ranks.
+        """While the allgather travels, decode this rank's own payloads, so that only the other
+        ranks' parts are left once it is done: this takes 1/P of the last group of backward's
+        decode (whose allgather nothing else overlaps) out of ``synchronize()``.
 
-        Own payloads are decoded here only where they sit on the CPU: elsewhere reading their
-        headers would be a device-to-host sync in the middle of backward, so they are decoded
-        with the others, from the header copies in the group's index. Either way every rank
-        decodes the same bytes with the same code: gradients stay bit-identical."""
+        Only payloads that sit on the CPU: elsewhere reading their headers would be a
+        device-to-host sync in the middle of backward, so they are decoded with the others, from
+        the header copies in the group's index. Either way every rank decodes the same bytes with
+        the same code: gradients stay bit-identical. (``p.grad`` is not touched before the average
+        is ready: between backward and ``step()`` it holds the local gradient or the average, as
+        with Horovod, never a zeroed or partial sum.)"""
         g.prepared = True
         for i, (member, payload) in enumerate(zip(g.members, g.payloads)):
-            t0 = time.perf_counter()
-            out = member.extra.get("out")
-            if sums_in_place(out, member.dtype):
-                out.zero_()
-                member.extra["zeroed"] = True
             if payload is not None and payload.device.type == "cpu":
+                t0 = time.perf_counter()
                 g.own_parts[i] = self.compressor.decode_parts(payload)
-            _charge(member, caller, time.perf_counter() - t0)
+                _charge(member, caller, time.perf_counter() - t0)
         g.payloads = []
 
     def advance(self, p: Pending) -> None:
@@ -771,8 +760,7 @@ class FusedAllgatherExchange:
             out = member.extra.get("out")
             if out is not None:   # scatter now, not in synchronize() (see finish)
                 t0 = time.perf_counter()
-                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out,
-                          zeroed=member.extra.pop("zeroed", False))
+                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out)
                 member.extra["summed"] = True
                 if not self.compressor.feedback.moves_parameters:
                     # The policy's rewrite too (momentum correction: a clone and two passes over the
@@ -820,8 +808,7 @@ class FusedAllgatherExchange:
                 out.copy_(early.view_as(out))
         else:
             if not (summed and early is out):
-                sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out,
-                          zeroed=p.extra.pop("zeroed", False) and early is out)
+                sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
             # the feedback policy sees the average (issue 9)
             self.compressor.received(p.name, out, sparse_support(parts))
         p.extra["finite"] = finite_at_indices(self.compressor, parts, out)

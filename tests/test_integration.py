@@ -108,8 +108,9 @@ def test_ranks_draw_independent_noise_with_the_same_seed(backend):
 
 
 def test_fused_groups_prepared_in_flight_give_the_same_gradients(backend):
-    """Issue 13: zeroing p.grad and decoding this rank's payloads while a fused group's allgather
-    travels (out of synchronize()) changes no bit of the gradients or parameters, on any rank."""
+    """Issue 13: decoding this rank's payloads while a fused group's allgather travels (out of
+    synchronize()) changes no bit of the gradients or parameters, on any rank, and p.grad still
+    holds the local gradient between backward() and step()."""
     for r in battery(backend, "gradient")["prepared"]:
         assert all(r["same"].values()), r["same"]
         assert r["ranks_equal"]
@@ -118,6 +119,7 @@ def test_fused_groups_prepared_in_flight_give_the_same_gradients(backend):
         assert r["prepared"]["prepare=True,in_flight=True"] == [2] + [2, 1] * 2, r["prepared"]
         assert r["prepared"]["prepare=False,in_flight=True"] == []
         assert r["moved"] == 0.0
+        assert r["grads_after_backward_nonzero"]
 
 
 @pytest.mark.parametrize("case", ["ours", "stock"])

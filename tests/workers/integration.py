@@ -373,11 +373,12 @@ def stock_errors() -> Dict[str, List[str]]:
 
 # ---------------------------------------------------------------- prepared fused groups
 def prepared_groups(steps: int = 3) -> Dict[str, Any]:
-    """The fused allgather's groups prepared while their allgather travels (outputs zeroed, this
-    rank's payloads decoded ahead: exchange._prepare) against groups left untouched until done:
+    """The fused allgather's groups prepared while their allgather travels (this rank's payloads
+    decoded ahead: exchange._prepare) against groups left untouched until done:
     the same parameters and gradients, bit for bit, after a few steps with error feedback. Each
     way runs twice: as it comes, and with every allgather seen as still in flight during
-    backward (hvd.poll answers False there), so that every launched group is prepared."""
+    backward (hvd.poll answers False there), so that every launched group is prepared; then
+    p.grad must still hold the local gradient after backward (never zeros)."""
     from hvd_gradcomp import exchange
 
     def train(prepare: bool, in_flight: bool) -> Dict[str, Any]:
@@ -389,7 +390,7 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
                                       named_parameters=model.named_parameters(), compression=comp)
         road = exchange._roads(opt._compressed)[0]
         road.fusion_bytes = 40_000   # 3 weights (5, 64 and 32 kB of float32) in 2 groups
-        real_prepare, poll, prepared = road._prepare, hvd.poll, []
+        real_prepare, poll, prepared, nonzero = road._prepare, hvd.poll, [], True
         road._prepare = lambda g, p: (prepared.append(len(g.members)), real_prepare(g, p))
         exchange._PREPARE = prepare
         try:
@@ -400,6 +401,7 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
                     hvd.poll = lambda handle: False
                 try:
                     F.cross_entropy(model(x), y).backward()
+                    nonzero &= all(bool(p.grad.abs().max() > 0) for p in model.parameters())
                 finally:
                     hvd.poll = poll
                 opt.step()
@@ -407,15 +409,16 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
             exchange._PREPARE = True
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        return {"grads": grads, "params": params, "prepared": prepared}
+        return {"grads": grads, "params": params, "prepared": prepared, "nonzero": nonzero}
 
     runs = {(prepare, in_flight): train(prepare, in_flight) for prepare in (True, False) for in_flight in (True, False)}
     ref = runs[(False, False)]
     return {"same": {f"prepare={k[0]},in_flight={k[1]}": torch.equal(r["grads"], ref["grads"]) and
                      torch.equal(r["params"], ref["params"]) for k, r in runs.items()},
-            "ranks_equal": all_ranks_equal(runs[(True, True)]["params"]) and all_ranks_equal(runs[(True, True)]["grads"]),
+            "ranks_equal": all(all_ranks_equal(runs[(True, True)][k]) for k in ("params", "grads")),
             "prepared": {f"prepare={k[0]},in_flight={k[1]}": r["prepared"] for k, r in runs.items()},
-            "moved": (ref["params"] - runs[(True, True)]["params"]).abs().max().item()}
+            "moved": (ref["params"] - runs[(True, True)]["params"]).abs().max().item(),
+            "grads_after_backward_nonzero": runs[(True, True)]["nonzero"]}
 
 
 def battery(scenarios: List[Dict[str, Any]]) -> List[Any]:
