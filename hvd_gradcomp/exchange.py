@@ -632,7 +632,8 @@ class FusedAllgatherExchange:
     written there as soon as the group is decoded, as Horovod's in-place allreduce writes
     ``p.grad`` from its background thread, and handed to the feedback policy's ``received``
     (unless the policy moves parameters, which must wait for ``synchronize()``):
-    ``synchronize()`` is then left with the last groups of backward.
+    ``synchronize()`` is then left with the last groups of backward, whose own payloads were
+    decoded while their allgather travelled (:meth:`_prepare`).
     """
 
     join_guard: Optional[JoinGuard] = None
