@@ -10,9 +10,12 @@ touched), max RSS, and the tensors still alive (count and MB of their storages, 
 scatter into ``p.grad`` (zeroing included), the feedback policy's ``received``, the finiteness
 check at the sparse indices, the small tensors' fused allreduce, the overall finiteness check,
 ``end_round`` and the rest; how many fused groups were decoded there (the others were decoded
-during backward); the step's cycle time; and how late this rank entered ``synchronize()`` after
-the first rank did (the ranks share one monotonic clock on one machine). Then, per rank, the
-medians over the steps after the warm-up. With ``--ab`` (next argument) the old code paths of
+during backward); the step's cycle time; the tail (from the step's last fused allgather
+launched to the end of ``synchronize()``: the exposed decode wherever it ran, the last hook
+included); and how late this rank entered ``synchronize()`` after the first rank did (the ranks
+share one monotonic clock on one machine). Then, per rank, the medians over the steps after the
+warm-up, and (LAST-IN) those of the steps where this rank entered last: its tail is then the
+step's critical path. With ``--ab`` (next argument) the old code paths of
 issue 13 and the new ones alternate step by step inside the job (see :func:`ab_variants`): on a
 shared machine an A/B inside one job, in thread CPU time, is the comparison that holds.
 
@@ -133,7 +136,15 @@ class SyncBreakdown:
         self._wrap(compressors.GradientCompressor, "end_round", "end_round")
         self._wrap(cls, "_finish_fused", "small")
         self._wrap(cls, "_all_finite", "finite")
-        decode = exchange.FusedAllgatherExchange._decode
+        decode, launch = exchange.FusedAllgatherExchange._decode, exchange.FusedAllgatherExchange._launch
+        self.last_launch = 0.0
+
+        def launched(ex: Any, g: Any) -> Any:
+            try:
+                return launch(ex, g)
+            finally:
+                self.last_launch = time.perf_counter()
+        exchange.FusedAllgatherExchange._launch = launched
 
         def counted(ex: Any, g: Any, caller: Any) -> Any:
             if self.inside:
@@ -182,6 +193,9 @@ class SyncBreakdown:
                 # the step's cycle: from the end of the last synchronize() to the end of this one
                 cycle = time.perf_counter() - self.last_exit if self.rows else float("nan")
                 self.last_exit = time.perf_counter()
+                # the tail: from the step's last fused allgather launched (its payloads encoded) to the
+                # end of synchronize(), wherever the decode ran (the last hook or synchronize())
+                row["tail"] = self.last_exit - self.last_launch
                 row.update(total=total, cpu=cpu, enter=t_enter, cycle=cycle, in_sync=self.groups_in_sync,
                            early=self.groups_early, variant=variant.name)
                 self.groups_early = 0
@@ -197,7 +211,7 @@ class SyncBreakdown:
         for i, r in enumerate(self.rows):
             r["late"] = r["enter"] - min(e[i] for e in enters)
             print(f"SYNC rank {hvd.rank()} step {i + 1} ({r['variant']}): {1e3 * r['cycle']:.0f} ms, "
-                  f"in synchronize() {1e3 * r['total']:.1f} ms = "
+                  f"tail {1e3 * r['tail']:.1f} ms, in synchronize() {1e3 * r['total']:.1f} ms = "
                   + ", ".join(f"{p} {1e3 * r[p]:.1f}" for p in (*PHASES, "other"))
                   + f"; groups decoded in sync {r['in_sync']}, early {r['early']}; entered "
                   f"{1e3 * r['late']:.1f} ms after the first rank", flush=True)
@@ -206,6 +220,11 @@ class SyncBreakdown:
             if not rows:
                 continue
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "variant"}
+            late = [r for r in rows if r["late"] > 0]
+            if late:   # this rank entered synchronize() last: its tail is the step's critical path
+                print(f"SYNC LAST-IN {v.name} rank {hvd.rank()} over {len(late)} steps: tail "
+                      f"{1e3 * statistics.median(r['tail'] for r in late):.1f} ms, in synchronize() "
+                      f"{1e3 * statistics.median(r['total'] for r in late):.1f} ms", flush=True)
             print(f"SYNC MEDIAN {v.name} rank {hvd.rank()} over {len(rows)} steps: step {1e3 * med['cycle']:.1f} ms, "
                   f"in synchronize() {1e3 * med['total']:.1f} ms "
                   f"(cpu {1e3 * med['cpu']:.2f} ms, of which decode+scatter {1e3 * med['cpu_decode_scatter']:.2f}) = "
