@@ -221,12 +221,28 @@ class Auto:
         # on a slow link each of their steps is the slowest of the run.
         plan: List[Tuple[str, bool]] = []   # (road, measured) of each exploring step
         for r in roads:
-            warm, measured = (0, 1) if r in (FP16, DENSE) else (self.warmup_steps, self.explore_steps)
+            warm, measured = self._exploring_steps(r)
             plan += [(r, False)] * warm + [(r, True)] * measured
         self._setup = _Setup(mode, comm, average, roads, tuple(r for r, _ in plan), tuple(m for _, m in plan))
         self.sparse.stream = self.qsgd.stream = comm.rank  # independent noise per rank
 
     # ------------------------------------------------------------ the schedule
+    def _exploring_steps(self, road: str) -> Tuple[int, int]:
+        """(warm-up, measured) steps ``road`` takes while exploring (see :meth:`configure`)."""
+        return (0, 1) if road in (FP16, DENSE) else (self.warmup_steps, self.explore_steps)
+
+    @property
+    def start_steps(self) -> int:
+        """Steps of Auto's start: exploring, the decision's step, the ``explore_steps`` timed
+        steps of the decision and the verdict's step (a benchmark that excludes Auto's start
+        from its timing warms up this many steps).
+
+        >>> Auto().start_steps   # sparse, qsgd: 1 warm-up + 2 each; fp16, dense: 1; 1 + 2 + 1
+        12
+        """
+        exploring = sum(sum(self._exploring_steps(r)) for r in self.roads or OURS_ROADS)
+        return exploring + 1 + self.explore_steps + 1
+
     @property
     def exploring(self) -> bool:
         return self.step <= len(self._setup.schedule)

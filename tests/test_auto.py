@@ -179,7 +179,7 @@ def test_verification_falls_back_to_the_fastest_road_measured_alone(monkeypatch)
     (v,) = auto.verdicts
     # 8 exploring steps (sparse, qsgd: 1 warm-up + 2 measured each; fp16, dense: 1), decision at
     # step 9, its 2 timed steps, the verdict at step 12
-    assert v["step"] == 12 and v["kept"] == "dense" and round(v["plan_ms"]) == 300
+    assert v["step"] == 12 == auto.start_steps and v["kept"] == "dense" and round(v["plan_ms"]) == 300
     assert {k: round(ms) for k, ms in v["against_ms"].items()} == {r: round(1e3 * s) for r, s in alone.items()}
     assert (12, "w", "sparse", "dense") in auto.history
     assert "kept dense" in auto.report()["summary"]
@@ -251,6 +251,15 @@ def test_warm_up_steps_are_not_measured():
         assert not auto.warming_up == measured[-1]
     assert measured == list(auto._setup.measured)
     assert auto.costs["w"].codec_s == pytest.approx({"sparse": 0.002, "qsgd": 0.005, "fp16": 0.007, "dense": 0.008})
+    assert gc.Auto().start_steps == len(auto._setup.schedule) + 1 + 2 + 1 == 12
     bare = gc.Auto(warmup_steps=0, explore_steps=1)
     bare._configure("ours", "average", _FakeSet())
     assert bare._setup.schedule == ("sparse", "qsgd", "fp16", "dense") and all(bare._setup.measured)
+
+
+def test_the_benchmarks_warm_up_covers_autos_start():
+    """The benchmark times Auto's steady state: its warm-up covers exploring, deciding, verifying."""
+    from benchmarks.plan import SPEED_SETTINGS
+
+    flags = next(s for s in SPEED_SETTINGS if s.key == "auto").flags
+    assert int(flags[flags.index("--warmup") + 1]) >= gc.Auto(ratio=0.01, bits=8).start_steps
