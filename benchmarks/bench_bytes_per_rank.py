@@ -97,7 +97,7 @@ def worker(out: str, wire: bool) -> None:
                    compression=comp, **extra)
         step = _stepper(model, opt)
         for _ in range(comp.start_steps if setting == "auto" else 1):
-            step()  # warm-up: first-call costs, Horovod's response cache; Auto: its start (exploring, deciding, verifying)
+            step()  # warm-up: first-call costs, Horovod's response cache; Auto: its start (explore, decide, verify)
         hvd.allreduce(torch.zeros(1), name=f"barrier.a.{label}")
         tx0, handed0 = _lo_tx(), _handed(opt, comp, path)
         for _ in range(STEPS):
