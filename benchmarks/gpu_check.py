@@ -109,10 +109,12 @@ def check_codecs(device: torch.device) -> Dict[str, Any]:
             cross = c_cpu.decode(p_dev.cpu())  # a GPU payload read on CPU
             placed = y.device == x.device and y.dtype == x.dtype and tuple(y.shape) == tuple(shape)
             rel = float((y - x).norm() / x.norm())
-            row_ok = placed and bool(torch.isfinite(y).all()) and bool(torch.equal(cross, y.cpu()))
+            # Decoding may round differently on the device (fused multiply-add): same values to float32's precision.
+            cross_diff = float((cross - y.cpu()).abs().max() / x_cpu.abs().max())
+            row_ok = placed and bool(torch.isfinite(y).all()) and cross_diff < 1e-6
             ok &= row_ok
             rows.append({"codec": label, "shape": list(shape), "payload_bytes": p_dev.numel(),
-                         "payload_equal_cpu": same_bytes, "decoded_on_device": placed,
+                         "payload_equal_cpu": same_bytes, "decoded_on_device": placed, "cpu_decode_diff": cross_diff,
                          "rel_error": round(rel, 4), "ok": row_ok})
     return {"ok": ok, "rows": rows, "payloads_equal_cpu": all(r["payload_equal_cpu"] for r in rows)}
 
@@ -306,7 +308,7 @@ def _train(rank: int, world: int, device: torch.device, setting: str, opt_name: 
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     sync(device)
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).cpu()
     out = {"final_loss": statistics.mean(losses[-30:]), "first_loss": losses[0],
