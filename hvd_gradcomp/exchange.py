@@ -704,7 +704,9 @@ class FusedAllgatherExchange:
         for i, (member, payload) in enumerate(zip(g.members, g.payloads)):
             if payload is not None and payload.device.type == "cpu":
                 t0 = time.perf_counter()
-                g.own_parts[i] = self.compressor.decode_parts(payload)
+                # host bytes already: parsed here once, and not again from the group's index
+                h = wire.parse_header(payload[:_head_bytes(member.shape)].numpy().tobytes(), payload.numel())
+                g.own_parts[i] = self.compressor.decode_parts(payload, h)
                 _charge(member, caller, time.perf_counter() - t0)
         g.payloads = []
 
