@@ -457,17 +457,33 @@ def _dense_bucket(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step:
     if not any(_sends_half(state, s, buffer.dtype) for s in plan.dense):
         return _allreduce(state, buffer, step, "dense", None)
     futs, copy_back = _start_dense(state, buffer, plan, step, kernels.all_finite(buffer))
+    return _when_all(futs, buffer, copy_back)
 
-    def done(f: Future) -> torch.Tensor:
-        for x in f.value():
-            # wait(), not value(): collect_all's future carries no CUDA events, so only wait()
-            # makes this stream wait for the allreduce's (else copy_back can read the tensor
-            # before NCCL or Gloo wrote the average into it). It also raises a failed allreduce.
-            x.wait()
-        copy_back()
-        return buffer
 
-    return torch.futures.collect_all(futs).then(done)
+def _when_all(futs: List[Future], buffer: torch.Tensor, finish: Callable[[], None] = lambda: None) -> Future:
+    """A future of ``buffer``, set once every future in ``futs`` is done and ``finish()`` ran.
+
+    Why not ``collect_all(futs).then(...)``: collect_all's future carries no CUDA events. Its
+    callback runs on whatever stream the thread that completed the last future had current
+    (a callback stream of a ``then``, say), so DDP, waiting on such a future, would not wait
+    for that stream: it could read the bucket before ``finish`` wrote the average into it
+    (seen on a GPU: ranks drifted apart). Here each future is ``wait()``ed (making the current
+    stream wait for its events; value() does not) and the result is a device future, which
+    records the callback's stream for DDP to wait on.
+    """
+    result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
+
+    def done(f: Future) -> None:
+        try:
+            for x in f.value():
+                x.wait()   # raises a failed collective
+            finish()
+            result.set_result(buffer)
+        except BaseException as err:  # noqa: BLE001 -- handed to DDP, which raises it in backward
+            result.set_exception(err)
+
+    torch.futures.collect_all(futs).then(done)
+    return result
 
 
 def _meta(state: GradCompState, value: int, device: torch.device) -> Tuple[torch.Tensor, Future]:
@@ -783,8 +799,7 @@ class _AutoRoads:
         for segs, cast in ((by_road.get(FP16, ()), torch.float16), (dense, None)):
             if segs:
                 futs.append(_allreduce_segments(state, buffer, tuple(segs), step, cast))
-        # wait(): collect_all's future has no CUDA events; see _dense_bucket
-        return torch.futures.collect_all(futs).then(lambda f: [x.wait() for x in f.value()] and buffer)
+        return _when_all(futs, buffer)
 
     def _done(self, fut: Future, key: str, road: str, numel: int, itemsize: int, codec_s: float,
               payload: float, timed: bool) -> torch.Tensor:
