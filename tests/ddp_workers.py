@@ -283,6 +283,40 @@ def nonfinite(kind: str, **kw: Any) -> Dict[str, Any]:
             "next_finite": bool(torch.isfinite(flat_grads(model.module)).all())}
 
 
+def kept_result(kind: str, bind: bool, steps: int = 7, bad_step: int = 3, **kw: Any) -> Dict[str, Any]:
+    """The hook's kept result buffers (only the entries the last step wrote are zeroed, see
+    ddp._Result) against zeroing the whole bucket every step: bit-identical gradients and
+    parameters over several steps, one of them non-finite on rank 1 (skipped, as a loss scaler
+    would). ``bind``: SGD(momentum) given to register() (momentum correction rewrites the average
+    at the last step's support too)."""
+    rank = dist.get_rank()
+    runs = []
+    for keep in (True, False):
+        model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = gc_ddp.register(model, compression=make_compression(kind, seed=5, **kw), optimizer=opt if bind else None)
+        if not keep:
+            state._result = lambda plan, buffer: None
+        grads, nonfinite = [], []
+        for step in range(steps):
+            opt.zero_grad()
+            loss = loss_of(model, *batch(rank, step))
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                (loss * (float("inf") if step == bad_step and rank == 1 else 1.0)).backward()
+            g = flat_grads(model.module)
+            finite = bool(torch.isfinite(g).all())
+            nonfinite.append(not finite)
+            grads.append(g.nan_to_num(nan=7.0))
+            if finite:
+                opt.step()
+        runs.append({"grads": torch.stack(grads), "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                     "nonfinite": nonfinite, "kept": len(state._results)})
+    a, b = runs
+    return {"identical": bool(torch.equal(a["grads"], b["grads"]) and torch.equal(a["params"], b["params"])),
+            "nonfinite": a["nonfinite"], "kept": a["kept"], "unkept": b["kept"], "grads": a["grads"][-1].tolist()}
+
+
 def errors() -> Dict[str, Any]:
     """Bad arguments: each gives a clear error."""
     out: Dict[str, Any] = {}
@@ -507,7 +541,7 @@ def die(after: int) -> Dict[str, Any]:
 
 SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
-             "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt}
+             "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "kept_result": kept_result}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

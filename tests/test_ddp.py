@@ -48,6 +48,8 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "options-qsgd8": {"fn": "ddp_options", "kind": "qsgd", "bits": 8},
     "nonfinite-topkqsgd": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05},
     "nonfinite-qsgd": {"fn": "nonfinite", "kind": "qsgd", "bits": 8},
+    "kept-classic": {"fn": "kept_result", "kind": "topkqsgd", "ratio": 0.05, "bind": False},
+    "kept-mc": {"fn": "kept_result", "kind": "topkqsgd", "ratio": 0.05, "bind": True},
     "errors": {"fn": "errors"},
     "frozen": {"fn": "frozen"},
     "exempt": {"fn": "exempt"},
@@ -156,6 +158,16 @@ def test_unused_frozen_and_static_graph(battery, label):
 def test_nonfinite_gradient_on_one_rank_reaches_every_rank(battery, sid):
     for r in battery[sid]:
         assert r["nonfinite"] and r["count"] >= 1 and r["next_finite"]
+
+
+@pytest.mark.parametrize("sid", ["kept-classic", "kept-mc"])
+def test_kept_result_buffers_change_no_result(battery, sid):
+    """Zeroing only what the last step wrote (CPU) gives the gradients of zeroing the whole bucket,
+    bit for bit, through a non-finite step and with momentum correction's rewrite; ranks agree."""
+    for r in battery[sid]:
+        assert r["identical"] and r["kept"] >= 2 and r["unkept"] == 0
+        assert r["nonfinite"] == [False, False, False, True, False, False, False]
+    assert battery[sid][0]["grads"] == battery[sid][1]["grads"]
 
 
 @pytest.mark.parametrize("key,words", [
