@@ -97,50 +97,10 @@ class _Segment:
 
 @dataclass(frozen=True)
 class _Plan:
-    """A bucket split into compressed and dense segments; ``bucket``: DDP's index of the bucket
-    (-1: a part of one, see :meth:`_AutoRoads._per_parameter`)."""
+    """A bucket split into compressed and dense segments."""
 
     compressed: Tuple[_Segment, ...]
     dense: Tuple[_Segment, ...]
-    bucket: int = -1
-
-
-class _Result:
-    """A bucket's averaged gradient, kept between steps (CPU only) so that only the entries the
-    last step wrote are zeroed before the next sparse sum, not the whole bucket.
-
-    Why: the average of sparse payloads is zero but for ~2% of the entries; zeroing a 25M-value
-    bucket costs ~13 ms per step on this machine, O(sent values) costs well under 1 ms. Costs one
-    bucket-sized buffer per bucket. DDP copies whatever tensor the hook's future holds into the
-    gradients, so the bucket's own buffer need not hold the result. Accelerators zero the bucket
-    in place as before (a memset at their bandwidth costs little; their memory is dearer).
-    """
-
-    def __init__(self, like: torch.Tensor) -> None:
-        self.out = torch.zeros_like(like)
-        self.layout: Optional[Tuple[_Segment, ...]] = None    # compressed segments of the last use
-        self.written: Optional[List[Optional[torch.Tensor]]] = None  # per segment; None: all
-
-    def fits(self, like: torch.Tensor) -> bool:
-        return self.out.shape == like.shape and self.out.dtype == like.dtype and self.out.device == like.device
-
-    def zeroed(self, plan: "_Plan") -> torch.Tensor:
-        """The buffer, zero in the compressed segments of ``plan`` (the dense ones are overwritten)."""
-        written, self.written = self.written, None   # unknown until this use succeeds (see done)
-        if written is None or self.layout != plan.compressed:
-            self.out.zero_()
-        else:
-            for s, idx in zip(plan.compressed, written):
-                if idx is None:
-                    s.view(self.out).zero_()
-                elif idx.numel():
-                    s.view(self.out).index_fill_(0, idx, 0)
-        self.layout = plan.compressed
-        return self.out
-
-    def done(self, written: List[Optional[torch.Tensor]]) -> None:
-        """Where this use left nonzero values, per compressed segment (None: anywhere)."""
-        self.written = written
 
 
 class GradCompState:
@@ -235,7 +195,6 @@ class GradCompState:
         self.nonfinite_exchanges = 0    # buckets that carried NaN/Inf on some rank
         self._step_bytes: Dict[int, int] = {}
         self._plans: Dict[Tuple[int, Tuple[int, ...]], _Plan] = {}
-        self._results: Dict[int, _Result] = {}   # by bucket index, see _Result
         self._lock = threading.Lock()   # the compressor is used from the hook and callback threads
         self._launched: Future = _done(None)
 
@@ -309,7 +268,7 @@ class GradCompState:
         now_dense = tuple(s for s in plan.compressed if not self.compression.compresses(s.name))
         if not now_dense:
             return plan
-        return _Plan(tuple(s for s in plan.compressed if s not in now_dense), plan.dense + now_dense, plan.bucket)
+        return _Plan(tuple(s for s in plan.compressed if s not in now_dense), plan.dense + now_dense)
 
     def _make_plan(self, bucket: dist.GradBucket, params: List[torch.Tensor]) -> _Plan:
         buffer = bucket.buffer()
@@ -323,18 +282,7 @@ class GradCompState:
                            tuple(p.shape))
             small = p.numel() < self.min_compress_numel or buffer.dtype not in wire.DTYPES
             (dense if small else compressed).append(seg)
-        return _Plan(tuple(compressed), tuple(dense), bucket.index())
-
-    def _result(self, plan: _Plan, buffer: torch.Tensor) -> Optional[_Result]:
-        """The kept result buffer of ``plan``'s bucket (see :class:`_Result`), or None where the
-        bucket's own buffer takes the result (accelerators, parts of a bucket, half dtypes:
-        their sum runs in float32 and is copied)."""
-        if buffer.device.type != "cpu" or plan.bucket < 0 or fb.residual_dtype(buffer.dtype) != buffer.dtype:
-            return None
-        kept = self._results.get(plan.bucket)
-        if kept is None or not kept.fits(buffer):
-            kept = self._results[plan.bucket] = _Result(buffer)
-        return kept
+        return _Plan(tuple(compressed), tuple(dense))
 
     # ------------------------------------------------------------ feedback at the optimizer step
     def _received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
@@ -356,14 +304,6 @@ class GradCompState:
                 grad = self._by_name[name].grad
                 if grad is not None:
                     self.compression.received(name, grad)
-
-    def _written(self, name: str, support: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Where the average of ``name`` may be nonzero once :meth:`_received` ran on it (None: anywhere)."""
-        if support is None:
-            return None
-        if self.compression.feedback.moves_parameters:   # its received() runs at the optimizer step, on p.grad
-            return support
-        return self.compression.feedback.written(name, support)
 
     # ------------------------------------------------------------ ordering
     def _then_in_order(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
@@ -460,11 +400,10 @@ def _allreduce(state: GradCompState, flat: torch.Tensor, step: int, name: str,
 
 
 def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int,
-                 finite: bool, target: Optional[torch.Tensor] = None) -> Tuple[List[Future], Callable[[], None]]:
+                 finite: bool) -> Tuple[List[Future], Callable[[], None]]:
     """The parameters of a compressed bucket that go uncompressed: one allreduce, and one of
-    the float16 ones (:func:`_start_half`); returns (futures, copy-back into ``target``, default
-    ``buffer``). ``finite``: whether this rank's bucket is all finite."""
-    target = buffer if target is None else target
+    the float16 ones (:func:`_start_half`); returns (futures, copy-back). ``finite``: whether
+    this rank's bucket is all finite."""
     half = tuple(s for s in plan.dense if _sends_half(state, s, buffer.dtype))
     full = tuple(s for s in plan.dense if s not in half)
     futs, backs = [], []
@@ -481,7 +420,7 @@ def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: 
         for segs, flat in backs:
             offset = 0
             for s in segs:
-                s.view(target).copy_(flat[offset:offset + s.numel])
+                s.view(buffer).copy_(flat[offset:offset + s.numel])
                 offset += s.numel
 
     return futs, copy_back
@@ -542,16 +481,14 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
     payloads = [pl for pl, _ in sends]
     blob = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=buffer.device)
     sizes, meta_fut = _meta(state, blob.numel() if finite else -1, buffer.device)
-    kept = state._result(plan, buffer)
-    out = buffer if kept is None else kept.zeroed(plan)
-    dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite, out)
+    dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
     for s, pl in zip(plan.compressed, payloads):
         state._record(step, s.name, s.numel * buffer.element_size(), pl.numel())
 
     def launch() -> Optional[Tuple[Future, Callable]]:
         counts = sizes.tolist()
         if min(counts) < 0:
-            _nonfinite(state)   # out is filled with NaN; kept.written stays None: zeroed in full next time
+            _nonfinite(state)
             return None
         cap = max(counts)
         padded = torch.zeros(cap, dtype=torch.uint8, device=buffer.device)
@@ -565,23 +502,18 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
             # (the same indices and values, bit for bit, that the other ranks decode from it).
             per_rank = [None if r == state.rank else _split(gathered[r * cap:r * cap + counts[r]],
                                                             len(plan.compressed)) for r in range(world)]
-            written: List[Optional[torch.Tensor]] = []
             for j, s in enumerate(plan.compressed):
                 others = decode_payloads(comp, [per_rank[r][j] for r in range(world) if r != state.rank],
                                          world - 1, s.numel)
                 parts = others[:state.rank] + [sends[j][1]] + others[state.rank:]
-                sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(out), zeroed=kept is not None)
-                support = sparse_support(parts)
-                if kept is not None:
-                    written.append(state._written(s.name, support))
-                state._received(s.name, s.view(out), support)   # momentum correction: what SGD should see
-            if kept is not None:
-                kept.done(written)
+                sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
+                # momentum correction: what SGD should see
+                state._received(s.name, s.view(buffer), sparse_support(parts))
 
         return work.get_future(), decode
 
     result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
-    state._then_in_order([meta_fut] + dense_futs, launch, result, out, copy_back)
+    state._then_in_order([meta_fut] + dense_futs, launch, result, buffer, copy_back)
     return result
 
 

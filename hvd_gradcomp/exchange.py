@@ -402,21 +402,19 @@ def is_average(op: Any) -> bool:
 
 
 def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
-              out: Optional[torch.Tensor] = None, zeroed: bool = False) -> torch.Tensor:
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The average (``average=True``) or sum of decoded parts; no collective, any backend.
 
     Every rank runs the same additions in the same order on the same bytes, so every rank
     gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
     added straight into one zeroed buffer; with ``out`` (contiguous, of the accumulation
-    dtype) the result is written there. ``zeroed``: ``out`` (of the accumulation dtype) holds
-    zeros already, so it is not zeroed again (a pass over the whole tensor).
+    dtype) the result is written there.
     """
     scale = 1.0 / len(parts) if average else 1.0
     acc_dtype = residual_dtype(dtype)
     direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
     acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
-    if not (zeroed and direct):
-        acc.zero_()
+    acc.zero_()
     for idx, vals in parts:
         if idx is None:
             acc.add_(vals.to(acc_dtype), alpha=scale)

@@ -381,12 +381,6 @@ class Feedback:
         is zero (in any order, possibly repeated: every rank's sent indices, concatenated), so a
         policy can work on those alone; None: dense."""
 
-    def written(self, name: str, support: torch.Tensor) -> Optional[torch.Tensor]:
-        """Called before :meth:`received` of an average that is zero outside ``support``: the
-        indices outside which it is still zero afterwards (None: anywhere may be nonzero). Lets a
-        caller that reuses the buffer zero only those next time."""
-        return support if type(self).received is Feedback.received else None
-
     def dense(self, name: str) -> bool:
         """True: send ``name`` uncompressed this step (in the dense allreduce, like small tensors).
         Must give the same answer on every rank (decide from replicated state only)."""
@@ -648,12 +642,6 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
             idx = what[0]
             self.velocity[name][idx] = 0
             acc[idx] = 0
-
-    def written(self, name: str, support: torch.Tensor) -> Optional[torch.Tensor]:
-        prev = self.delivered.get(name)  # received() subtracts m * prev where prev is nonzero
-        if prev is None:
-            return support
-        return torch.cat([support, prev.indices]) if isinstance(prev, SparseValues) else None
 
     def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         m, d = self._coefficients(name)

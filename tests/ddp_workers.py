@@ -267,54 +267,25 @@ def _frozen(m: Net) -> Net:
     return m
 
 
-def nonfinite(kind: str, **kw: Any) -> Dict[str, Any]:
-    """Rank 1 has an Inf in its loss: every rank gets a non-finite gradient and nobody hangs."""
+def nonfinite(kind: str, bind: bool = False, **kw: Any) -> Dict[str, Any]:
+    """Rank 1 has an Inf in its loss: every rank gets a non-finite gradient and nobody hangs.
+    ``bind``: SGD(momentum) given to register(), so momentum correction runs (its velocity is kept
+    only for what was sent: rank 1 keeps none from the bad step)."""
     rank = dist.get_rank()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-    state = gc_ddp.register(model, compression=make_compression(kind, **kw))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = gc_ddp.register(model, compression=make_compression(kind, **kw), optimizer=opt if bind else None)
     loss = loss_of(model, *batch(rank, 0))
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         (loss * (float("inf") if rank == 1 else 1.0)).backward()
     bad = not bool(torch.isfinite(flat_grads(model.module)).all())
+    feedback = state.compression.feedback
+    kept = {"velocities": len(getattr(feedback, "velocity", {})), "residuals": len(feedback.residuals._residuals)}
     model.zero_grad()
     loss_of(model, *batch(rank, 1)).backward()  # the next step is fine again
-    return {"nonfinite": bad, "count": state.nonfinite_exchanges,
+    return {"nonfinite": bad, "count": state.nonfinite_exchanges, "kept_after_bad": kept,
             "next_finite": bool(torch.isfinite(flat_grads(model.module)).all())}
-
-
-def kept_result(kind: str, bind: bool, steps: int = 7, bad_step: int = 3, **kw: Any) -> Dict[str, Any]:
-    """The hook's kept result buffers (only the entries the last step wrote are zeroed, see
-    ddp._Result) against zeroing the whole bucket every step: bit-identical gradients and
-    parameters over several steps, one of them non-finite on rank 1 (skipped, as a loss scaler
-    would). ``bind``: SGD(momentum) given to register() (momentum correction rewrites the average
-    at the last step's support too)."""
-    rank = dist.get_rank()
-    runs = []
-    for keep in (True, False):
-        model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        state = gc_ddp.register(model, compression=make_compression(kind, seed=5, **kw), optimizer=opt if bind else None)
-        if not keep:
-            state._result = lambda plan, buffer: None
-        grads, nonfinite = [], []
-        for step in range(steps):
-            opt.zero_grad()
-            loss = loss_of(model, *batch(rank, step))
-            with warnings.catch_warnings(record=True):
-                warnings.simplefilter("always")
-                (loss * (float("inf") if step == bad_step and rank == 1 else 1.0)).backward()
-            g = flat_grads(model.module)
-            finite = bool(torch.isfinite(g).all())
-            nonfinite.append(not finite)
-            grads.append(g.nan_to_num(nan=7.0))
-            if finite:
-                opt.step()
-        runs.append({"grads": torch.stack(grads), "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                     "nonfinite": nonfinite, "kept": len(state._results)})
-    a, b = runs
-    return {"identical": bool(torch.equal(a["grads"], b["grads"]) and torch.equal(a["params"], b["params"])),
-            "nonfinite": a["nonfinite"], "kept": a["kept"], "unkept": b["kept"], "grads": a["grads"][-1].tolist()}
 
 
 def errors() -> Dict[str, Any]:
@@ -541,7 +512,7 @@ def die(after: int) -> Dict[str, Any]:
 
 SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
-             "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "kept_result": kept_result}
+             "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:
