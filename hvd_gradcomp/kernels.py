@@ -14,8 +14,9 @@ Speed notes (measured by ``benchmarks/bench_compressors.py``):
 * Top-k uses a threshold estimated from a strided sample to find a small candidate superset,
   then an exact ``torch.topk`` over the candidates: the result is the exact top-k, at a
   fraction of the cost of ``torch.topk`` over the whole tensor. Under error feedback the
-  candidate compare runs in the pass that adds the residual (:func:`add_marked`): each pass
-  over a 4M-value tensor costs ~1-2 ms here, and the selection then reads only candidates.
+  candidate compare runs in the pass that adds the residual (:func:`add_marked`; momentum
+  correction's velocity update too, :func:`momentum_marked`): each pass over a 4M-value tensor
+  costs ~1-2 ms here, and the selection then reads only candidates.
 * Per-payload work on ~42K values (a 1% top-k of a 2048x2048 layer) is dominated by the
   count of eager ops, not by the values: the delta-index decoder is one compiled loop there.
 * Finiteness checks (:func:`all_finite`) are one sum, not ``isfinite().all()`` (10x dearer).
