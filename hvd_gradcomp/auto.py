@@ -5,9 +5,13 @@ run: on a slow link TopKQSGD wins by far, on a fast one (or on many ranks, where
 grows with the rank count) the plain allreduce does. ``Auto`` measures instead of guessing:
 
 1. **Explore**: every tensor takes each road in turn (``sparse``: TopKQSGD allgather,
-   ``qsgd``: QSGD compressed allreduce, or allgather inside stock Horovod, for ``explore_steps``
-   steps each; ``fp16`` and ``dense`` for one step each), and its encode + decode seconds and
-   payload bytes are measured.
+   ``qsgd``: QSGD compressed allreduce, or allgather inside stock Horovod, for
+   ``warmup_steps`` unmeasured steps, then ``explore_steps`` measured ones; ``fp16`` and
+   ``dense`` for one measured step each), and its encode + decode seconds, payload bytes and
+   the step's time are measured; the least of a road's samples counts. A codec road's first
+   steps pay one-off costs (``torch.compile`` of its kernels, again on the first calls with
+   new shapes or with a residual; buffers; Horovod's first negotiation of each name): measured,
+   they made the road explored first look far slower than it runs.
 2. **Probe** each road's collective: timed allreduces (a tiny one for latency, ``probe_numel``
    float32 values, as many fp16 values: Horovod reduces fp16 in half precision, on CPU far
    slower than its bytes suggest) and an allgather of ``probe_numel`` bytes.
@@ -110,6 +114,7 @@ class _Setup:
     average: bool
     roads: Tuple[str, ...]
     schedule: Tuple[str, ...]   # the road of each exploring step
+    measured: Tuple[bool, ...]  # per exploring step: False for a codec road's warm-up steps
 
     @property
     def ranks(self) -> int:
@@ -127,10 +132,12 @@ class Auto:
         ratio, bits: TopKQSGD's settings for the sparse road.
         qsgd_bits: QSGD's bits for the compressed-allreduce road.
         roads: the roads allowed (default all: ``"sparse", "qsgd", "fp16", "dense"``).
-        explore_steps: steps each codec road (sparse, qsgd) is tried for at the start (the first
-            call of a road pays one-off costs; the least of the samples is used; fp16 and dense,
-            with nothing to warm up, take one step each), and steps timed after each decision to
-            verify it.
+        explore_steps: measured steps each codec road (sparse, qsgd) is tried for at the start
+            (the least of the samples is used; fp16 and dense, with nothing to warm up, take one
+            step each), and steps timed after each decision to verify it.
+        warmup_steps: unmeasured steps each codec road takes first while exploring: its
+            one-off start-up costs (kernel compilation, buffers, Horovod's negotiation of new
+            names) stay out of its codec costs and step times.
         interval: steps between re-decisions.
         hysteresis: a tensor switches only if the new road is this fraction faster.
         probe_numel: float32 values of the bandwidth probe's allreduce.
@@ -142,7 +149,8 @@ class Auto:
     """
 
     def __init__(self, ratio: float = 0.01, bits: int = 8, qsgd_bits: int = 8,
-                 roads: Optional[Sequence[str]] = None, explore_steps: int = 2, interval: int = 200,
+                 roads: Optional[Sequence[str]] = None, explore_steps: int = 2, warmup_steps: int = 1,
+                 interval: int = 200,
                  hysteresis: float = 0.1, probe_numel: int = 1 << 20, error_feedback: bool = True,
                  seed: Optional[int] = None, named_parameters: Any = None) -> None:
         # exempt="fp32": Auto's small tensors keep the dense road on every wrapper (in the DDP hook
@@ -150,13 +158,13 @@ class Auto:
         self.sparse = TopKQSGD(ratio=ratio, bits=bits, error_feedback=error_feedback, seed=seed, exempt="fp32")
         self.qsgd = QSGD(bits=qsgd_bits, error_feedback=error_feedback, seed=seed, exempt="fp32")
         self.roads = _check_roads(roads)
-        for arg, value, low in (("explore_steps", explore_steps, 1), ("interval", interval, 1),
-                                ("probe_numel", probe_numel, 1)):
+        for arg, value, low in (("explore_steps", explore_steps, 1), ("warmup_steps", warmup_steps, 0),
+                                ("interval", interval, 1), ("probe_numel", probe_numel, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
         if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
             raise ValueError(f"hysteresis must be a number in [0, 1) (a fraction), got {hysteresis!r}")
-        self.explore_steps, self.interval = explore_steps, interval
+        self.explore_steps, self.warmup_steps, self.interval = explore_steps, warmup_steps, interval
         self.hysteresis, self.probe_numel = float(hysteresis), probe_numel
         self.step = 0                       # steps begun (the first exchange of a step starts it)
         self.decisions: Dict[str, str] = {}  # tensor name -> road, identical on every rank
@@ -203,14 +211,38 @@ class Auto:
         # "qsgd" names QSGD's road everywhere: the compressed allreduce in ours and in the DDP
         # hook, the allgather inside stock Horovod.
         roads = tuple((QSGD_AG if mode == "stock" else QSGD_AR) if r in (QSGD_AR, QSGD_AG) else r for r in roads)
-        # The codec roads are tried explore_steps times (their first call pays one-off costs, e.g.
-        # torch.compile; the least sample counts), fp16 and dense once: nothing to warm up there,
-        # and on a slow link each of their steps is the slowest of the run.
-        schedule = tuple(r for r in roads for _ in range(1 if r in (FP16, DENSE) else self.explore_steps))
-        self._setup = _Setup(mode, comm, average, roads, schedule)
+        # A codec road first runs warmup_steps unmeasured steps, then explore_steps measured ones
+        # (least sample counts). Its first calls pay one-off costs that spread over two steps
+        # (torch.compile at the first call, again at the first with new shapes or with a
+        # residual; buffers; Horovod negotiating new names): a 1 Gbit/s benchmark whose first
+        # road measured them ran 12% slower than its best fixed setting, one warm-up step plus
+        # the least of two samples leaves them out. fp16 and dense run once, measured: a cast
+        # compiles nothing, their first-use cost (a negotiation) is small against their step, and
+        # on a slow link each of their steps is the slowest of the run.
+        plan: List[Tuple[str, bool]] = []   # (road, measured) of each exploring step
+        for r in roads:
+            warm, measured = self._exploring_steps(r)
+            plan += [(r, False)] * warm + [(r, True)] * measured
+        self._setup = _Setup(mode, comm, average, roads, tuple(r for r, _ in plan), tuple(m for _, m in plan))
         self.sparse.stream = self.qsgd.stream = comm.rank  # independent noise per rank
 
     # ------------------------------------------------------------ the schedule
+    def _exploring_steps(self, road: str) -> Tuple[int, int]:
+        """(warm-up, measured) steps ``road`` takes while exploring (see :meth:`configure`)."""
+        return (0, 1) if road in (FP16, DENSE) else (self.warmup_steps, self.explore_steps)
+
+    @property
+    def start_steps(self) -> int:
+        """Steps of Auto's start: exploring, the decision's step, the ``explore_steps`` timed
+        steps of the decision and the verdict's step (a benchmark that excludes Auto's start
+        from its timing warms up this many steps).
+
+        >>> Auto().start_steps   # sparse, qsgd: 1 warm-up + 2 each; fp16, dense: 1; 1 + 2 + 1
+        12
+        """
+        exploring = sum(sum(self._exploring_steps(r)) for r in self.roads or OURS_ROADS)
+        return exploring + 1 + self.explore_steps + 1
+
     @property
     def exploring(self) -> bool:
         return self.step <= len(self._setup.schedule)
@@ -250,19 +282,27 @@ class Auto:
         return self.decisions.get(name, DENSE)
 
     @property
+    def warming_up(self) -> bool:
+        """In a codec road's unmeasured warm-up steps (exploring): nothing is recorded."""
+        s = self._setup
+        return s is not None and 1 <= self.step <= len(s.schedule) and not s.measured[self.step - 1]
+
+    @property
     def measuring(self) -> bool:
-        """Exploring, or in the ``explore_steps`` steps before a re-decision: codec times then
-        count, and on GPU they are taken with the device synchronised."""
+        """In a measured exploring step, or in the ``explore_steps`` steps before a re-decision:
+        codec times then count, and on GPU they are taken with the device synchronised."""
         done = self.step - 1 - len(self._setup.schedule)
-        return done < 0 or done % self.interval >= self.interval - self.explore_steps
+        if done < 0:
+            return not self.warming_up
+        return done % self.interval >= self.interval - self.explore_steps
 
     def _phase(self, step: int) -> Optional[str]:
         """What the duration of ``step`` measures: a road (all tensors took it while exploring),
         ``"plan"`` (the steps after a decision), ``"before"`` (the steps before a re-decision)."""
         e = self.explore_steps
         done = step - 1 - len(self._setup.schedule)
-        if done < 0:
-            return self._setup.schedule[step - 1]
+        if done < 0:   # a road's step time, unless a warm-up step
+            return self._setup.schedule[step - 1] if self._setup.measured[step - 1] else None
         r = done % self.interval
         if 1 <= r <= e:
             return "plan"
@@ -293,9 +333,9 @@ class Auto:
                payload: float, measured: bool = True) -> None:
         """One finished exchange: its codec seconds, its exposed wait, its payload bytes.
         ``measured=False``: the codec time was taken without synchronising the device (GPU, not
-        measuring): only the wait and the payload count."""
+        measuring): only the wait counts. Nothing but the wait in a warm-up step (:attr:`warming_up`)."""
         self.last_wait_s[name] = wait_s
-        if not measured:
+        if not measured or self.warming_up:
             return
         self._samples.setdefault((name, road), deque(maxlen=SAMPLES)).append(codec_s)
         c = self.costs.setdefault(name, TensorCosts(numel, itemsize))

@@ -328,6 +328,8 @@ class GradCompState:
                         decode()
                 else:
                     buffer.fill_(float("nan"))
+                for d in deps:
+                    d.wait()  # this callback's CUDA stream too must wait for the dense allreduces
                 finish_dense()
                 result.set_result(buffer)
             except BaseException as err:  # noqa: BLE001 -- handed to DDP, which raises it in backward
@@ -458,7 +460,10 @@ def _dense_bucket(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step:
 
     def done(f: Future) -> torch.Tensor:
         for x in f.value():
-            x.value()   # raises a failed allreduce
+            # wait(), not value(): collect_all's future carries no CUDA events, so only wait()
+            # makes this stream wait for the allreduce's (else copy_back can read the tensor
+            # before NCCL or Gloo wrote the average into it). It also raises a failed allreduce.
+            x.wait()
         copy_back()
         return buffer
 
@@ -811,7 +816,8 @@ class _AutoRoads:
         for segs, cast in ((by_road.get(FP16, ()), torch.float16), (dense, None)):
             if segs:
                 futs.append(_allreduce_segments(state, buffer, tuple(segs), step, cast))
-        return torch.futures.collect_all(futs).then(lambda f: [x.value() for x in f.value()] and buffer)
+        # wait(): collect_all's future has no CUDA events; see _dense_bucket
+        return torch.futures.collect_all(futs).then(lambda f: [x.wait() for x in f.value()] and buffer)
 
     def _done(self, fut: Future, key: str, road: str, numel: int, itemsize: int, codec_s: float,
               payload: float, timed: bool) -> torch.Tensor:

@@ -110,7 +110,9 @@ def _qsgd_encode_into(x: torch.Tensor, codes: torch.Tensor, seed: torch.Tensor, 
     u ~ U[0, 1): E[level] = |x| / norm * s, so the decoded value is unbiased. Writing into a
     caller's buffer lets the last, shorter bucket land next to the others without a ``cat``.
     """
-    s = (1 << (bits - 1)) - 1
+    # 2 ** (bits - 1), not 1 << (bits - 1): under torch.compile(dynamic=True) bits is symbolic,
+    # and PyTorch 2.11's symbolic shapes cannot evaluate a shift (the kernel fell back to eager).
+    s = 2 ** (bits - 1) - 1
     xf = x.to(torch.float32)
     sq = _sum_squares(xf)
     norms = _norms(sq, cap)
@@ -129,7 +131,7 @@ def _signed_levels(codes: torch.Tensor, bits: int) -> torch.Tensor:
     Integer arithmetic in int16, converted once: in inductor's CPU code a uint8 -> float32
     conversion, or a float select on a compare, runs 1.5-4x slower than this.
     """
-    s = (1 << (bits - 1)) - 1
+    s = 2 ** (bits - 1) - 1   # not a shift: see _qsgd_encode_into
     c = codes.to(torch.int16)
     return ((c & s) * (1 - 2 * (c >> (bits - 1)))).to(torch.float32)
 

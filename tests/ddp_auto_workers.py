@@ -71,12 +71,12 @@ def same_on_every_rank(t: torch.Tensor) -> bool:
 
 def auto_switches(steps: int = 12) -> Dict[str, Any]:
     """The same batch every step, parameters fixed, roads forced to change at every decision
-    (explore 1 step per road, decide every 3 steps; no verdicts, so that the switches are known): at every step
+    (explore 1 step per road, no warm-up step, decide every 3 steps; no verdicts, so that the switches are known): at every step
     what arrived plus what is still owed equals steps x the true average, and every rank
     applied bit-identical gradients."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-    auto = gc.Auto(explore_steps=1, interval=3, roads=ROADS, seed=5)
+    auto = gc.Auto(explore_steps=1, warmup_steps=0, interval=3, roads=ROADS, seed=5)
     auto.decide, auto.verify = forced_plans(auto), lambda: None
     state = gc_ddp.register(model, compression=auto)
     truth = reference_grad(0, world)
@@ -98,8 +98,9 @@ def auto_switches(steps: int = 12) -> Dict[str, Any]:
 
 
 def auto_measured(steps: int = 14) -> Dict[str, Any]:
-    """Auto as users run it (its own probes and decisions, default roads, 1 exploring step per
-    road): decisions the same on every rank, in the report and the byte counts."""
+    """Auto as users run it (its own probes and decisions, default roads, 1 measured exploring
+    step per road after sparse's and qsgd's warm-up step): decisions the same on every rank, in
+    the report and the byte counts."""
     rank = dist.get_rank()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -117,20 +118,20 @@ def auto_measured(steps: int = 14) -> Dict[str, Any]:
             "summary": rep["summary"], "link": rep["link"], "codec_roads": {k: sorted(t["codec_ms"]) for k, t in
                                                                             rep["tensors"].items()},
             "per_tensor": sorted(state.comm_stats.per_tensor), "verdicts": len(rep["verdicts"]),
-            "step": rep["step"]}
+            "step": rep["step"], "schedule": [[r, m] for r, m in zip(auto._setup.schedule, auto._setup.measured)]}
 
 
 def auto_checkpoint(ckpt: str) -> Dict[str, Any]:
     """10 steps straight vs 7, save, fresh DDP + state + optimizer, load, 3: the Auto state (step,
     decisions, residuals) comes back and training resumes bit-identically, although the fresh DDP
     puts every parameter in one bucket for its first iteration (each then takes its own road).
-    Exploration ends at step 5 (DDP's rebuild restarts it at step 3), decisions at step 6."""
+    Exploration (no warm-up step) ends at step 5 (DDP's rebuild restarts it at step 3), decisions at step 6."""
     rank = dist.get_rank()
 
     def fresh():
         model = DDP(net(), bucket_cap_mb=BUCKET_MB)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        auto = gc.Auto(explore_steps=1, interval=1000, roads=ROADS, seed=11)
+        auto = gc.Auto(explore_steps=1, warmup_steps=0, interval=1000, roads=ROADS, seed=11)
         auto.decide, auto.verify = forced_plans(auto), lambda: None
         return model, gc_ddp.register(model, compression=auto), opt
 
@@ -171,7 +172,7 @@ def auto_nonfinite(bad_step: int = 8, steps: int = 10) -> Dict[str, Any]:
     identical on every rank again."""
     rank = dist.get_rank()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-    auto = gc.Auto(explore_steps=1, interval=1000, roads=ROADS, seed=5)
+    auto = gc.Auto(explore_steps=1, warmup_steps=0, interval=1000, roads=ROADS, seed=5)
     auto.decide, auto.verify = forced_plans(auto), lambda: None
     state = gc_ddp.register(model, compression=auto)
     finite, identical = [], []

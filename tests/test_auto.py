@@ -2,6 +2,7 @@
 across road switches, in hvd_gradcomp's optimizer and in stock Horovod's (one job per backend)."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Dict
 
 import pytest
@@ -22,7 +23,8 @@ def battery(backend: str):
 
 @pytest.mark.parametrize("kw,match", [({"roads": ["zip"]}, "roads"), ({"roads": []}, "roads"),
                                       ({"roads": "dense"}, "roads"), ({"interval": 0}, "interval"),
-                                      ({"explore_steps": 1.5}, "explore_steps"), ({"hysteresis": 1.0}, "hysteresis"),
+                                      ({"explore_steps": 1.5}, "explore_steps"),
+                                      ({"warmup_steps": -1}, "warmup_steps"), ({"hysteresis": 1.0}, "hysteresis"),
                                       ({"ratio": 2.0}, "ratio"), ({"bits": 1}, "bits")])
 def test_bad_arguments_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -175,9 +177,11 @@ def test_verification_falls_back_to_the_fastest_road_measured_alone(monkeypatch)
                  decide=lambda a: a.decisions.update(w="sparse", v="sparse"))
     assert auto.decisions == {"w": "dense", "v": "dense"}
     (v,) = auto.verdicts
-    assert v["step"] == 10 and v["kept"] == "dense" and round(v["plan_ms"]) == 300
+    # 8 exploring steps (sparse, qsgd: 1 warm-up + 2 measured each; fp16, dense: 1), decision at
+    # step 9, its 2 timed steps, the verdict at step 12
+    assert v["step"] == 12 == auto.start_steps and v["kept"] == "dense" and round(v["plan_ms"]) == 300
     assert {k: round(ms) for k, ms in v["against_ms"].items()} == {r: round(1e3 * s) for r, s in alone.items()}
-    assert (10, "w", "sparse", "dense") in auto.history
+    assert (12, "w", "sparse", "dense") in auto.history
     assert "kept dense" in auto.report()["summary"]
 
 
@@ -191,5 +195,71 @@ def test_verification_keeps_faster_decisions_and_reverts_a_slower_re_decision(mo
     _run_clocked(monkeypatch, auto, lambda roads: times.get(roads, 0.3), 18,
                  decide=lambda a: a.decisions.update(next(plans, {})))
     kept = [(v["step"], v["kept"]) for v in auto.verdicts]
-    assert kept == [(10, "plan"), (15, "before")], auto.verdicts
+    assert kept == [(12, "plan"), (17, "before")], auto.verdicts   # decisions at steps 9 and 14
     assert auto.decisions == {"w": "sparse", "v": "fp16"}
+
+
+# One 4M-value tensor at 1 Gbit/s, two ranks (steady costs: what each road costs once warm).
+_STEADY_CODEC = {"sparse": 0.03, "qsgd": 0.06, "fp16": 0.007, "dense": 0.004}
+_PAYLOAD = {"sparse": 1e5, "qsgd": 4.2e6, "fp16": 8.4e6, "dense": 1.68e7}
+_STEADY_STEP = {"sparse": 0.36, "qsgd": 0.5, "fp16": 1.1, "dense": 1.9}
+_LINK_PROBE = (5e-4, 5e-4 + 4 * (1 << 20) / 1.25e8, 5e-4 + 2 * (1 << 20) / 1.25e8, 5e-4 + (1 << 20) / 1.25e8)
+
+
+@pytest.mark.parametrize("explore_steps,start_up", [(1, [10.0]), (2, [10.0, 4.0])],
+                         ids=["first-use-10x", "start-up-over-2-steps"])
+def test_start_up_costs_of_a_road_stay_out_of_its_measured_costs(monkeypatch, explore_steps, start_up):
+    """Each codec road's first uses cost ``start_up`` x its steady cost (codec and step time), as
+    torch.compile, buffers and Horovod's first negotiations make them: the decision is the one
+    the steady costs imply (sparse), and the step times verified against are the steady ones.
+    Measured, the sparse road's start-up would send the tensor to qsgd (and the verdict would
+    compare with start-up-inflated step times). fp16 and dense compile nothing: measured once."""
+    import hvd_gradcomp.auto as auto_mod
+
+    auto = gc.Auto(explore_steps=explore_steps)
+    auto._configure("ours", "average", _FakeSet())
+    clock, uses = [0.0], Counter()
+    monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
+    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(auto, "_probe", lambda: _LINK_PROBE)
+    exploring = len(auto._setup.schedule)
+    assert exploring == 2 * (1 + explore_steps) + 2   # a warm-up step more for sparse and qsgd
+    for _ in range(exploring + 2 + explore_steps):   # exploration, decision, verification
+        road = auto.road_for("w")
+        factor = start_up[uses[road]] if uses[road] < len(start_up) and road in ("sparse", "qsgd") else 1.0
+        uses[road] += 1
+        auto.record("w", road, 1 << 22, 4, factor * _STEADY_CODEC[road], 0.0, _PAYLOAD[road])
+        clock[0] += factor * _STEADY_STEP[road]
+    assert auto.costs["w"].codec_s == pytest.approx(_STEADY_CODEC)
+    assert auto.decisions == {"w": "sparse"} and auto.history[0][1:] == ("w", None, "sparse")
+    (v,) = auto.verdicts
+    assert v["kept"] == "plan" and v["plan_ms"] == pytest.approx(1e3 * _STEADY_STEP["sparse"])
+    assert v["against_ms"] == pytest.approx({r: 1e3 * t for r, t in _STEADY_STEP.items()})
+
+
+def test_warm_up_steps_are_not_measured():
+    """``warmup_steps=0`` measures from the first step (the former schedule); by default each codec
+    road's first exploring step is not measured (no codec sample, no device sync on GPU)."""
+    auto = _configured()
+    assert auto._setup.schedule == ("sparse",) * 3 + ("qsgd",) * 3 + ("fp16", "dense")
+    assert auto._setup.measured == (False, True, True) * 2 + (True, True)
+    measured = []
+    for _ in range(8):
+        auto.step += 1
+        measured.append(auto.measuring)
+        auto.record("w", auto.road_of("w"), 1000, 4, 0.001 * auto.step, 0.0, 100)
+        assert not auto.warming_up == measured[-1]
+    assert measured == list(auto._setup.measured)
+    assert auto.costs["w"].codec_s == pytest.approx({"sparse": 0.002, "qsgd": 0.005, "fp16": 0.007, "dense": 0.008})
+    assert gc.Auto().start_steps == len(auto._setup.schedule) + 1 + 2 + 1 == 12
+    bare = gc.Auto(warmup_steps=0, explore_steps=1)
+    bare._configure("ours", "average", _FakeSet())
+    assert bare._setup.schedule == ("sparse", "qsgd", "fp16", "dense") and all(bare._setup.measured)
+
+
+def test_the_benchmarks_warm_up_covers_autos_start():
+    """The benchmark times Auto's steady state: its warm-up covers exploring, deciding, verifying."""
+    from benchmarks.plan import SPEED_SETTINGS
+
+    flags = next(s for s in SPEED_SETTINGS if s.key == "auto").flags
+    assert int(flags[flags.index("--warmup") + 1]) >= gc.Auto(ratio=0.01, bits=8).start_steps

@@ -34,10 +34,11 @@ def _residual_of_mean(auto: gc.Auto, name: str, numel: int) -> torch.Tensor:
 def switching(stock: bool = False, steps: int = 8) -> Dict[str, Any]:
     """Train with lr 0 (fixed gradients per rank and step) while Auto switches roads: every
     step's applied gradient is identical on all ranks, and what was applied plus what is still
-    owed (residuals) equals the sum of the true averaged gradients."""
+    owed (residuals) equals the sum of the true averaged gradients. No warm-up step: one
+    exploring step per road, so that re-decisions (switches) come within the 8 steps."""
     model = make_model()
     ref = copy.deepcopy(model)  # local gradients from here: stock Horovod allreduces p.grad in place
-    auto = gc.Auto(ratio=0.05, explore_steps=1, interval=3, roads=("sparse", "qsgd", "dense"),
+    auto = gc.Auto(ratio=0.05, explore_steps=1, warmup_steps=0, interval=3, roads=("sparse", "qsgd", "dense"),
                    probe_numel=4096, seed=7)
     base = torch.optim.SGD(model.parameters(), lr=0.0)
     if stock:
