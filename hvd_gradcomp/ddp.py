@@ -510,7 +510,11 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
             for j, s in enumerate(plan.compressed):
                 others = decode_payloads(comp, [per_rank[r][j] for r in range(world) if r != state.rank],
                                          world - 1, s.numel)
-                parts = others[:state.rank] + [sends[j][1]] + others[state.rank:]
+                mine = sends[j][1]
+                if buffer.is_cuda:  # made on the hook's stream, read on this callback's: keep them till done
+                    for t in mine:
+                        t.record_stream(torch.cuda.current_stream(buffer.device))
+                parts = others[:state.rank] + [mine] + others[state.rank:]
                 sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
                 # momentum correction: what SGD should see
                 state._received(s.name, s.view(buffer), sparse_support(parts))
