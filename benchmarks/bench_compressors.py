@@ -99,6 +99,7 @@ STAGES = [  # (module, attribute, label): the functions of the TopKQSGD road, ti
     # rows for functions a version does not have (or call) are left out, so that older checkouts run too
     ("feedback", "ResidualStore.compensate", "error-feedback add"),
     ("feedback", "ResidualStore.compensate_marked", "error-feedback add + top-k compare (fused)"),
+    ("kernels", "momentum_marked", "momentum correction: velocity + error-feedback add + top-k compare (fused)"),
     ("kernels", "topk_indices", "top-k selection"),
     ("kernels", "topk", "top-k: candidates, k-th value, kept values"),
     ("wire", "encode_indices", "index encode"),

@@ -260,10 +260,12 @@ def _ddp_worker(rank: int, world: int, backend: str, device_type: str, port: int
     torch.set_num_threads(1)
     results: Dict[str, Any] = {}
     try:
-        for setting in ("none", "topkqsgd", "auto"):
-            for opt_name in ("sgd", "adamw"):
-                results[f"{setting}/{opt_name}"] = _train(rank, world, device, setting, opt_name, DDP, gc_ddp)
-        results["resume"] = _resume(rank, world, device, DDP, gc_ddp)
+        runs = os.environ.get("GPU_CHECK_RUNS", "none/sgd,none/adamw,topkqsgd/sgd,topkqsgd/adamw,auto/sgd,auto/adamw")
+        for run in runs.split(","):
+            setting, opt_name = run.split("/")
+            results[run] = _train(rank, world, device, setting, opt_name, DDP, gc_ddp)
+        if os.environ.get("GPU_CHECK_RESUME", "1") == "1":
+            results["resume"] = _resume(rank, world, device, DDP, gc_ddp)
         queue.put((rank, results, None))
     except Exception:
         queue.put((rank, results, traceback.format_exc(limit=8)))
@@ -291,7 +293,8 @@ def _make(setting: str, opt_name: str, net: torch.nn.Module, DDP: Any, gc_ddp: A
            else torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=0.01))
     state = None
     if setting != "none":
-        comp = gc.TopKQSGD(ratio=0.01, bits=8, seed=11) if setting == "topkqsgd" else gc.Auto()
+        comp = (gc.Auto() if setting == "auto" else
+                gc.TopKQSGD(ratio=0.01, bits=8, seed=11, feedback="classic" if setting == "classic" else "auto"))
         state = gc_ddp.register(model, compression=comp, optimizer=opt)
     return model, opt, state
 
@@ -300,7 +303,7 @@ def _train(rank: int, world: int, device: torch.device, setting: str, opt_name: 
            steps: int = 300) -> Dict[str, Any]:
     net = _model(device)
     model, opt, state = _make(setting, opt_name, net, DDP, gc_ddp, device)
-    losses = []
+    losses, trace = [], []  # trace: a hash of the parameters every 10 steps
     t0 = time.perf_counter()
     for step in range(steps):
         x, y = _batch(step, rank, device)
@@ -309,10 +312,13 @@ def _train(rank: int, world: int, device: torch.device, setting: str, opt_name: 
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if step % 10 == 9:
+            trace.append(hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+                                        .cpu().numpy().tobytes()).hexdigest()[:12])
     sync(device)
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).cpu()
     out = {"final_loss": statistics.mean(losses[-30:]), "first_loss": losses[0],
-           "ms_per_step": round((time.perf_counter() - t0) / steps * 1e3, 2), "params": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
+           "ms_per_step": round((time.perf_counter() - t0) / steps * 1e3, 2), "params": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "trace": trace}
     if state is not None:
         out["bytes_ratio"] = state.comm_stats.summary() if hasattr(state.comm_stats, "summary") else None
     return out
@@ -382,12 +388,14 @@ def check_ddp(device: torch.device, backend: str, world: int, timeout: float = 3
         same_ranks = all(r["params"] == got[k][0][key]["params"] for k in got if key in got[k][0])
         opt_name = key.split("/")[1]
         gap = (r["final_loss"] / base[opt_name] - 1) if base[opt_name] else None
-        rows.append({"run": key, "first_loss": round(r["first_loss"], 4), "final_loss": round(r["final_loss"], 4),
+        first_diff = next((10 * (i + 1) for i, h in enumerate(r["trace"])
+                           if any(got[k][0][key]["trace"][i] != h for k in got)), None)
+        rows.append({"run": key, "first_divergent_step": first_diff, "first_loss": round(r["first_loss"], 4), "final_loss": round(r["final_loss"], 4),
                      "gap_vs_uncompressed": None if gap is None else round(gap, 4),
                      "ranks_identical": same_ranks, "ms_per_step": r["ms_per_step"]})
     resume = res0.get("resume", {}).get("bit_identical")
     ok = not errors and all(r["ranks_identical"] and r["final_loss"] < 0.7 * r["first_loss"] for r in rows) \
-        and bool(resume)
+        and resume is not False
     return {"ok": ok, "backend": backend, "world": world, "rows": rows, "resume_bit_identical": resume,
             "errors": errors}
 
@@ -413,12 +421,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--params", type=float, default=25e6, help="model size of the speed check")
     ap.add_argument("--ddp-timeout", type=float, default=300, help="seconds each DDP check may take")
     ap.add_argument("--only", help="run only the checks whose name contains this (e.g. DDP)")
-    ap.add_argument("--render", type=Path, help="gpu_check.json to render as a page")
+    ap.add_argument("--render", type=Path, nargs="+",
+                    help="gpu_check.json files to render as a page: a full run, then any later partial reruns")
     ap.add_argument("--page", type=Path, default=ROOT / "docs" / "GPU.md")
     args = ap.parse_args(argv)
     if args.render:
         from benchmarks.gpu_page import render
-        args.page.write_text(render(json.loads(args.render.read_text()), args.render))
+        args.page.write_text(render([(json.loads(p.read_text()), p) for p in args.render]))
         print(f"wrote {args.page}")
         return 0
     device = torch.device(args.device)
@@ -427,7 +436,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(args.out / "gpu_check.json")
     rec.results["environment"] = environment(device)
-    rec.results["command"] = "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("GPU_CHECK_"))
+    rec.results["command"] = (env + " " if env else "") + "python benchmarks/gpu_check.py " + \
+        " ".join(argv if argv is not None else sys.argv[1:])
     checks: Dict[str, Callable[[], Dict[str, Any]]] = {
         "codecs": lambda: check_codecs(device),
         "error feedback": lambda: check_feedback(device),

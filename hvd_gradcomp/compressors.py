@@ -31,7 +31,7 @@ import warnings
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -105,6 +105,23 @@ class _Encoded:
     bucket_size: int
     sections: List[torch.Tensor]
     sent: Sent
+
+
+class _Prepared(NamedTuple):
+    """A tensor's input to its codec, built by the feedback policy (:meth:`GradientCompressor._prepare`)
+    and not yet encoded; ``total``: the sum of its gradient when the policy took it in the same
+    pass (finite: the gradient is finite), else None."""
+
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    policy: Feedback
+    acc: torch.Tensor
+    marked: fb.Marked
+
+    @property
+    def total(self) -> Optional[torch.Tensor]:
+        return None if self.marked is None else self.marked.total
 
 
 class GradientCompressor:
@@ -403,18 +420,32 @@ class GradientCompressor:
         :func:`~hvd_gradcomp.kernels.all_finite`). ``check``: not checked yet, and the policy
         changes no state in ``prepare`` (:attr:`Feedback.marks_input`): its pass over ``grad``
         also sums it, and the check raises before anything is committed or drawn."""
+        prepared = self._prepare(name, grad, relay, total=check)
+        if check and (prepared.total is None or not bool(torch.isfinite(prepared.total))):
+            _check_finite(grad, name)  # exact; a finite sum proved it already
+        return self._send(prepared)[0]
+
+    def _prepare(self, name: str, grad: torch.Tensor, relay: bool = False, total: bool = False) -> _Prepared:
+        """The first half of :meth:`_compress_finite`: the policy builds the codec's input (no state
+        changes yet when :attr:`Feedback.marks_input`); ``total``: also sum ``grad`` in that pass
+        where the policy can. A caller may prepare several tensors, check them all, then
+        :meth:`_send` each (the DDP hook: one finiteness verdict per bucket)."""
         policy = self._relay_policy() if relay else self.feedback
         k = self._selects(name, grad.numel())
         if k is None:
             acc, marked = policy.prepare(name, self._clipped(grad)), None
         else:  # a top-k codec: its candidates are marked in the pass that builds acc
-            acc, marked = policy.prepare_marked(name, self._clipped(grad), k, total=check)
-        if check and (marked is None or marked.total is None or not bool(torch.isfinite(marked.total))):
-            _check_finite(grad, name)  # exact; a finite sum proved it already
-        payload, sent = self._encode_flat(acc, grad.dtype, tuple(grad.shape), name, contract=policy.contract,
-                                          marked=marked)
-        policy.sent(name, acc, sent)
-        return payload
+            acc, marked = policy.prepare_marked(name, self._clipped(grad), k, total=total)
+        return _Prepared(name, grad.dtype, tuple(grad.shape), policy, acc, marked)
+
+    def _send(self, prepared: _Prepared) -> Tuple[torch.Tensor, Sent]:
+        """The second half of :meth:`_compress_finite`: (payload, what it carries, as the policy is
+        told: sparse ``(indices, values)`` equal to what a receiver decodes, or the QSGD codes)."""
+        p = prepared
+        payload, sent = self._encode_flat(p.acc, p.dtype, p.shape, p.name, contract=p.policy.contract,
+                                          marked=p.marked)
+        p.policy.sent(p.name, p.acc, sent)
+        return payload, sent
 
     def _selects(self, name: str, numel: int) -> Optional[int]:
         """How many entries a top-k codec keeps of tensor ``name`` at its next exchange; None

@@ -457,17 +457,33 @@ def _dense_bucket(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step:
     if not any(_sends_half(state, s, buffer.dtype) for s in plan.dense):
         return _allreduce(state, buffer, step, "dense", None)
     futs, copy_back = _start_dense(state, buffer, plan, step, kernels.all_finite(buffer))
+    return _when_all(futs, buffer, copy_back)
 
-    def done(f: Future) -> torch.Tensor:
-        for x in f.value():
-            # wait(), not value(): collect_all's future carries no CUDA events, so only wait()
-            # makes this stream wait for the allreduce's (else copy_back can read the tensor
-            # before NCCL or Gloo wrote the average into it). It also raises a failed allreduce.
-            x.wait()
-        copy_back()
-        return buffer
 
-    return torch.futures.collect_all(futs).then(done)
+def _when_all(futs: List[Future], buffer: torch.Tensor, finish: Callable[[], None] = lambda: None) -> Future:
+    """A future of ``buffer``, set once every future in ``futs`` is done and ``finish()`` ran.
+
+    Why not ``collect_all(futs).then(...)``: collect_all's future carries no CUDA events. Its
+    callback runs on whatever stream the thread that completed the last future had current
+    (a callback stream of a ``then``, say), so DDP, waiting on such a future, would not wait
+    for that stream: it could read the bucket before ``finish`` wrote the average into it
+    (seen on a GPU: ranks drifted apart). Here each future is ``wait()``ed (making the current
+    stream wait for its events; value() does not) and the result is a device future, which
+    records the callback's stream for DDP to wait on.
+    """
+    result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
+
+    def done(f: Future) -> None:
+        try:
+            for x in f.value():
+                x.wait()   # raises a failed collective
+            finish()
+            result.set_result(buffer)
+        except BaseException as err:  # noqa: BLE001 -- handed to DDP, which raises it in backward
+            result.set_exception(err)
+
+    torch.futures.collect_all(futs).then(done)
+    return result
 
 
 def _meta(state: GradCompState, value: int, device: torch.device) -> Tuple[torch.Tensor, Future]:
@@ -482,9 +498,8 @@ def _meta(state: GradCompState, value: int, device: torch.device) -> Tuple[torch
 def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
     comp, world = state.compression, state.world_size
     with state._lock:
-        finite = kernels.all_finite(buffer)  # a host sync: what is sent depends on it
-        payloads = [comp._compress_finite(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed] \
-            if finite else []
+        finite, sends = _encode_sparse(state, buffer, plan)
+    payloads = [pl for pl, _ in sends]
     blob = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=buffer.device)
     sizes, meta_fut = _meta(state, blob.numel() if finite else -1, buffer.device)
     dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
@@ -504,9 +519,18 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
         work = _all_gather_single(gathered, padded, group=state._second, async_op=True)
 
         def decode() -> None:
-            per_rank = [_split(gathered[r * cap:r * cap + counts[r]], len(plan.compressed)) for r in range(world)]
+            # This rank's own payload is not decoded: what it carries is known from its encoding
+            # (the same indices and values, bit for bit, that the other ranks decode from it).
+            per_rank = [None if r == state.rank else _split(gathered[r * cap:r * cap + counts[r]],
+                                                            len(plan.compressed)) for r in range(world)]
             for j, s in enumerate(plan.compressed):
-                parts = decode_payloads(comp, [per_rank[r][j] for r in range(world)], world, s.numel)
+                others = decode_payloads(comp, [per_rank[r][j] for r in range(world) if r != state.rank],
+                                         world - 1, s.numel)
+                mine = sends[j][1]
+                if buffer.is_cuda:  # made on the hook's stream, read on this callback's: keep them till done
+                    for t in mine:
+                        t.record_stream(torch.cuda.current_stream(buffer.device))
+                parts = others[:state.rank] + [mine] + others[state.rank:]
                 sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
                 # momentum correction: what SGD should see
                 state._received(s.name, s.view(buffer), sparse_support(parts))
@@ -516,6 +540,35 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
     result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
     state._then_in_order([meta_fut] + dense_futs, launch, result, buffer, copy_back)
     return result
+
+
+def _encode_sparse(state: GradCompState, buffer: torch.Tensor, plan: _Plan
+                   ) -> Tuple[bool, List[Tuple[torch.Tensor, Any]]]:
+    """Whether this rank's bucket is all finite and, if so, (payload, what it carries) per
+    compressed segment; nothing is kept from a non-finite bucket.
+
+    Where the feedback policy builds every segment's input and its sum in one pass
+    (:attr:`~hvd_gradcomp.feedback.Feedback.marks_input`), all segments are prepared first and
+    the verdict is read from those sums (and one sum per other segment): no separate pass over
+    the bucket. Either way one host sync (on GPU) decides, for the whole bucket.
+    """
+    comp = state.compression
+    grads = [(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed]
+    if comp.clip is not None or not comp.feedback.marks_input:
+        if not kernels.all_finite(buffer):  # a host sync: what is sent depends on it
+            return False, []
+        return True, [comp._send(comp._prepare(name, grad)) for name, grad in grads]
+    prepared = [comp._prepare(name, grad, total=True) for name, grad in grads]
+    totals = [p.total for p in prepared if p.total is not None]
+    rest = [s.view(buffer) for s, p in zip(plan.compressed, prepared) if p.total is None] + \
+        [s.view(buffer) for s in plan.dense]
+    checks = [torch.isfinite(torch.stack(totals)).all()] if totals else []
+    if rest:
+        checks.append(kernels.sums_finite(rest))
+    # A host sync; a non-finite sum of finite values (an overflow) is told apart exactly.
+    if not (bool(torch.stack(checks).all()) or kernels.all_finite(buffer)):
+        return False, []   # nothing was kept: the policies keep their state until sent()
+    return True, [comp._send(p) for p in prepared]
 
 
 # ---------------------------------------------------------------- QSGD: compressed allreduce
@@ -783,8 +836,7 @@ class _AutoRoads:
         for segs, cast in ((by_road.get(FP16, ()), torch.float16), (dense, None)):
             if segs:
                 futs.append(_allreduce_segments(state, buffer, tuple(segs), step, cast))
-        # wait(): collect_all's future has no CUDA events; see _dense_bucket
-        return torch.futures.collect_all(futs).then(lambda f: [x.wait() for x in f.value()] and buffer)
+        return _when_all(futs, buffer)
 
     def _done(self, fut: Future, key: str, road: str, numel: int, itemsize: int, codec_s: float,
               payload: float, timed: bool) -> torch.Tensor:

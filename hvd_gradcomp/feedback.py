@@ -584,6 +584,9 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         self._groups: Dict[str, Dict[str, Any]] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
         self.delivered: Dict[str, Union[torch.Tensor, SparseValues]] = {}
+        # The velocity a prepare() computed, kept by sent(): a prepare whose input turns out
+        # non-finite (checked after it, see marks_input) leaves the state as it was.
+        self._pending: Dict[str, torch.Tensor] = {}
         self._undo = None  # see _RoundUndo
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
@@ -600,22 +603,40 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         return m, d
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        return self._velocity_input(name, grad, None)[0]
+
+    @property
+    def marks_input(self) -> bool:
+        return type(self).prepare_marked is MomentumCorrection.prepare_marked
+
+    def prepare_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False
+                       ) -> Tuple[torch.Tensor, Marked]:
+        """The velocity update, the residual add and top-k's candidate compare in one pass
+        (:func:`hvd_gradcomp.kernels.momentum_marked`). The new velocity is kept by :meth:`sent`,
+        so a non-finite ``grad`` found after this changes nothing."""
+        return self._velocity_input(name, grad, k, total)
+
+    def _velocity_input(self, name: str, grad: torch.Tensor, k: Optional[int], total: bool = False
+                        ) -> Tuple[torch.Tensor, Marked]:
         self.residuals.check_shape(name, grad)
         m, d = self._coefficients(name)
-        flat = grad.reshape(-1).to(residual_dtype(grad.dtype))
+        flat = grad.reshape(-1)
         old = self.velocity.get(name)
         # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
-        u = self._buffer("velocity", name, flat)
-        if old is None:
-            u.copy_(flat)
-        elif d == 0.0:  # m*u + g in one pass (dampening is 0 for nearly everyone)
-            torch.add(flat, old, alpha=m, out=u)
-        else:
-            torch.mul(old, m, out=u).add_(flat, alpha=1.0 - d)
-        self._replace("velocity", name, u)
-        return self.residuals.add_flat(name, u)
+        u = self._pending.pop(name, None)  # left by a prepare that was never sent
+        if u is None or u.shape != flat.shape or u.dtype != residual_dtype(flat.dtype) or u.device != flat.device:
+            like = old if old is not None else flat.to(residual_dtype(flat.dtype))  # no copy for float32
+            u = self._buffer("velocity", name, like)
+        acc, res = self.residuals.buffer(name, flat), self.residuals.residual(name)
+        marked = kernels.momentum_marked(flat, None if old is None else old.to(flat.device),
+                                         None if res is None else res.to(flat.device), u, acc, m, d, k, total)
+        self._pending[name] = u
+        return acc, marked
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
+        u = self._pending.pop(name, None)
+        if u is not None:
+            self._replace("velocity", name, u)
         super().sent(name, acc, what)
         if self.masking and isinstance(what, tuple):
             idx = what[0]
@@ -654,6 +675,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         super().load_state_dict(state)
         self.velocity = _clone_tensors(state.get("velocity", {}))
         self.delivered = _clone_tensors(state.get("delivered", {}))
+        self._pending.clear()
         # Checkpoints from before the warm-up was the default ran without one: they resume so.
         self.sparsity_warmup = int(state.get("sparsity_warmup", 0))
         if self._undo is not None:

@@ -14,8 +14,9 @@ Speed notes (measured by ``benchmarks/bench_compressors.py``):
 * Top-k uses a threshold estimated from a strided sample to find a small candidate superset,
   then an exact ``torch.topk`` over the candidates: the result is the exact top-k, at a
   fraction of the cost of ``torch.topk`` over the whole tensor. Under error feedback the
-  candidate compare runs in the pass that adds the residual (:func:`add_marked`): each pass
-  over a 4M-value tensor costs ~1-2 ms here, and the selection then reads only candidates.
+  candidate compare runs in the pass that adds the residual (:func:`add_marked`; momentum
+  correction's velocity update too, :func:`momentum_marked`): each pass over a 4M-value tensor
+  costs ~1-2 ms here, and the selection then reads only candidates.
 * Per-payload work on ~42K values (a 1% top-k of a 2048x2048 layer) is dominated by the
   count of eager ops, not by the values: the delta-index decoder is one compiled loop there.
 * Finiteness checks (:func:`all_finite`) are one sum, not ``isfinite().all()`` (10x dearer).
@@ -175,6 +176,40 @@ def _add_marked_fused(flat: torch.Tensor, residual: Optional[torch.Tensor], out:
     return _abs_at_least(acc, threshold), flat.sum(dtype=torch.float32) if total else None
 
 
+def _momentum_eager(grad: torch.Tensor, old: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                    u: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, keep: Optional[torch.Tensor],
+                    threshold: Optional[torch.Tensor], total: bool
+                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """u = old*m + grad (``keep``: + grad*keep, dampening's 1-d; ``old`` None: grad), acc = u + residual
+    (u when None), then the mask of :func:`_abs_at_least` of acc (None without ``threshold``) and, with
+    ``total``, grad's float32 sum: three or four passes. Rounded as :func:`_momentum_fused`: the
+    product, then the sum (not ``torch.add(alpha=m)``, which fuses them on CPU: the compiled loop
+    could not match it)."""
+    g = grad.to(u.dtype)
+    if old is None:
+        u.copy_(g)
+    else:
+        torch.mul(old, m, out=u).add_(g if keep is None else g * keep)
+    _add_into(u, residual, acc)
+    mask = None if threshold is None else _abs_at_least(acc, threshold)
+    return mask, grad.sum(dtype=torch.float32) if total else None
+
+
+def _momentum_fused(grad: torch.Tensor, old: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                    u: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, keep: Optional[torch.Tensor],
+                    threshold: Optional[torch.Tensor], total: bool
+                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`_momentum_eager` as one loop when compiled: grad, the old velocity and the residual are
+    read once; the velocity, the sum and the mask are written in the same pass."""
+    g = grad.to(u.dtype)
+    v = g if old is None else old * m + (g if keep is None else g * keep)
+    a = v if residual is None else v + residual
+    u.copy_(v)
+    acc.copy_(a)
+    mask = None if threshold is None else _abs_at_least(a, threshold)
+    return mask, grad.sum(dtype=torch.float32) if total else None
+
+
 def _unpack_deltas(widths: torch.Tensor, starts: torch.Tensor, data: torch.Tensor, out: torch.Tensor) -> None:
     """The deltas of :func:`hvd_gradcomp.wire.decode_delta_indices`, in one loop over them.
 
@@ -210,8 +245,8 @@ def decode_delta_indices(widths: torch.Tensor, data: torch.Tensor, k: int) -> to
 
 _EAGER: Dict[str, Callable] = {"unpack_deltas": _unpack_deltas, "qsgd_encode": _qsgd_encode_into, "qsgd_decode": _qsgd_decode_into,
                                "qsgd_subtract": _qsgd_subtract_into, "abs_at_least": _abs_at_least,
-                               "add_marked": _add_marked_eager}
-_TO_COMPILE: Dict[str, Callable] = {"add_marked": _add_marked_fused}
+                               "add_marked": _add_marked_eager, "momentum_marked": _momentum_eager}
+_TO_COMPILE: Dict[str, Callable] = {"add_marked": _add_marked_fused, "momentum_marked": _momentum_fused}
 """Kernels whose compiled form is written differently (fused) from their eager form; same values."""
 _COMPILED: Dict[str, Callable] = {}
 _compile_broken = False
@@ -398,6 +433,40 @@ def add_marked(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.
     sample = flat[sl].to(out.dtype) if residual is None else flat[sl].to(out.dtype) + residual[sl]
     threshold = sample_threshold(sample, k, n).to(out.dtype)
     return Marks(threshold, *_kernel("add_marked", n)(flat, residual, out, threshold, total))
+
+
+def momentum_marked(grad: torch.Tensor, old: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                    u: torch.Tensor, acc: torch.Tensor, momentum: float, dampening: float = 0.0,
+                    k: Optional[int] = None, total: bool = False) -> Optional[Marks]:
+    """Momentum correction's input in one pass (:class:`hvd_gradcomp.feedback.MomentumCorrection`):
+    writes the new velocity ``u = momentum*old + (1-dampening)*grad`` (``grad`` when ``old`` is
+    None) and ``acc = u + residual`` (``u`` when None), both flat, in the caller's buffers; returns,
+    as :func:`add_marked` does, the candidates of a top-k of ``k`` entries of ``acc`` (None where
+    :func:`topk_indices` would not sample, or ``k`` is None) with, when ``total``, ``grad``'s sum.
+
+    Each product is rounded before it is added (eager and compiled alike; a GPU compiler may fuse
+    a multiply-add, one rounding fewer: the velocities then differ by at most an ulp, never
+    between ranks' payloads, which every rank decodes from the same bytes).
+
+    >>> u, acc = torch.empty(3), torch.empty(3)
+    >>> momentum_marked(torch.ones(3), torch.tensor([2.0, 0.0, -2.0]), torch.full((3,), 0.5), u, acc, 0.5) is None
+    True
+    >>> u.tolist(), acc.tolist()
+    ([2.0, 1.0, 0.0], [2.5, 1.5, 0.5])
+    """
+    n = grad.numel()
+    m = torch.tensor(momentum, dtype=u.dtype, device=u.device)
+    keep = None if not dampening else torch.tensor(1.0 - dampening, dtype=u.dtype, device=u.device)
+    sl = None if k is None else sample_slice(n, k)
+    if sl is None:
+        _kernel("momentum_marked", n)(grad, old, residual, u, acc, m, keep, None, False)
+        return None
+    # The same arithmetic on the sampled positions: the values acc will hold there.
+    su, sacc = torch.empty_like(u[sl]), torch.empty_like(acc[sl])
+    _momentum_eager(grad[sl], None if old is None else old[sl], None if residual is None else residual[sl],
+                    su, sacc, m, keep, None, False)
+    threshold = sample_threshold(sacc, k, n).to(acc.dtype)
+    return Marks(threshold, *_kernel("momentum_marked", n)(grad, old, residual, u, acc, m, keep, threshold, total))
 
 
 SAMPLE_TARGET = 1 << 13

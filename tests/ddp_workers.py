@@ -267,19 +267,24 @@ def _frozen(m: Net) -> Net:
     return m
 
 
-def nonfinite(kind: str, **kw: Any) -> Dict[str, Any]:
-    """Rank 1 has an Inf in its loss: every rank gets a non-finite gradient and nobody hangs."""
+def nonfinite(kind: str, bind: bool = False, **kw: Any) -> Dict[str, Any]:
+    """Rank 1 has an Inf in its loss: every rank gets a non-finite gradient and nobody hangs.
+    ``bind``: SGD(momentum) given to register(), so momentum correction runs (its velocity is kept
+    only for what was sent: rank 1 keeps none from the bad step)."""
     rank = dist.get_rank()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-    state = gc_ddp.register(model, compression=make_compression(kind, **kw))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = gc_ddp.register(model, compression=make_compression(kind, **kw), optimizer=opt if bind else None)
     loss = loss_of(model, *batch(rank, 0))
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         (loss * (float("inf") if rank == 1 else 1.0)).backward()
     bad = not bool(torch.isfinite(flat_grads(model.module)).all())
+    feedback = state.compression.feedback
+    kept = {"velocities": len(getattr(feedback, "velocity", {})), "residuals": len(feedback.residuals._residuals)}
     model.zero_grad()
     loss_of(model, *batch(rank, 1)).backward()  # the next step is fine again
-    return {"nonfinite": bad, "count": state.nonfinite_exchanges,
+    return {"nonfinite": bad, "count": state.nonfinite_exchanges, "kept_after_bad": kept,
             "next_finite": bool(torch.isfinite(flat_grads(model.module)).all())}
 
 

@@ -48,6 +48,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "options-qsgd8": {"fn": "ddp_options", "kind": "qsgd", "bits": 8},
     "nonfinite-topkqsgd": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05},
     "nonfinite-qsgd": {"fn": "nonfinite", "kind": "qsgd", "bits": 8},
+    "nonfinite-topkqsgd-mc": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05, "bind": True},
     "errors": {"fn": "errors"},
     "frozen": {"fn": "frozen"},
     "exempt": {"fn": "exempt"},
@@ -152,10 +153,15 @@ def test_unused_frozen_and_static_graph(battery, label):
     assert battery["options-qsgd8"][1]["unused_on_one_rank"]["spare_grad"] > 0
 
 
-@pytest.mark.parametrize("sid", ["nonfinite-topkqsgd", "nonfinite-qsgd"])
+@pytest.mark.parametrize("sid", ["nonfinite-topkqsgd", "nonfinite-qsgd", "nonfinite-topkqsgd-mc"])
 def test_nonfinite_gradient_on_one_rank_reaches_every_rank(battery, sid):
     for r in battery[sid]:
         assert r["nonfinite"] and r["count"] >= 1 and r["next_finite"]
+    if sid != "nonfinite-qsgd":  # the rank with the Inf kept nothing of that step; the other did
+        assert battery[sid][1]["kept_after_bad"] == {"velocities": 0, "residuals": 0}
+        assert battery[sid][0]["kept_after_bad"]["residuals"] > 0
+    if sid.endswith("-mc"):
+        assert battery[sid][0]["kept_after_bad"]["velocities"] > 0
 
 
 @pytest.mark.parametrize("key,words", [

@@ -358,3 +358,61 @@ def test_momentum_correction_on_a_sparse_support_equals_the_dense_rewrite(dampen
     resumed.received("w", x)
     dense.received("w", y)
     assert torch.equal(x, y)
+
+
+def _unfused_momentum(**kw):
+    """Momentum correction without its fused pass: the input is checked, built, then top-k finds
+    its own candidates (the road before kernels.momentum_marked)."""
+    from hvd_gradcomp.feedback import MomentumCorrection
+
+    class Unfused(MomentumCorrection):
+        def prepare_marked(self, name, grad, k, total=False):
+            return self.prepare(name, grad), None
+
+    policy = Unfused(**kw)
+    assert not policy.marks_input
+    return policy
+
+
+@pytest.mark.parametrize("masking", [False, True])
+@pytest.mark.parametrize("dampening", [0.0, 0.2])
+def test_fused_momentum_correction_equals_the_unfused_one(masking, dampening):
+    """The fused pass (velocity, residual add, candidate marks, finite sum) sends the same bytes and
+    keeps the same state as building the input and selecting separately: through the sparsity
+    warm-up (25% of the entries: exact top-k; later 1%: sampled candidates), with masking."""
+    from hvd_gradcomp.feedback import MomentumCorrection
+    kw = dict(momentum=0.9, dampening=dampening, masking=masking, sparsity_warmup=6)
+    fused = TopKQSGD(ratio=0.01, bits=8, seed=3, feedback=MomentumCorrection(**kw))
+    plain = TopKQSGD(ratio=0.01, bits=8, seed=3, feedback=_unfused_momentum(**kw))
+    assert fused.feedback.marks_input
+    for step in range(9):
+        g = torch.randn(256, 512, generator=gen(step))
+        a, b = fused.compress_named("w", g), plain.compress_named("w", g)
+        assert torch.equal(a, b), f"step {step}: payloads differ"
+        assert torch.equal(fused.feedback.velocity["w"], plain.feedback.velocity["w"])
+        assert torch.equal(fused.residuals.residual("w"), plain.residuals.residual("w"))
+        avg_a, avg_b = fused.decode(a), plain.decode(b)
+        fused.received("w", avg_a)
+        plain.received("w", avg_b)
+        assert torch.equal(avg_a, avg_b)
+    assert fused.ratio_at(0) == 0.25 and fused.ratio_at(8) == 0.01
+
+
+def test_fused_momentum_correction_refuses_non_finite_and_changes_nothing():
+    """A NaN gradient found by the fused pass's sum raises as before the fusion, and the velocity,
+    residual and random stream stay as they were: the next steps equal a run that never saw it."""
+    from hvd_gradcomp.feedback import MomentumCorrection
+    hit = TopKQSGD(ratio=0.01, bits=8, seed=5, feedback=MomentumCorrection(0.9, sparsity_warmup=0))
+    clean = TopKQSGD(ratio=0.01, bits=8, seed=5, feedback=MomentumCorrection(0.9, sparsity_warmup=0))
+    for step in range(4):
+        g = torch.randn(200_000, generator=gen(step))
+        if step == 2:
+            before = (hit.feedback.velocity["w"].clone(), hit.residuals.residual("w").clone())
+            bad = g.clone()
+            bad[77] = float("nan")
+            with pytest.raises(FloatingPointError, match="NaN/Inf"):
+                hit.compress_named("w", bad)
+            assert torch.equal(hit.feedback.velocity["w"], before[0])
+            assert torch.equal(hit.residuals.residual("w"), before[1])
+        assert torch.equal(hit.compress_named("w", g), clean.compress_named("w", g)), f"step {step}"
+        assert torch.equal(hit.feedback.velocity["w"], clean.feedback.velocity["w"])

@@ -181,6 +181,67 @@ def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, dtype):
     assert not bool(torch.isfinite(kernels.add_marked(flat, res, torch.empty(n), n // 100, total=True).total))
 
 
+def _momentum_reference(grad, old, res, m, d):
+    """Momentum correction's input, one rounding per operation: the product, then each sum."""
+    g = grad.float()
+    u = g.clone() if old is None else old * m + (g if not d else g * (1 - d))
+    return u, u.clone() if res is None else u + res
+
+
+@pytest.mark.parametrize("with_old, with_residual, dampening", [(False, False, 0.0), (True, False, 0.0),
+                                                               (True, True, 0.0), (True, True, 0.25)])
+def test_momentum_marked_is_velocity_residual_and_candidates(with_old, with_residual, dampening):
+    """One pass: u = m*old + (1-d)*g, acc = u + residual, the mask of |acc| >= the sampled threshold and
+    the sum of g, all as separate operations compute them (eager here: below the compile threshold)."""
+    n, k = 300_000, 3000
+    g = torch.randn(n, generator=gen(1))
+    old = torch.randn(n, generator=gen(2)) if with_old else None
+    res = torch.randn(n, generator=gen(3)) * 0.1 if with_residual else None
+    u, acc = torch.empty(n), torch.empty(n)
+    marks = kernels.momentum_marked(g, old, res, u, acc, 0.9, dampening, k, total=True)
+    want_u, want_acc = _momentum_reference(g, old, res, 0.9, dampening)
+    assert torch.equal(u, want_u) and torch.equal(acc, want_acc)
+    sl = kernels.sample_slice(n, k)
+    assert torch.equal(marks.threshold, kernels.sample_threshold(want_acc[sl], k, n))
+    assert torch.equal(marks.mask.bool(), want_acc.abs() >= marks.threshold)
+    assert float(marks.total) == pytest.approx(float(g.double().sum()), rel=1e-4, abs=1e-2)
+    assert torch.equal(kernels.topk_indices(acc, k, marks[:2]), _reference_topk(want_acc, k))
+    # no k (or a small tensor): the velocity and the sum only, no candidates
+    assert kernels.momentum_marked(g, old, res, torch.empty(n), torch.empty(n), 0.9, dampening) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_old, with_residual, dampening", [(False, True, 0.0), (True, False, 0.0),
+                                                               (True, True, 0.1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_momentum_marked_matches_eager(monkeypatch, with_old, with_residual, dampening, dtype):
+    """HVDGC_COMPILE=1 (one loop) and =0 (separate passes) write the same velocity, sum, mask and total,
+    NaN/Inf included (CPU: both round the product before the sum)."""
+    n = (1 << 20) + 37
+    grad = _inputs(n, "nonfinite", dtype, seed=6)
+    old = torch.randn(n, generator=gen(7)) if with_old else None
+    res = torch.randn(n, generator=gen(8)) * 0.1 if with_residual else None
+    results = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv("HVDGC_COMPILE", mode)
+        u, acc = torch.empty(n), torch.empty(n)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            marks = kernels.momentum_marked(grad, old, res, u, acc, 0.9, dampening, n // 100, total=True)
+        assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+        results.append((u, acc, marks))
+    (u0, a0, k0), (u1, a1, k1) = results
+    for x, y in ((u0, u1), (a0, a1)):
+        assert torch.equal(x.nan_to_num(), y.nan_to_num()) and torch.equal(x.isnan(), y.isnan())
+    torch.testing.assert_close(k0.threshold, k1.threshold, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(k0.mask, k1.mask) and not bool(torch.isfinite(k1.total))
+    finite = grad.clone()
+    finite[~torch.isfinite(finite)] = 0
+    total = kernels.momentum_marked(finite, old, res, torch.empty(n), torch.empty(n), 0.9, dampening, n // 100,
+                                    total=True).total
+    assert bool(torch.isfinite(total))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k, spread", [(40_000, 100), (50_000, 3), (33_000, 1 << 30), (70_000, 1)])
 def test_compiled_delta_decode_matches_wire(monkeypatch, k, spread):
