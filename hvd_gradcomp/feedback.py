@@ -623,10 +623,11 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         flat = grad.reshape(-1)
         old = self.velocity.get(name)
         # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
-        u = self._pending.pop(name, None)  # left by a prepare that was never sent
-        if u is None or u.shape != flat.shape or u.dtype != residual_dtype(flat.dtype) or u.device != flat.device:
-            like = old if old is not None else flat.to(residual_dtype(flat.dtype))  # no copy for float32
-            u = self._buffer("velocity", name, like)
+        stale = self._pending.pop(name, None)  # left by a prepare that was never sent: a spare now
+        if stale is not None:
+            self._retire("velocity", name, stale)
+        u = self._buffer("velocity", name, old) if old is not None else \
+            torch.empty(flat.shape, dtype=residual_dtype(flat.dtype), device=flat.device)
         acc, res = self.residuals.buffer(name, flat), self.residuals.residual(name)
         marked = kernels.momentum_marked(flat, None if old is None else old.to(flat.device),
                                          None if res is None else res.to(flat.device), u, acc, m, d, k, total)
