@@ -126,7 +126,8 @@ def machine_description() -> Dict[str, str]:
         hvd_version = "unknown"
     return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem_gib, "os": _os_name(),
             "python": platform.python_version(), "torch": torch.__version__, "horovod": hvd_version,
-            "gpu": "none" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)}
+            "gpu": "none" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
+            "bind_cores": True}   # plan.horovodrun binds each rank to its own cores
 
 
 def _os_name() -> str:

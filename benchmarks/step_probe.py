@@ -125,6 +125,7 @@ class SyncBreakdown:
         self.inside, self.now = False, collections.Counter()
         self.impl: dict = {}
         self.last_exit = 0.0
+        self.last_tc, self.last_pc = time.thread_time(), time.process_time()
         self.rows: List[dict] = []
         self.groups_in_sync = self.groups_early = 0
         cls = optimizer._GradCompOptimizer
@@ -193,10 +194,16 @@ class SyncBreakdown:
                 # the step's cycle: from the end of the last synchronize() to the end of this one
                 cycle = time.perf_counter() - self.last_exit if self.rows else float("nan")
                 self.last_exit = time.perf_counter()
+                # CPU over the cycle: this thread's (forward, backward, hooks, step) and the process's
+                # (Horovod's and Gloo's threads too): a rank whose thread CPU matches the other's but
+                # whose cycle is longer was starved of a core
+                tc, pc = time.thread_time(), time.process_time()
+                row["cycle_thread_cpu"], row["cycle_process_cpu"] = tc - self.last_tc, pc - self.last_pc
+                self.last_tc, self.last_pc = tc, pc
                 # the tail: from the step's last fused allgather launched (its payloads encoded) to the
                 # end of synchronize(), wherever the decode ran (the last hook or synchronize())
                 row["tail"] = self.last_exit - self.last_launch
-                row.update(total=total, cpu=cpu, enter=t_enter, cycle=cycle, in_sync=self.groups_in_sync,
+                row.update(total=total, cpu=cpu, enter=t_enter, exit=self.last_exit, cycle=cycle, in_sync=self.groups_in_sync,
                            early=self.groups_early, variant=variant.name)
                 self.groups_early = 0
                 self.rows.append(row)
@@ -207,14 +214,16 @@ class SyncBreakdown:
         """Every step's row, then the medians after ``skip`` warm-up steps. The ranks' entry times
         are gathered here, once, not per step: a collective inside the step would time the ranks'
         imbalance into the probe's own figures."""
-        enters = hvd.allgather_object([r["enter"] for r in self.rows], name="probe.enter")
+        enters = hvd.allgather_object([(r["enter"], r["exit"]) for r in self.rows], name="probe.enter")
         for i, r in enumerate(self.rows):
-            r["late"] = r["enter"] - min(e[i] for e in enters)
+            r["late"] = r["enter"] - min(e[i][0] for e in enters)
+            r["late_exit"] = r["exit"] - min(e[i][1] for e in enters)
             print(f"SYNC rank {hvd.rank()} step {i + 1} ({r['variant']}): {1e3 * r['cycle']:.0f} ms, "
                   f"tail {1e3 * r['tail']:.1f} ms, in synchronize() {1e3 * r['total']:.1f} ms = "
                   + ", ".join(f"{p} {1e3 * r[p]:.1f}" for p in (*PHASES, "other"))
                   + f"; groups decoded in sync {r['in_sync']}, early {r['early']}; entered "
-                  f"{1e3 * r['late']:.1f} ms after the first rank", flush=True)
+                  f"{1e3 * r['late']:.1f} ms after the first rank, left {1e3 * r['late_exit']:.1f} ms after; cycle cpu "
+                  f"thread {1e3 * r['cycle_thread_cpu']:.0f} ms, process {1e3 * r['cycle_process_cpu']:.0f} ms", flush=True)
         for v in self.variants:
             rows = [r for r in self.rows[skip:] if r["variant"] == v.name]
             if not rows:

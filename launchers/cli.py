@@ -272,6 +272,8 @@ def _self_command() -> List[str]:
 @click.option("--network-interface", metavar="IF[,IF...]",
               help="Network interfaces between the hosts (horovodrun --network-interface; "
                    "Open MPI btl_tcp_if_include and oob_tcp_if_include).")
+@click.option("--bind-cores", is_flag=True,
+              help="Give each rank on a machine its own slice of the cores (launchers/bind.py; srun --cpu-bind=cores).")
 @click.option("--tcp", is_flag=True, help="TCP only (horovodrun --tcp; Open MPI --mca btl tcp,self).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               help="Horovod's log level (horovodrun --log-level, else HOROVOD_LOG_LEVEL).")
@@ -375,7 +377,7 @@ def _spec(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[st
         forward_env=tuple(n for n in FORWARDED_ENV if n in environ) + forwarded,
         as_root=os.geteuid() == 0, network_interface=opts["network_interface"],
         log_level=str(log_level).upper() if log_level else None, tcp=bool(opts["tcp"]),
-        timeline=opts["timeline_filename"], launcher_args=launcher_args)
+        timeline=opts["timeline_filename"], launcher_args=launcher_args, bind_cores=bool(opts["bind_cores"]))
 
 
 def _plan(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[str, str], owned: Sequence[str],

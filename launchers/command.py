@@ -54,6 +54,8 @@ class LaunchSpec:
     ``--log-level``, else ``HOROVOD_LOG_LEVEL``), ``tcp`` (horovodrun ``--tcp``, Open MPI
     ``btl tcp,self``), ``timeline`` (horovodrun ``--timeline-filename``, else
     ``HOROVOD_TIMELINE``). ``launcher_args`` go to the launcher verbatim, before the program.
+    ``bind_cores``: each rank on a machine gets its own slice of the cores (srun
+    ``--cpu-bind=cores``, elsewhere the program starts through :mod:`launchers.bind`).
     """
 
     command: Tuple[str, ...]
@@ -75,6 +77,7 @@ class LaunchSpec:
     tcp: bool = False
     timeline: Optional[str] = None
     launcher_args: Tuple[str, ...] = ()
+    bind_cores: bool = False
 
 
 def parse_hosts(spec: str) -> List[Host]:
@@ -205,7 +208,10 @@ def build_command(spec: LaunchSpec) -> Tuple[List[str], Dict[str, str]]:
                                                     ("HOROVOD_TIMELINE", spec.timeline)) if value})
     if spec.launcher == "srun":  # no mpirun command line here: Open MPI reads OMPI_MCA_* instead
         env.update(_mca_env(spec))
-    return argv + program_argv(spec.command, spec.python), env
+    program = program_argv(spec.command, spec.python)
+    if spec.bind_cores and spec.launcher != "srun":   # srun binds itself (_srun_argv)
+        program = [spec.python, "-m", "launchers.bind", *program]
+    return argv + program, env
 
 
 _IFACE_RE = re.compile(r"^[A-Za-z0-9_.:@\-]+(,[A-Za-z0-9_.:@\-]+)*$")
@@ -277,6 +283,8 @@ def _srun_argv(spec: LaunchSpec) -> List[str]:
     _reject(spec, "srun", gloo=True, start_timeout=True, ssh_port=True, hostfile=True)
     np = resolve_np(spec.np, spec.hosts, spec.hosts_origin or "the allocation")
     argv = ["srun", "--mpi=pmix", "--ntasks", str(np)]
+    if spec.bind_cores:
+        argv.append("--cpu-bind=cores")
     if spec.verbose:
         argv.append("--verbose")
     return argv

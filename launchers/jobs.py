@@ -79,9 +79,11 @@ def rank_env(root: Path, settings: Optional[Mapping[str, str]] = None,
     return env
 
 
-def local_horovodrun(program: Sequence[str], np: int = 2, backend: str = "gloo", bin_dir: Path = BIN) -> List[str]:
-    """horovodrun (of this Python's environment) starting ``program`` on ``np`` local ranks."""
-    argv, _ = build_command(LaunchSpec(command=tuple(program), np=np, backend=backend))
+def local_horovodrun(program: Sequence[str], np: int = 2, backend: str = "gloo", bin_dir: Path = BIN,
+                     bind_cores: bool = False) -> List[str]:
+    """horovodrun (of this Python's environment) starting ``program`` on ``np`` local ranks
+    (``bind_cores``: each on its own slice of the cores, see :mod:`launchers.bind`)."""
+    argv, _ = build_command(LaunchSpec(command=tuple(program), np=np, backend=backend, bind_cores=bind_cores))
     return [str(bin_dir / argv[0]), *argv[1:]]
 
 

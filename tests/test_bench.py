@@ -66,7 +66,9 @@ def test_netns_commands_are_exact() -> None:
 def test_horovodrun_and_programs(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     argv = bplan.horovodrun(["python", "x.py"], bin_dir=Path("/v/bin"))
-    assert argv == ["/v/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "python", "x.py"]
+    # every rank bound to its own core (launchers/bind.py), then the program unchanged
+    assert argv == ["/v/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "python", "-m", "launchers.bind",
+                    "python", "x.py"]
     topkqsgd = next(s for s in bplan.SPEED_SETTINGS if s.key == "topkqsgd")
     prog = bplan.speed_program(plan, topkqsgd, tmp_path / "o.json")
     assert prog[1].endswith("examples/synthetic_benchmark.py")
