@@ -35,7 +35,8 @@ def _load(path: Path) -> Optional[Dict[str, Any]]:
 
 def horovod_section(bench: Dict[str, Any]) -> List[str]:
     """Step time per setting at each rate the run measured, and the issue-13 ratios."""
-    lines = [f"Horovod, 2 ranks, 25M parameters, from `{bench['command']}` "
+    bound = ", each bound to its own core (`--bind-cores`)" if bench.get("machine", {}).get("bind_cores") else ""
+    lines = [f"Horovod, 2 ranks{bound}, 25M parameters, from `{bench['command']}` "
              "([docs/bench-speed/BENCHMARKS.md](docs/bench-speed/BENCHMARKS.md)):", "",
              "| rate | setting | step time | in synchronize() | MB per step per rank | vs uncompressed |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
