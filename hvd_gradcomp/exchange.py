@@ -771,6 +771,9 @@ class FusedAllgatherExchange:
                     # which autograd may still need as it was.
                     self.compressor.received(member.name, out, sparse_support(parts[i]))
                     member.extra["received"] = True
+                    # its finiteness too, read where the average can be nonzero: one thing less
+                    # for synchronize() to do (~0.1 ms a tensor on CPU, issue 13)
+                    member.extra["finite"] = finite_at_indices(self.compressor, parts[i], out)
                 spent[i] += time.perf_counter() - t0
             _charge(member, caller, spent[i])
         # Each member points at its group (extra["group"]); the group lets go of its members now,
@@ -814,7 +817,8 @@ class FusedAllgatherExchange:
                 sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
             # the feedback policy sees the average (issue 9)
             self.compressor.received(p.name, out, sparse_support(parts))
-        p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
+        if not received:   # else _decode read it, after the same sum and the same received
+            p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
         p.finished = True
 
 
