@@ -130,11 +130,17 @@ class ResidualStore:
         >>> store.residual("w", lr=0.05).tolist()     # at half the rate, twice the value: same movement
         [4.0]
         """
+        res, scale = self.scaled(name, lr)
+        return res if scale is None else res * scale
+
+    def scaled(self, name: str, lr: Optional[float]) -> Tuple[Optional[torch.Tensor], Optional[float]]:
+        """(the residual as stored, the factor that expresses it at ``lr``; None: as it is), for a
+        kernel that multiplies in the pass that reads it (see :meth:`residual`)."""
         res = self._residuals.get(name)
         unit = self._units.get(name)
         if res is None or lr is None or unit is None or lr <= 0.0 or unit == lr:
-            return res
-        return res * (unit / lr)
+            return res, None
+        return res, unit / lr
 
     def compensate(self, name: str, grad: torch.Tensor, lr: Optional[float] = None) -> torch.Tensor:
         """grad + residual (at ``lr``, see :meth:`residual`), as a flat tensor of the residual
@@ -146,12 +152,12 @@ class ResidualStore:
     def add_flat(self, name: str, flat: torch.Tensor, lr: Optional[float] = None) -> torch.Tensor:
         """:meth:`compensate` of an already flat tensor, without the shape check (a policy that
         checked the gradient's shape and sends something derived from it, e.g. a velocity)."""
-        res = self.residual(name, lr)
+        res, scale = self.scaled(name, lr)
         out = self.buffer(name, flat)
         if res is None:
             return out.copy_(flat)
         # One pass into the buffer, instead of a copy and then an in-place add.
-        return torch.add(flat, res.to(flat.device), out=out)
+        return torch.add(flat, res.to(flat.device), alpha=1.0 if scale is None else scale, out=out)
 
     def compensate_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False,
                           lr: Optional[float] = None) -> Tuple[torch.Tensor, Marked]:
@@ -159,10 +165,10 @@ class ResidualStore:
         (:func:`hvd_gradcomp.kernels.add_marked`; None where top-k will not need them);
         ``total``: with the sum of ``grad`` (a finiteness check)."""
         self.check_shape(name, grad)
-        res = self.residual(name, lr)
+        res, scale = self.scaled(name, lr)
         flat = grad.reshape(-1)
         out = self.buffer(name, flat)
-        marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k, total)
+        marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k, total, scale)
         return out, marked
 
     def buffer(self, name: str, flat: torch.Tensor) -> torch.Tensor:
@@ -692,9 +698,9 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
             self._retire("velocity", name, stale)
         u = self._buffer("velocity", name, old) if old is not None else \
             torch.empty(flat.shape, dtype=residual_dtype(flat.dtype), device=flat.device)
-        acc, res = self.residuals.buffer(name, flat), self.residuals.residual(name, self._lr(name))
+        acc, (res, scale) = self.residuals.buffer(name, flat), self.residuals.scaled(name, self._lr(name))
         marked = kernels.momentum_marked(flat, None if old is None else old.to(flat.device),
-                                         None if res is None else res.to(flat.device), u, acc, m, d, k, total)
+                                         None if res is None else res.to(flat.device), u, acc, m, d, k, total, scale)
         self._pending[name] = u
         return acc, marked
 
