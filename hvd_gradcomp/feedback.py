@@ -88,6 +88,11 @@ def subtract_sent(acc: torch.Tensor, sent: Any) -> None:
 class ResidualStore:
     """Per-name residuals, plus the shape each name was first used with.
 
+    A residual may carry the learning rate it is expressed in (``lr`` of :meth:`commit`):
+    read back at another rate (``lr`` of :meth:`residual`), it is rescaled by old/new, so what
+    was left unsent moves the parameter as far as when it was computed, whatever a scheduler
+    did meanwhile (EF-SGD's formulation, Karimireddy et al. 2019, accumulates ``lr * g``).
+
     >>> store = ResidualStore()
     >>> acc = store.compensate("w", torch.ones(3))        # first step: nothing to add
     >>> store.commit("w", acc - torch.tensor([1.0, 0.0, 0.0]))
@@ -97,11 +102,13 @@ class ResidualStore:
 
     def __init__(self) -> None:
         self._residuals: Dict[str, torch.Tensor] = {}
+        self._units: Dict[str, float] = {}   # the learning rate each residual is expressed in
         self._shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
-        # Residuals as they were when the current exchange step began, kept only inside an
-        # optimizer (track_rounds): an overflow step is undone by putting them back. The
-        # residual tensors are never modified in place, so this holds references, not copies.
+        # Residuals (and their units) as they were when the current exchange step began, kept
+        # only inside an optimizer (track_rounds): an overflow step is undone by putting them
+        # back. The residual tensors are never modified in place, so this holds references.
         self._undo: Optional[Dict[str, Optional[torch.Tensor]]] = None
+        self._undo_units: Dict[str, Optional[float]] = {}
         # A retired residual per name (CPU only), the buffer of its next compensate (see _recycle).
         self._spare: Dict[str, torch.Tensor] = {}
 
@@ -113,35 +120,55 @@ class ResidualStore:
                              f"{tuple(tensor.shape)}: give every tensor its own name (e.g. the "
                              "parameter names from model.named_parameters())")
 
-    def residual(self, name: str) -> Optional[torch.Tensor]:
-        return self._residuals.get(name)
+    def residual(self, name: str, lr: Optional[float] = None) -> Optional[torch.Tensor]:
+        """The residual of ``name`` (None if none); with ``lr``, expressed at that learning rate
+        (a new tensor when it was committed at another one; as stored when ``lr`` <= 0, at which
+        nothing moves).
 
-    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """grad + residual, as a flat tensor of the residual dtype that no residual shares (grad
-        is not modified): the caller may change it and :meth:`commit` it."""
+        >>> store = ResidualStore()
+        >>> store.commit("w", torch.tensor([2.0]), lr=0.1)
+        >>> store.residual("w", lr=0.05).tolist()     # at half the rate, twice the value: same movement
+        [4.0]
+        """
+        res, scale = self.scaled(name, lr)
+        return res if scale is None else res * scale
+
+    def scaled(self, name: str, lr: Optional[float]) -> Tuple[Optional[torch.Tensor], Optional[float]]:
+        """(the residual as stored, the factor that expresses it at ``lr``; None: as it is), for a
+        kernel that multiplies in the pass that reads it (see :meth:`residual`)."""
+        res = self._residuals.get(name)
+        unit = self._units.get(name)
+        if res is None or lr is None or unit is None or lr <= 0.0 or unit == lr:
+            return res, None
+        return res, unit / lr
+
+    def compensate(self, name: str, grad: torch.Tensor, lr: Optional[float] = None) -> torch.Tensor:
+        """grad + residual (at ``lr``, see :meth:`residual`), as a flat tensor of the residual
+        dtype that no residual shares (grad is not modified): the caller may change it and
+        :meth:`commit` it."""
         self.check_shape(name, grad)
-        return self.add_flat(name, grad.reshape(-1))
+        return self.add_flat(name, grad.reshape(-1), lr)
 
-    def add_flat(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+    def add_flat(self, name: str, flat: torch.Tensor, lr: Optional[float] = None) -> torch.Tensor:
         """:meth:`compensate` of an already flat tensor, without the shape check (a policy that
         checked the gradient's shape and sends something derived from it, e.g. a velocity)."""
-        res = self._residuals.get(name)
+        res, scale = self.scaled(name, lr)
         out = self.buffer(name, flat)
         if res is None:
             return out.copy_(flat)
         # One pass into the buffer, instead of a copy and then an in-place add.
-        return torch.add(flat, res.to(flat.device), out=out)
+        return torch.add(flat, res.to(flat.device), alpha=1.0 if scale is None else scale, out=out)
 
-    def compensate_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False
-                          ) -> Tuple[torch.Tensor, Marked]:
+    def compensate_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False,
+                          lr: Optional[float] = None) -> Tuple[torch.Tensor, Marked]:
         """:meth:`compensate`, and in the same pass the candidates of a top-k of k entries
         (:func:`hvd_gradcomp.kernels.add_marked`; None where top-k will not need them);
         ``total``: with the sum of ``grad`` (a finiteness check)."""
         self.check_shape(name, grad)
-        res = self._residuals.get(name)
+        res, scale = self.scaled(name, lr)
         flat = grad.reshape(-1)
         out = self.buffer(name, flat)
-        marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k, total)
+        marked = kernels.add_marked(flat, None if res is None else res.to(flat.device), out, k, total, scale)
         return out, marked
 
     def buffer(self, name: str, flat: torch.Tensor) -> torch.Tensor:
@@ -168,14 +195,21 @@ class ResidualStore:
         if sys.getrefcount(old) == 2 and _storage_users(old) == 2:
             self._spare[name] = old
 
-    def commit(self, name: str, new_residual: torch.Tensor) -> None:
+    def commit(self, name: str, new_residual: torch.Tensor, lr: Optional[float] = None) -> None:
+        """``new_residual`` becomes the residual of ``name``, expressed at learning rate ``lr``
+        (None: at none, never rescaled; <= 0: at the old residual's, as :meth:`residual` left it)."""
         if self._undo is None:
             self._recycle(name, self._residuals.pop(name, None))
         elif name not in self._undo:
             self._undo[name] = self._residuals.get(name)
+            self._undo_units[name] = self._units.get(name)
         elif self._residuals.get(name) is not self._undo[name]:  # committed twice in one step
             self._recycle(name, self._residuals.pop(name, None))
         self._residuals[name] = new_residual
+        if lr is None:
+            self._units.pop(name, None)
+        elif lr > 0.0:
+            self._units[name] = float(lr)
 
     def track_rounds(self, on: bool) -> None:
         """Keep what each exchange step replaced until :meth:`end_round` (costs, during a step,
@@ -190,6 +224,7 @@ class ResidualStore:
         if self._undo is None:
             return
         for name in list(self._undo):
+            unit = self._undo_units.pop(name, None)
             if keep:  # the residuals the step replaced are retired
                 self._recycle(name, self._undo.pop(name))
                 continue
@@ -197,17 +232,26 @@ class ResidualStore:
             self._recycle(name, self._residuals.pop(name, None))
             if old is not None:
                 self._residuals[name] = old
+            if unit is None:
+                self._units.pop(name, None)
+            else:
+                self._units[name] = unit
 
     def pop(self, name: str) -> Optional[torch.Tensor]:
         """Remove and return the residual of ``name`` (None if there is none): for a caller that
         sends it another way (e.g. :class:`hvd_gradcomp.Auto` switching a tensor's road)."""
         self._spare.pop(name, None)
         if self._undo is not None:
-            self._undo.setdefault(name, self._residuals.get(name))
+            if name not in self._undo:
+                self._undo[name] = self._residuals.get(name)
+                self._undo_units[name] = self._units.get(name)
+        self._units.pop(name, None)
         return self._residuals.pop(name, None)
 
     def clear(self) -> None:
         self._residuals.clear()
+        self._units.clear()
+        self._undo_units.clear()
         self._shapes.clear()
         self._spare.clear()
         if self._undo is not None:
@@ -216,14 +260,17 @@ class ResidualStore:
     def state_dict(self) -> Dict[str, Any]:
         """Residuals and the shape each name was used with (so the shape check survives a restart)."""
         return {"residuals": {name: r.detach().clone() for name, r in self._residuals.items()},
+                "units": dict(self._units),
                 "shapes": {name: (list(shape), str(dtype).replace("torch.", ""))
                            for name, (shape, dtype) in self._shapes.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._residuals = {name: r.detach().clone() for name, r in state["residuals"].items()}
+        self._units = {name: float(u) for name, u in state.get("units", {}).items()}
         self._spare.clear()
         if self._undo is not None:
             self._undo.clear()
+        self._undo_units.clear()
         self._shapes = {name: (tuple(shape), getattr(torch, dtype))
                         for name, (shape, dtype) in state["shapes"].items()}
 
@@ -301,7 +348,8 @@ class HalfPrecision:
         return self.residuals.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.residuals.load_state_dict({"residuals": state.get("residuals", {}), "shapes": state.get("shapes", {})})
+        self.residuals.load_state_dict({"residuals": state.get("residuals", {}), "units": state.get("units", {}),
+                                         "shapes": state.get("shapes", {})})
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -411,7 +459,8 @@ class Feedback:
             raise ValueError(f"checkpoint holds state of feedback policy {state['policy']!r} but this "
                              f"compressor uses {self.key!r}: build the compressor with "
                              f"feedback={state['policy']!r} to resume it")
-        self.residuals.load_state_dict({"residuals": state.get("residuals", {}), "shapes": state.get("shapes", {})})
+        self.residuals.load_state_dict({"residuals": state.get("residuals", {}), "units": state.get("units", {}),
+                                         "shapes": state.get("shapes", {})})
 
 
 class NoFeedback(Feedback):
@@ -425,6 +474,11 @@ class NoFeedback(Feedback):
 class ErrorFeedback(Feedback):
     """Classic error feedback (``feedback="classic"``): what was not sent is added next step.
 
+    The residual follows the learning rate (``follow_lr``): when a scheduler changes the rate
+    of a tensor's param group, what that tensor left unsent is rescaled by old/new rate, so it
+    moves the parameter as far as it would have when it was computed. Without it, mass held
+    back during a decaying schedule arrives at a smaller rate, or never (issue 9, docs/STUDY.md).
+
     >>> ef = ErrorFeedback()
     >>> acc = ef.prepare("w", torch.tensor([3.0, 1.0]))
     >>> ef.sent("w", acc, (torch.tensor([0]), torch.tensor([3.0])))
@@ -434,9 +488,24 @@ class ErrorFeedback(Feedback):
 
     key = "classic"
     contract = True
+    follow_lr = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lr_groups: Dict[str, Dict[str, Any]] = {}
+
+    def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
+             optimizer: Any = None) -> None:
+        self._lr_groups[name] = group
+
+    def _lr(self, name: str) -> Optional[float]:
+        """The learning rate ``name``'s residual is expressed in this step (None: not bound, or a
+        policy whose residual does not follow the rate)."""
+        group = self._lr_groups.get(name) if self.follow_lr else None
+        return None if group is None or "lr" not in group else float(group["lr"])
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        return self.residuals.compensate(name, grad)
+        return self.residuals.compensate(name, grad, self._lr(name))
 
     @property
     def marks_input(self) -> bool:
@@ -446,11 +515,11 @@ class ErrorFeedback(Feedback):
                        ) -> Tuple[torch.Tensor, Marked]:
         if not self.marks_input:
             return self.prepare(name, grad), None
-        return self.residuals.compensate_marked(name, grad, k, total)
+        return self.residuals.compensate_marked(name, grad, k, total, self._lr(name))
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:
         subtract_sent(acc, what)
-        self.residuals.commit(name, acc)
+        self.residuals.commit(name, acc, self._lr(name))
 
 
 class _RoundUndo:
@@ -591,6 +660,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
              optimizer: Any = None) -> None:
+        super().bind(name, group, param, optimizer)
         self._groups[name] = group
 
     def _coefficients(self, name: str) -> Tuple[float, float]:
@@ -628,9 +698,9 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
             self._retire("velocity", name, stale)
         u = self._buffer("velocity", name, old) if old is not None else \
             torch.empty(flat.shape, dtype=residual_dtype(flat.dtype), device=flat.device)
-        acc, res = self.residuals.buffer(name, flat), self.residuals.residual(name)
+        acc, (res, scale) = self.residuals.buffer(name, flat), self.residuals.scaled(name, self._lr(name))
         marked = kernels.momentum_marked(flat, None if old is None else old.to(flat.device),
-                                         None if res is None else res.to(flat.device), u, acc, m, d, k, total)
+                                         None if res is None else res.to(flat.device), u, acc, m, d, k, total, scale)
         self._pending[name] = u
         return acc, marked
 
@@ -707,6 +777,7 @@ class LocalUpdate(ErrorFeedback):
     """
 
     key = "update"
+    follow_lr = False   # its residual is a parameter change already: the rate is inside it
     moves_parameters = True
 
     def __init__(self) -> None:
@@ -846,6 +917,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if param is None or optimizer is None:
             return
         check_frozen_variance(optimizer)
+        super().bind(name, group, param, optimizer)
         self._bound[name] = (param, group, optimizer)
 
     def dense(self, name: str) -> bool:
@@ -889,7 +961,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._replace("velocity", name, u)
         # What goes out is the update direction u / denom, not u: top-k then picks the coordinates
         # that would move most, and the residual is kept in the units of movement.
-        acc, res = self.residuals.buffer(name, u), self.residuals.residual(name)
+        acc, res = self.residuals.buffer(name, u), self.residuals.residual(name, self._lr(name))
         return torch.div(u, self.denom[name], out=acc) if res is None else \
             torch.addcdiv(res, u, self.denom[name], out=acc)
 

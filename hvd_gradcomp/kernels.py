@@ -153,32 +153,42 @@ def _abs_at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
 
 
 def _add_marked_eager(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                      threshold: torch.Tensor, total: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """out = flat + residual (or a copy of flat), then the mask of :func:`_abs_at_least`: two
-    passes; with ``total``, also the float32 sum of ``flat`` (a third)."""
-    _add_into(flat, residual, out)
+                      threshold: torch.Tensor, total: bool, scale: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """out = flat + residual*scale (or a copy of flat), then the mask of :func:`_abs_at_least`:
+    two passes (three with a scale); with ``total``, also the float32 sum of ``flat``."""
+    _add_into(flat, residual, out, scale)
     return _abs_at_least(out, threshold), flat.sum(dtype=torch.float32) if total else None
 
 
-def _add_into(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor) -> None:
+def _add_into(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
+              scale: Optional[torch.Tensor] = None) -> None:
+    """out = flat + residual (``scale``: + residual*scale, the product rounded first, as compiled)."""
     if residual is None:
         out.copy_(flat)
-    else:
+    elif scale is None:
         torch.add(flat, residual, out=out)  # computed in out's dtype: flat is widened first
+    else:
+        torch.mul(residual, scale, out=out).add_(flat)
+
+
+def _scaled(residual: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    return residual if scale is None else residual * scale
 
 
 def _add_marked_fused(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-                      threshold: torch.Tensor, total: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      threshold: torch.Tensor, total: bool, scale: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`_add_marked_eager` as one loop when compiled: the sum is compared while in registers,
     not read back from memory, and ``flat``'s total is summed as it streams by."""
-    acc = flat.to(out.dtype) if residual is None else flat.to(out.dtype) + residual
+    acc = flat.to(out.dtype) if residual is None else flat.to(out.dtype) + _scaled(residual, scale)
     out.copy_(acc)
     return _abs_at_least(acc, threshold), flat.sum(dtype=torch.float32) if total else None
 
 
 def _momentum_eager(grad: torch.Tensor, old: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                     u: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, keep: Optional[torch.Tensor],
-                    threshold: Optional[torch.Tensor], total: bool
+                    threshold: Optional[torch.Tensor], total: bool, scale: Optional[torch.Tensor] = None
                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """u = old*m + grad (``keep``: + grad*keep, dampening's 1-d; ``old`` None: grad), acc = u + residual
     (u when None), then the mask of :func:`_abs_at_least` of acc (None without ``threshold``) and, with
@@ -190,20 +200,20 @@ def _momentum_eager(grad: torch.Tensor, old: Optional[torch.Tensor], residual: O
         u.copy_(g)
     else:
         torch.mul(old, m, out=u).add_(g if keep is None else g * keep)
-    _add_into(u, residual, acc)
+    _add_into(u, residual, acc, scale)
     mask = None if threshold is None else _abs_at_least(acc, threshold)
     return mask, grad.sum(dtype=torch.float32) if total else None
 
 
 def _momentum_fused(grad: torch.Tensor, old: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                     u: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, keep: Optional[torch.Tensor],
-                    threshold: Optional[torch.Tensor], total: bool
+                    threshold: Optional[torch.Tensor], total: bool, scale: Optional[torch.Tensor] = None
                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """:func:`_momentum_eager` as one loop when compiled: grad, the old velocity and the residual are
     read once; the velocity, the sum and the mask are written in the same pass."""
     g = grad.to(u.dtype)
     v = g if old is None else old * m + (g if keep is None else g * keep)
-    a = v if residual is None else v + residual
+    a = v if residual is None else v + _scaled(residual, scale)
     u.copy_(v)
     acc.copy_(a)
     mask = None if threshold is None else _abs_at_least(a, threshold)
@@ -409,8 +419,9 @@ class Marks(NamedTuple):
 
 
 def add_marked(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor,
-               k: int, total: bool = False) -> Optional[Marks]:
-    """Writes ``out = flat + residual`` (``residual`` None: ``flat`` in ``out``'s dtype) and returns
+               k: int, total: bool = False, scale: Optional[float] = None) -> Optional[Marks]:
+    """Writes ``out = flat + residual`` (``residual`` None: ``flat`` in ``out``'s dtype; ``scale``:
+    ``flat + residual * scale``, in the same pass: a residual at another learning rate) and returns
     what :func:`topk_indices` of ``out`` would compute first, (threshold, mask), or None where it
     would not sample (then only the sum is written). ``total``: also sum ``flat`` in the same
     pass (the finiteness check of :func:`all_finite`, without a pass of its own).
@@ -427,20 +438,32 @@ def add_marked(flat: torch.Tensor, residual: Optional[torch.Tensor], out: torch.
     """
     n = flat.numel()
     sl = sample_slice(n, k)
+    st = _scale_tensor(scale, residual, out)
     if sl is None:
-        _add_into(flat, residual, out)
+        _add_into(flat, residual, out, st)
         return None
-    sample = flat[sl].to(out.dtype) if residual is None else flat[sl].to(out.dtype) + residual[sl]
+    sample = flat[sl].to(out.dtype) if residual is None else flat[sl].to(out.dtype) + _scaled(residual[sl], st)
     threshold = sample_threshold(sample, k, n).to(out.dtype)
-    return Marks(threshold, *_kernel("add_marked", n)(flat, residual, out, threshold, total))
+    return Marks(threshold, *_kernel("add_marked", n)(flat, residual, out, threshold, total, st))
+
+
+def _scale_tensor(scale: Optional[float], residual: Optional[torch.Tensor], like: torch.Tensor
+                  ) -> Optional[torch.Tensor]:
+    """The residual's scale as a 0-dim tensor (a Python float would recompile the compiled loop
+    for every new value), or None where there is nothing to scale."""
+    if scale is None or residual is None or scale == 1.0:
+        return None
+    return torch.tensor(scale, dtype=like.dtype, device=like.device)
 
 
 def momentum_marked(grad: torch.Tensor, old: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                     u: torch.Tensor, acc: torch.Tensor, momentum: float, dampening: float = 0.0,
-                    k: Optional[int] = None, total: bool = False) -> Optional[Marks]:
+                    k: Optional[int] = None, total: bool = False, scale: Optional[float] = None
+                    ) -> Optional[Marks]:
     """Momentum correction's input in one pass (:class:`hvd_gradcomp.feedback.MomentumCorrection`):
     writes the new velocity ``u = momentum*old + (1-dampening)*grad`` (``grad`` when ``old`` is
-    None) and ``acc = u + residual`` (``u`` when None), both flat, in the caller's buffers; returns,
+    None) and ``acc = u + residual`` (``u`` when None; ``scale``: ``u + residual * scale``), both flat,
+    in the caller's buffers; returns,
     as :func:`add_marked` does, the candidates of a top-k of ``k`` entries of ``acc`` (None where
     :func:`topk_indices` would not sample, or ``k`` is None) with, when ``total``, ``grad``'s sum.
 
@@ -458,15 +481,17 @@ def momentum_marked(grad: torch.Tensor, old: Optional[torch.Tensor], residual: O
     m = torch.tensor(momentum, dtype=u.dtype, device=u.device)
     keep = None if not dampening else torch.tensor(1.0 - dampening, dtype=u.dtype, device=u.device)
     sl = None if k is None else sample_slice(n, k)
+    st = _scale_tensor(scale, residual, acc)
     if sl is None:
-        _kernel("momentum_marked", n)(grad, old, residual, u, acc, m, keep, None, False)
+        _kernel("momentum_marked", n)(grad, old, residual, u, acc, m, keep, None, False, st)
         return None
     # The same arithmetic on the sampled positions: the values acc will hold there.
     su, sacc = torch.empty_like(u[sl]), torch.empty_like(acc[sl])
     _momentum_eager(grad[sl], None if old is None else old[sl], None if residual is None else residual[sl],
-                    su, sacc, m, keep, None, False)
+                    su, sacc, m, keep, None, False, st)
     threshold = sample_threshold(sacc, k, n).to(acc.dtype)
-    return Marks(threshold, *_kernel("momentum_marked", n)(grad, old, residual, u, acc, m, keep, threshold, total))
+    return Marks(threshold, *_kernel("momentum_marked", n)(grad, old, residual, u, acc, m, keep, threshold, total,
+                                                            st))
 
 
 SAMPLE_TARGET = 1 << 13

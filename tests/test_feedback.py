@@ -416,3 +416,46 @@ def test_fused_momentum_correction_refuses_non_finite_and_changes_nothing():
             assert torch.equal(hit.residuals.residual("w"), before[1])
         assert torch.equal(hit.compress_named("w", g), clean.compress_named("w", g)), f"step {step}"
         assert torch.equal(hit.feedback.velocity["w"], clean.feedback.velocity["w"])
+
+
+# ------------------------------------------------------------------ residuals follow the learning rate
+def test_residual_is_rescaled_to_the_rate_it_is_read_at_and_undo_restores_its_rate():
+    store = ResidualStore()
+    store.commit("w", torch.tensor([2.0, -1.0]), lr=0.1)
+    assert store.residual("w", lr=0.05).tolist() == [4.0, -2.0]
+    assert store.residual("w", lr=0.1).tolist() == [2.0, -1.0]
+    assert store.residual("w", lr=0.0).tolist() == [2.0, -1.0], "at rate 0 nothing moves: left as it is"
+    assert store.residual("w").tolist() == [2.0, -1.0]
+    store.track_rounds(True)
+    store.commit("w", store.compensate("w", torch.zeros(2), lr=0.2), lr=0.2)
+    assert store.residual("w", lr=0.1).tolist() == [2.0, -1.0]
+    store.end_round(keep=False)                        # an overflow step: residual and rate go back
+    assert store.residual("w", lr=0.05).tolist() == [4.0, -2.0]
+    restored = ResidualStore()
+    restored.load_state_dict(store.state_dict())
+    assert restored.residual("w", lr=0.05).tolist() == [4.0, -2.0]
+
+
+@pytest.mark.parametrize("name", ["topk", "topkqsgd", "qsgd8"])
+def test_under_a_schedule_every_unit_of_lr_times_gradient_arrives(name):
+    """SGD under a decaying schedule with a gradient that does not depend on the parameter:
+    with the residual following the rate, the parameter moves by exactly sum(lr_t * g_t) minus
+    lr * (what is still held back, at that rate), as uncompressed SGD would (EF-SGD's identity).
+    Kept at the rate it was computed at, the held-back mass would arrive ~30% short here."""
+    w = torch.nn.Parameter(torch.zeros(200))
+    opt = torch.optim.SGD([w], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.97 ** t)
+    c = COMPRESSORS[name]()
+    c.attach(opt, {w: "w"})
+    expected = torch.zeros(200, dtype=torch.float64)
+    for step in range(40):
+        g = torch.randn(200, generator=gen(100 + step))
+        expected -= opt.param_groups[0]["lr"] * g.double()
+        w.grad = c.decode(c.compress_named("w", g)).reshape(w.shape)
+        c.received("w", w.grad.view(-1))
+        opt.step()
+        sched.step()
+    lr_now = opt.param_groups[0]["lr"]
+    held = lr_now * c.residuals.residual("w", lr_now).double()
+    assert float(held.abs().max()) > 1e-3, "something must still be held back for the check to mean anything"
+    torch.testing.assert_close(w.detach().double() - held, expected, rtol=0, atol=2e-5)

@@ -153,9 +153,9 @@ def test_error_feedback_marks_and_stays_exact():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_residual, scale", [(False, None), (True, None), (True, 0.7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, dtype):
+def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, scale, dtype):
     """HVDGC_COMPILE=1 (one fused loop) and =0 (two passes) write the same sum and mask, NaN/Inf included."""
     n = (1 << 20) + 37
     flat = _inputs(n, "nonfinite", dtype, seed=4)
@@ -166,7 +166,7 @@ def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, dtype):
         out = torch.empty(n)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            threshold, mask, _ = kernels.add_marked(flat, res, out, n // 100)
+            threshold, mask, _ = kernels.add_marked(flat, res, out, n // 100, scale=scale)
         # a fallback to eager kernels would make this test vacuous
         assert not [w for w in caught if "torch.compile failed" in str(w.message)]
         results.append((out, threshold, mask))
@@ -211,10 +211,10 @@ def test_momentum_marked_is_velocity_residual_and_candidates(with_old, with_resi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("with_old, with_residual, dampening", [(False, True, 0.0), (True, False, 0.0),
-                                                               (True, True, 0.1)])
+@pytest.mark.parametrize("with_old, with_residual, dampening, scale", [
+    (False, True, 0.0, None), (True, False, 0.0, None), (True, True, 0.1, None), (True, True, 0.0, 1.3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_momentum_marked_matches_eager(monkeypatch, with_old, with_residual, dampening, dtype):
+def test_compiled_momentum_marked_matches_eager(monkeypatch, with_old, with_residual, dampening, scale, dtype):
     """HVDGC_COMPILE=1 (one loop) and =0 (separate passes) write the same velocity, sum, mask and total,
     NaN/Inf included (CPU: both round the product before the sum)."""
     n = (1 << 20) + 37
@@ -227,7 +227,8 @@ def test_compiled_momentum_marked_matches_eager(monkeypatch, with_old, with_resi
         u, acc = torch.empty(n), torch.empty(n)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            marks = kernels.momentum_marked(grad, old, res, u, acc, 0.9, dampening, n // 100, total=True)
+            marks = kernels.momentum_marked(grad, old, res, u, acc, 0.9, dampening, n // 100, total=True,
+                                            scale=scale)
         assert not [w for w in caught if "torch.compile failed" in str(w.message)]
         results.append((u, acc, marks))
     (u0, a0, k0), (u1, a1, k1) = results
@@ -297,3 +298,23 @@ def test_finite_values_whose_sum_overflows_are_sent():
     c = TopK(ratio=0.01)
     y = c.decode(c.compress_named("w", g))
     assert torch.equal(y[:4], g[:4])
+
+
+@pytest.mark.parametrize("n", [5000, 300_000])
+def test_a_scaled_residual_adds_as_the_residual_times_the_scale(n):
+    """``scale`` (a residual at another learning rate) multiplies in the same pass: the same sums,
+    candidates and velocities, bit for bit, as adding the materialised product (small and sampled sizes)."""
+    k = n // 100
+    g, res = torch.randn(n, generator=gen(11)), torch.randn(n, generator=gen(12)) * 0.1
+    old = torch.randn(n, generator=gen(13))
+    a, b = torch.empty(n), torch.empty(n)
+    ma, mb = kernels.add_marked(g, res, a, k, scale=0.37), kernels.add_marked(g, res * 0.37, b, k)
+    assert torch.equal(a, b) and (ma is None) == (mb is None)
+    if ma is not None:
+        assert torch.equal(ma.threshold, mb.threshold) and torch.equal(ma.mask, mb.mask)
+    (ua, aa, ub, ab) = (torch.empty(n) for _ in range(4))
+    ka = kernels.momentum_marked(g, old, res, ua, aa, 0.9, 0.0, k, scale=2.5)
+    kb = kernels.momentum_marked(g, old, res * 2.5, ub, ab, 0.9, 0.0, k)
+    assert torch.equal(ua, ub) and torch.equal(aa, ab) and (ka is None) == (kb is None)
+    if ka is not None:
+        assert torch.equal(ka.mask, kb.mask)

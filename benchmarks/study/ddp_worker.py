@@ -25,12 +25,14 @@ from benchmarks.study.tasks import make_task  # noqa: E402
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
 
 SETTINGS = {
-    "none": ("uncompressed", lambda: None),
-    "tq1": ("TopKQSGD(1%, 8)", lambda: gc.TopKQSGD(ratio=0.01, bits=8)),
-    "tq01": ("TopKQSGD(0.1%, 8)", lambda: gc.TopKQSGD(ratio=0.001, bits=8)),
-    "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
+    "none": ("uncompressed", lambda opt: None),
+    "tq1": ("TopKQSGD(1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8)),
+    "tq01": ("TopKQSGD(0.1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.001, bits=8)),
+    "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
+    # The residual kept at the rate it was computed (before it followed the learning rate)
+    "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", loop.fixed_rate_topkqsgd),
 }
-DEFAULT_SETTINGS = ("none", "tq1", "tq01", "tq1-classic")
+DEFAULT_SETTINGS = ("none", "tq1", "tq01", "tq1-classic", "tq1-fixedlr")
 
 
 def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, Any]:
@@ -41,7 +43,7 @@ def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, An
         task.steps = steps
     task.wrapper = "ddp"
     label, factory = SETTINGS[setting]
-    compression = factory()
+    compression = factory(task.optimizer)  # some settings follow the task's optimizer
     model = DDP(task.model)
     state = None
     if compression is not None:

@@ -20,22 +20,24 @@ from benchmarks.study.tasks import make_task  # noqa: E402
 # (feedback="auto") except "tq1-classic" (error feedback on gradients, the pre-issue-9 recipe) and
 # "tq1-update" (compress the update: the previous default for Adam and AdamW).
 SETTINGS = {
-    "none": ("uncompressed", lambda: None),
-    "fp16": ("fp16", lambda: hvd.Compression.fp16),
-    "qsgd8": ("QSGD 8-bit", lambda: gc.QSGD(bits=8)),
-    "qsgd4": ("QSGD 4-bit", lambda: gc.QSGD(bits=4)),
-    "topk": ("TopK 1%", lambda: gc.TopK(ratio=0.01)),
-    "tq1": ("TopKQSGD(1%, 8)", lambda: gc.TopKQSGD(ratio=0.01, bits=8)),
-    "tq01": ("TopKQSGD(0.1%, 8)", lambda: gc.TopKQSGD(ratio=0.001, bits=8)),
-    "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
+    "none": ("uncompressed", lambda opt: None),
+    "fp16": ("fp16", lambda opt: hvd.Compression.fp16),
+    "qsgd8": ("QSGD 8-bit", lambda opt: gc.QSGD(bits=8)),
+    "qsgd4": ("QSGD 4-bit", lambda opt: gc.QSGD(bits=4)),
+    "topk": ("TopK 1%", lambda opt: gc.TopK(ratio=0.01)),
+    "tq1": ("TopKQSGD(1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8)),
+    "tq01": ("TopKQSGD(0.1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.001, bits=8)),
+    "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
     "tq1-momentum": ("TopKQSGD(1%, 8), momentum correction",
-                     lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
-    "tq1-update": ("TopKQSGD(1%, 8), compress the update", lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback="update")),
+                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
+    "tq1-update": ("TopKQSGD(1%, 8), compress the update", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback="update")),
     # Momentum correction's default sparsity warm-up switched off: the default before it was one.
     "tq1-nospw": ("TopKQSGD(1%, 8), no sparsity warm-up",
-                  lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.MomentumCorrection(sparsity_warmup=0))),
+                  lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.MomentumCorrection(sparsity_warmup=0))),
+    # The residual kept at the rate it was computed (before it followed the learning rate)
+    "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", loop.fixed_rate_topkqsgd),
 }
-DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic")
+DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic", "tq1-fixedlr")
 
 
 def wrap(task: Any, compression: Any, seed: int) -> Any:
@@ -72,7 +74,7 @@ def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, An
     if steps:
         task.steps = steps
     label, factory = SETTINGS[setting]
-    compression = factory()
+    compression = factory(task.optimizer)  # some settings follow the task's optimizer
     opt = wrap(task, compression, seed)
     raw = sum(p.numel() * p.element_size() for p in task.model.parameters() if p.requires_grad)
     counter = Bytes(opt, compression, raw)
