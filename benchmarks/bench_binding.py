@@ -25,6 +25,7 @@ from typing import Any, Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.generated import replace_between  # noqa: E402
 from launchers.jobs import CAPTURE, local_horovodrun, run_job  # noqa: E402
 
 SETTINGS = {"uncompressed": ["--optimizer", "stock", "--compression", "none"],
@@ -88,11 +89,7 @@ def render(data: Dict[str, Any]) -> str:
 
 
 def write_docs(data: Dict[str, Any]) -> None:
-    text = DOC.read_text()
-    if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise SystemExit(f"{DOC}: expected one block between {BEGIN!r} and {END!r}")
-    head, rest = text.split(BEGIN)
-    DOC.write_text(f"{head}{BEGIN}\n{render(data)}\n{END}{rest.split(END, 1)[1]}")
+    DOC.write_text(replace_between(DOC.read_text(), render(data), BEGIN, END, str(DOC.relative_to(ROOT))))
 
 
 def main() -> None:
