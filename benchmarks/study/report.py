@@ -254,11 +254,17 @@ def choice_section(docs: Path) -> List[str]:
         "400 steps, dense for the first 100, then the share sent falls from 25% to 1% over the next 40 or "
         "100 steps): the transformer's gap went from +2.86% (mean of 3 seeds, no warm-up) to +2.04% (40 "
         "steps) and +1.61% (100 steps); on the CNN with Adam (2 seeds) the change was inside its seed noise. So "
-        "`frozen` now does it by default after its dense warm-up (`FrozenVariance(sparsity_warmup=100)`); "
-        "for the other policies it stays an option (`ratio=SparsityWarmup(...)`), because it would change "
-        "the bytes of every TopK user from step 1.",
+        "`frozen` now does it by default after its dense warm-up (`FrozenVariance(sparsity_warmup=100)`), "
+        "and so does `momentum` from its first step (the *no sparsity warm-up* rows); for classic error "
+        "feedback it stays an option (`ratio=SparsityWarmup(...)`).",
         "* **Low-bit QSGD.** Error feedback on 4/2-bit QSGD diverged or needed its payloads shrunk; plain "
         "(unbiased) QSGD trained: `auto` turns error feedback off below 8 bits.",
+        "* **Residuals follow the learning rate.** Every task here decays its rate (cosine), so "
+        "what error feedback held back at a high rate arrived later at a lower one, shortened, and what was "
+        "still held at the end never arrived. Now a residual is rescaled by old/new rate whenever the "
+        "scheduler changes it (EF-SGD's formulation, which accumulates `lr * g`): the held-back movement is "
+        "kept whole. The column *residual not following the rate* of the targets table is the same default "
+        "policy without it (`follow_lr = False`).",
         "",
     ]
     if sim.exists():
