@@ -492,16 +492,16 @@ class ErrorFeedback(Feedback):
 
     def __init__(self) -> None:
         super().__init__()
-        self._lr_groups: Dict[str, Dict[str, Any]] = {}
+        self._groups: Dict[str, Dict[str, Any]] = {}   # each name's param group, read live
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
              optimizer: Any = None) -> None:
-        self._lr_groups[name] = group
+        self._groups[name] = group
 
     def _lr(self, name: str) -> Optional[float]:
         """The learning rate ``name``'s residual is expressed in this step (None: not bound, or a
         policy whose residual does not follow the rate)."""
-        group = self._lr_groups.get(name) if self.follow_lr else None
+        group = self._groups.get(name) if self.follow_lr else None
         return None if group is None or "lr" not in group else float(group["lr"])
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -650,18 +650,12 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         super().__init__()
         self.momentum, self.dampening, self.masking = momentum, dampening, masking
         self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "MomentumCorrection")
-        self._groups: Dict[str, Dict[str, Any]] = {}
         self.velocity: Dict[str, torch.Tensor] = {}
         self.delivered: Dict[str, Union[torch.Tensor, SparseValues]] = {}
         # The velocity a prepare() computed, kept by sent(): a prepare whose input turns out
         # non-finite (checked after it, see marks_input) leaves the state as it was.
         self._pending: Dict[str, torch.Tensor] = {}
         self._undo = None  # see _RoundUndo
-
-    def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
-             optimizer: Any = None) -> None:
-        super().bind(name, group, param, optimizer)
-        self._groups[name] = group
 
     def _coefficients(self, name: str) -> Tuple[float, float]:
         group = self._groups.get(name, {})
