@@ -80,9 +80,9 @@ def core_share(cores: Sequence[int], rank: int, size: int) -> List[int]:
     return cores[start:start + base + (1 if rank < extra else 0)]
 
 
-def bind(environ: Optional[Mapping[str, str]] = None) -> List[int]:
+def bind() -> List[int]:
     """Restrict this process to its rank's share of the cores it may use now; returns the share."""
-    rank, size = local_rank(os.environ if environ is None else environ)
+    rank, size = local_rank(os.environ)
     share = core_share(os.sched_getaffinity(0), rank, size)
     os.sched_setaffinity(0, share)
     return share
