@@ -198,10 +198,10 @@ def road(args: argparse.Namespace) -> None:
     outs = [torch.empty(g.numel()) for _, g in grads]
     stage_times: dict = {}
 
-    other = [theirs._compress_finite(n, g * 0.5) for n, g in grads]  # the other rank's payloads
+    other = [theirs._compress_finite(n, g * 0.5)[0] for n, g in grads]  # the other rank's payloads
 
     def codec_step() -> None:
-        sent = [mine._compress_finite(n, g) for n, g in grads]
+        sent = [mine._compress_finite(n, g)[0] for n, g in grads]
         for (n, g), a, b, out in zip(grads, sent, other, outs):
             exchange.sum_parts(exchange.decode_payloads(mine, [a, b], 2, g.numel()), True, g.numel(), g.dtype, out=out)
 

@@ -6,7 +6,7 @@ touched), max RSS, and the tensors still alive (count and MB of their storages, 
 ``gc.get_objects()``).
 
 ``--sync-breakdown`` (first argument) instead prints, on every rank, where each step's
-``synchronize()`` went, in wall and thread CPU time: waiting on handles, decoding payloads, the
+``synchronize()`` went, in wall and thread CPU time: zeroing ``p.grad`` before a wait, waiting on handles, decoding payloads, the
 scatter into ``p.grad`` (zeroing included), the feedback policy's ``received``, the finiteness
 check at the sparse indices, the small tensors' fused allreduce, the overall finiteness check,
 ``end_round`` and the rest; how many fused groups were decoded there (the others were decoded
@@ -83,7 +83,7 @@ def garbage_report(step: int) -> None:
         print(f"  {tuple(t.shape)} held by " + " <- ".join(chain), flush=True)
 
 
-PHASES = ("wait", "decode", "scatter", "received", "finite_at", "small", "finite", "end_round")
+PHASES = ("prezero", "wait", "decode", "scatter", "received", "finite_at", "small", "finite", "end_round")
 
 
 class Variant:
@@ -93,28 +93,18 @@ class Variant:
         self.name, self.apply = name, apply
 
 
-def old_finite_at_indices(compressor: Any, parts: Any, out: torch.Tensor) -> Any:
-    """The finiteness check before the values' bound (a gather at every index), for ``--ab``."""
-    from hvd_gradcomp import exchange
-    if not parts or any(idx is None for idx, _ in parts) or \
-            type(compressor.feedback).received is not exchange.Feedback.received:
-        return None
-    flat = out.reshape(-1)
-    return torch.stack([torch.isfinite(flat[idx]).all() for idx, _ in parts]).all()
-
-
 def ab_variants(probe: "SyncBreakdown") -> List[Variant]:
-    """Old and new code paths, alternated step by step (the same on every rank) by ``--ab``:
-    "old" (the finiteness check by gather, fused groups untouched until their allgather is
-    done), "bound" (the new finiteness check only) and "new"."""
+    """Code paths of issue 13, alternated step by step (the same on every rank) by ``--ab``:
+    "decoded" (this rank's own payloads decoded while the allgather travels, ``p.grad`` zeroed
+    after the wait: session 7's code), "carried" (own parts from the encoder, not decoded) and
+    "new" (also ``p.grad`` zeroed before the wait)."""
     from hvd_gradcomp import exchange
 
-    def use(prepare: bool, **impl: Any) -> Any:
+    def use(carried: bool, prezero: bool) -> Any:
         def apply() -> None:
-            probe.impl, exchange._PREPARE = impl, prepare
+            exchange._CARRIED, exchange._PREZERO = carried, prezero
         return apply
-    return [Variant("old", use(False, finite_at_indices=old_finite_at_indices)), Variant("bound", use(False)),
-            Variant("new", use(True))]
+    return [Variant("decoded", use(False, False)), Variant("carried", use(True, False)), Variant("new", use(True, True))]
 
 
 class SyncBreakdown:
@@ -123,12 +113,12 @@ class SyncBreakdown:
     def __init__(self) -> None:
         from hvd_gradcomp import compressors, exchange, optimizer
         self.inside, self.now = False, collections.Counter()
-        self.impl: dict = {}
         self.last_exit = 0.0
         self.last_tc, self.last_pc = time.thread_time(), time.process_time()
         self.rows: List[dict] = []
         self.groups_in_sync = self.groups_early = 0
         cls = optimizer._GradCompOptimizer
+        self._wrap(exchange.FusedAllgatherExchange, "before_wait", "prezero")
         self._wrap(exchange, "wait_done", "wait")
         self._wrap(exchange, "sum_parts", "scatter")
         self._wrap(exchange, "finite_at_indices", "finite_at")
@@ -161,12 +151,11 @@ class SyncBreakdown:
         is_static = isinstance(owner.__dict__.get(attr), staticmethod)
 
         def timed(*a: Any, **k: Any) -> Any:
-            impl = self.impl.get(attr, fn)   # --ab swaps implementations here
             if not self.inside:
-                return impl(*a, **k)
+                return fn(*a, **k)
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
-                return impl(*a, **k)
+                return fn(*a, **k)
             finally:
                 self.now[phase] += time.perf_counter() - t0
                 self.now["cpu_" + phase] += time.thread_time() - c0

@@ -404,6 +404,23 @@ class GradientCompressor:
         ``relay``: a re-quantisation inside QSGD's compressed allreduce (classic error
         feedback, or none, whatever the policy).
         """
+        return self.compress_carried(name, grad, relay)[0]
+
+    def compress_carried(self, name: str, grad: torch.Tensor, relay: bool = False) -> Tuple[torch.Tensor, Sent]:
+        """:meth:`compress_named`, and what its payload carries, as the feedback policy was told.
+
+        For a sparse payload (TopK, TopKQSGD) that is its ``(indices, values)``: the same values,
+        bit for bit, that :meth:`decode_parts` returns for it (each index once; the order may
+        differ), so an exchange sums this rank's own part from them instead of decoding its own
+        payload. For QSGD, its codes (:class:`~hvd_gradcomp.kernels.QSGDDecoded`).
+
+        >>> c = TopKQSGD(ratio=0.01, bits=8)
+        >>> payload, (idx, vals) = c.compress_carried("fc.weight", torch.randn(100_000))
+        >>> d_idx, d_vals = c.decode_parts(payload)
+        >>> order, d_order = idx.argsort(), d_idx.argsort()
+        >>> torch.equal(idx[order], d_idx[d_order]), torch.equal(vals[order], d_vals[d_order])
+        (True, True)
+        """
         _check_input(grad, name)
         if not name:
             raise ValueError("compress_named needs a non-empty tensor name")
@@ -414,7 +431,7 @@ class GradientCompressor:
         return self._compress_finite(name, grad, relay, check=late)
 
     def _compress_finite(self, name: str, grad: torch.Tensor, relay: bool = False,
-                         check: bool = False) -> torch.Tensor:
+                         check: bool = False) -> Tuple[torch.Tensor, Sent]:
         """:meth:`compress_named` for a caller that checked ``grad`` already: a named, dense, finite
         tensor of a dtype the codecs carry (the DDP hook checks a whole bucket in one pass,
         :func:`~hvd_gradcomp.kernels.all_finite`). ``check``: not checked yet, and the policy
@@ -423,7 +440,7 @@ class GradientCompressor:
         prepared = self._prepare(name, grad, relay, total=check)
         if check and (prepared.total is None or not bool(torch.isfinite(prepared.total))):
             _check_finite(grad, name)  # exact; a finite sum proved it already
-        return self._send(prepared)[0]
+        return self._send(prepared)
 
     def _prepare(self, name: str, grad: torch.Tensor, relay: bool = False, total: bool = False) -> _Prepared:
         """The first half of :meth:`_compress_finite`: the policy builds the codec's input (no state

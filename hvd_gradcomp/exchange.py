@@ -401,20 +401,32 @@ def is_average(op: Any) -> bool:
     raise ValueError(f"unsupported reduction op {op}; use hvd.Average or hvd.Sum")
 
 
+def sums_in_place(out: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`sum_parts` adds a ``dtype`` gradient's parts straight into ``out``: contiguous
+    and of the accumulation dtype (else it sums into a buffer and copies).
+
+    >>> sums_in_place(torch.zeros(4), torch.float32), sums_in_place(torch.zeros(4, dtype=torch.half), torch.half)
+    (True, False)
+    """
+    return out.dtype == residual_dtype(dtype) and out.is_contiguous()
+
+
 def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              out: Optional[torch.Tensor] = None, zeroed: bool = False) -> torch.Tensor:
     """The average (``average=True``) or sum of decoded parts; no collective, any backend.
 
     Every rank runs the same additions in the same order on the same bytes, so every rank
     gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
-    added straight into one zeroed buffer; with ``out`` (contiguous, of the accumulation
-    dtype) the result is written there.
+    added straight into one zeroed buffer; with ``out`` (where :func:`sums_in_place`) the result
+    is written there. ``zeroed``: ``out`` already holds zeros (see
+    :meth:`FusedAllgatherExchange.before_wait`), so the pass that zeroes it is skipped.
     """
     scale = 1.0 / len(parts) if average else 1.0
     acc_dtype = residual_dtype(dtype)
-    direct = out is not None and out.dtype == acc_dtype and out.is_contiguous()
+    direct = out is not None and sums_in_place(out, dtype)
     acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
-    acc.zero_()
+    if not (direct and zeroed):
+        acc.zero_()
     for idx, vals in parts:
         if idx is None:
             acc.add_(vals.to(acc_dtype), alpha=scale)
@@ -558,6 +570,11 @@ FUSE_MAGIC = 0x47434655  # "GCFU"
 # FusedAllgatherExchange._prepare on (False: groups wait for their allgather untouched). Private:
 # benchmarks/step_probe.py --ab and the tests compare both paths.
 _PREPARE = True
+# FusedAllgatherExchange.before_wait on (False: p.grad is zeroed after the wait). Private, as _PREPARE.
+_PREZERO = True
+# This rank's sparse parts from what its encoder carried (False: decoded from its payload, as the
+# other ranks decode it). Private, as _PREPARE.
+_CARRIED = True
 # Raw gradient bytes per fused allgather (2M float32 values: a ~40 kB TopKQSGD(1%, 8) payload).
 # Small tensors still travel together, but the last group of backward (which nothing overlaps:
 # its allgather and decode wait in synchronize()) stays small. 64 MB, Horovod's fusion
@@ -593,7 +610,6 @@ class _Group:
         self.handle: Any = None
         self.decoded = False
         self.prepared = False   # own payloads decoded (see FusedAllgatherExchange._prepare)
-        self.own_parts: List[Optional[Tuple[Optional[torch.Tensor], torch.Tensor]]] = []
 
     def prefix_bytes(self) -> int:
         """Size of each rank's prefix: known to every rank from the tensors' shapes alone."""
@@ -632,8 +648,9 @@ class FusedAllgatherExchange:
     written there as soon as the group is decoded, as Horovod's in-place allreduce writes
     ``p.grad`` from its background thread, and handed to the feedback policy's ``received``
     (unless the policy moves parameters, which must wait for ``synchronize()``):
-    ``synchronize()`` is then left with the last groups of backward, whose own payloads were
-    decoded while their allgather travelled (:meth:`_prepare`).
+    ``synchronize()`` is then left with the last groups of backward: their outputs are zeroed
+    while the allgather travels (:meth:`before_wait`), and only the other ranks' payloads are
+    decoded, this rank's parts being known from its encoding (:meth:`_prepare`).
     """
 
     join_guard: Optional[JoinGuard] = None
@@ -649,13 +666,16 @@ class FusedAllgatherExchange:
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         _begin(self)
-        payload = encode_or_flag(lambda: self.compressor.compress_named(name, grad))
+        payload, carried = encode_or_flag(lambda: self.compressor.compress_carried(name, grad)) or (None, None)
         if self._open is None:
             self._open = _Group(self._groups_this_step)
             self._groups_this_step += 1
         g = self._open
         p = Pending(name, grad.shape, grad.dtype, None, bytes_sent=0 if payload is None else payload.numel(),
                     extra={"group": g, "device": grad.device})
+        if isinstance(carried, tuple) and _CARRIED:
+            # this rank's part, known without decoding its own payload (see compress_carried)
+            p.extra["own"] = carried
         g.members.append(p)
         g.payloads.append(payload)
         g.raw_bytes += grad.numel() * grad.element_size()
@@ -675,7 +695,6 @@ class FusedAllgatherExchange:
         g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
         for m in g.members:
             m.handle = g.handle
-        g.own_parts = [None] * len(g.members)   # this rank's payloads stay in g.payloads until _prepare
         if self._open is g:
             self._open = None
 
@@ -690,25 +709,47 @@ class FusedAllgatherExchange:
             self._prepare(g, p)
 
     def _prepare(self, g: _Group, caller: Pending) -> None:
-        """While the allgather travels, decode this rank's own payloads, so that only the other
-        ranks' parts are left once it is done: this takes 1/P of the last group of backward's
+        """While the allgather travels, decode this rank's own payloads that its encoder did not
+        say the content of (``p.extra["own"]``, from :meth:`GradientCompressor.compress_carried`:
+        a sparse payload's indices and values, the same bits the other ranks decode, so every
+        rank sums the same parts and gradients stay bit-identical). Only the other ranks' parts
+        are then left once the allgather is done: this takes 1/P of the last group of backward's
         decode (whose allgather nothing else overlaps) out of ``synchronize()``.
 
         Only payloads that sit on the CPU: elsewhere reading their headers would be a
         device-to-host sync in the middle of backward, so they are decoded with the others, from
-        the header copies in the group's index. Either way every rank decodes the same bytes with
-        the same code: gradients stay bit-identical. (``p.grad`` is not touched before the average
+        the header copies in the group's index. (``p.grad`` is not touched before the average
         is ready: between backward and ``step()`` it holds the local gradient or the average, as
         with Horovod, never a zeroed or partial sum.)"""
         g.prepared = True
-        for i, (member, payload) in enumerate(zip(g.members, g.payloads)):
-            if payload is not None and payload.device.type == "cpu":
+        for member, payload in zip(g.members, g.payloads):
+            if payload is not None and payload.device.type == "cpu" and "own" not in member.extra:
                 t0 = time.perf_counter()
                 # host bytes already: parsed here once, and not again from the group's index
                 h = wire.parse_header(payload[:_head_bytes(member.shape)].numpy().tobytes(), payload.numel())
-                g.own_parts[i] = self.compressor.decode_parts(payload, h)
+                member.extra["own"] = self.compressor.decode_parts(payload, h)
                 _charge(member, caller, time.perf_counter() - t0)
         g.payloads = []
+
+    def before_wait(self, p: Pending) -> None:
+        """``synchronize()`` is about to block on ``p``'s group: zero its members' outputs now.
+
+        The scatter of a sparse average into ``p.grad`` starts with a pass that zeroes it (~1.7 ms
+        for a 4M-value gradient on CPU, the first layer's, whose group is the last of backward
+        and left to ``synchronize()``: issue 13). Done here, that pass overlaps the allgather still
+        in flight and a peer still in backward, instead of following them. Only here: no user code
+        runs inside ``synchronize()``, so ``p.grad`` is never seen zeroed (see :meth:`_prepare`).
+        If the exchange then fails (ranks disagree), ``p.grad`` is left zeroed, not the local
+        gradient: the error stops the step either way.
+        """
+        g = p.extra["group"]
+        if g.handle is None or g.decoded or not _PREZERO:
+            return
+        for m in g.members:
+            out = m.extra.get("out")
+            if out is not None and not m.extra.get("zeroed") and sums_in_place(out, m.dtype):
+                out.zero_()
+                m.extra["zeroed"] = True
 
     def advance(self, p: Pending) -> None:
         """At synchronize(): launch the group still open; the step's tensor count is learnt."""
@@ -746,8 +787,8 @@ class FusedAllgatherExchange:
                 t0 = time.perf_counter()
                 if flags_i & FLAG_NONFINITE:
                     parts[i].append((None, Envelope(index[4], None, blob.device).nan(member.shape.numel())))
-                elif rank == me and g.own_parts and g.own_parts[i] is not None:
-                    parts[i].append(g.own_parts[i])   # decoded by _prepare from the same bytes
+                elif rank == me and "own" in member.extra:
+                    parts[i].append(member.extra.pop("own"))   # see _prepare
                 else:
                     h = wire.parse_header(raw[head_pos:head_pos + head_i], size_i)
                     if h.shape != tuple(member.shape):
@@ -757,13 +798,14 @@ class FusedAllgatherExchange:
                 spent[i] += time.perf_counter() - t0
                 head_pos, body = head_pos + head_i, body + size_i
         g.decoded = True
-        g.payloads, g.own_parts = [], []
+        g.payloads = []
         for i, member in enumerate(g.members):
             member.extra["parts"] = parts[i]
             out = member.extra.get("out")
             if out is not None:   # scatter now, not in synchronize() (see finish)
                 t0 = time.perf_counter()
-                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out)
+                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out,
+                          zeroed=member.extra.pop("zeroed", False))
                 member.extra["summed"] = True
                 if not self.compressor.feedback.moves_parameters:
                     # The policy's rewrite too (momentum correction: a clone and two passes over the
@@ -894,6 +936,9 @@ class TimedExchange:
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         self.advance(p)
         if p.handle is not None and "parts" not in p.extra:
+            before = getattr(self.inner, "before_wait", None)
+            if before is not None:   # work that needs no payload, overlapping the wait
+                self._timed(p, True, before, p)
             self._wait(p)
         self._timed(p, True, self.inner.finish, p, out)
 

@@ -12,7 +12,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from hvd_gradcomp import QSGD, TopK, TopKQSGD, kernels
+from hvd_gradcomp import QSGD, SparsityWarmup, TopK, TopKQSGD, kernels
 from hvd_gradcomp.compressors import payload_size
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -502,6 +502,41 @@ def test_large_finite_gradient_is_not_reported_as_nan():
     c = TopK(ratio=0.5)
     y = c.decode(c.compress_named("w", x))
     assert torch.equal(y, torch.tensor([3e38, 0.0, 3e38, 0.0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 700, 100_000, 1_500_000])
+@pytest.mark.parametrize("make", [lambda: TopK(ratio=0.01), lambda: TopKQSGD(ratio=0.01, bits=8),
+                                  lambda: TopKQSGD(ratio=0.05, bits=4, bucket_size=64),
+                                  lambda: TopKQSGD(ratio=0.01, bits=2, feedback="momentum"),
+                                  lambda: TopKQSGD(ratio=SparsityWarmup(0.01, steps=2), bits=8)],
+                         ids=["topk", "topkqsgd8", "topkqsgd4", "topkqsgd2-momentum", "topkqsgd8-warmup"])
+def test_what_a_payload_carries_is_what_it_decodes_to(make, n, dtype):
+    """Issue 13: the fused exchange sums this rank's own part from compress_carried's (indices,
+    values) instead of decoding its payload, while the other ranks decode the payload: any bit of
+    difference would make the ranks' gradients drift apart. Over several steps (residuals, ratio
+    schedule, contracting low-bit QSGD), sizes on both sides of the compiled kernels' threshold."""
+    c = make()
+    gen = torch.Generator().manual_seed(n)
+    for step in range(3):
+        g = (torch.randn(n, generator=gen) * 10 ** (step - 1)).to(dtype)
+        payload, (idx, vals) = c.compress_carried("w", g)
+        d_idx, d_vals = c.decode_parts(payload)
+        mine, theirs = idx.argsort(), d_idx.argsort()
+        assert idx.unique().numel() == idx.numel() > 0
+        assert torch.equal(idx[mine], d_idx[theirs]), step
+        assert vals.dtype == d_vals.dtype and torch.equal(vals[mine], d_vals[theirs]), step
+
+
+def test_qsgd_carries_its_codes():
+    """Dense QSGD's payload carries its codes, not (indices, values), so an exchange decodes its
+    own payload; the codes still stand for exactly what the payload decodes to."""
+    c = QSGD(bits=4)
+    payload, carried = c.compress_carried("w", torch.randn(1000, generator=torch.Generator().manual_seed(0)))
+    assert isinstance(carried, kernels.QSGDDecoded)
+    minus = torch.zeros(1000)
+    carried.subtract_from(minus)
+    assert torch.equal(-minus, c.decode(payload))
 
 
 def test_compress_named_needs_a_name():

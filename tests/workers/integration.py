@@ -373,15 +373,17 @@ def stock_errors() -> Dict[str, List[str]]:
 
 # ---------------------------------------------------------------- prepared fused groups
 def prepared_groups(steps: int = 3) -> Dict[str, Any]:
-    """The fused allgather's groups prepared while their allgather travels (this rank's payloads
-    decoded ahead: exchange._prepare) against groups left untouched until done:
-    the same parameters and gradients, bit for bit, after a few steps with error feedback. Each
-    way runs twice: as it comes, and with every allgather seen as still in flight during
-    backward (hvd.poll answers False there), so that every launched group is prepared; then
-    p.grad must still hold the local gradient after backward (never zeros)."""
+    """Issue 13's shortcuts in the fused allgather against its plainest path (every payload, this
+    rank's too, decoded from the bytes once the allgather is done, ``p.grad`` zeroed after the
+    wait): the same parameters and gradients, bit for bit, after a few steps with error feedback.
+    The shortcuts: groups prepared while their allgather travels (exchange._prepare), this rank's
+    parts taken from its encoder (_CARRIED) and the outputs zeroed before the wait (_PREZERO).
+    Runs as they come, and with every allgather seen as still in flight during backward (hvd.poll
+    answers False there), so that every launched group is prepared and zeroed before its wait;
+    then p.grad must still hold the local gradient after backward (never zeros)."""
     from hvd_gradcomp import exchange
 
-    def train(prepare: bool, in_flight: bool) -> Dict[str, Any]:
+    def train(prepare: bool, in_flight: bool, shortcuts: bool = True) -> Dict[str, Any]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
                                     torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
@@ -392,7 +394,10 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
         road.fusion_bytes = 40_000   # 3 weights (5, 64 and 32 kB of float32) in 2 groups
         real_prepare, poll, prepared, nonzero = road._prepare, hvd.poll, [], True
         road._prepare = lambda g, p: (prepared.append(len(g.members)), real_prepare(g, p))
-        exchange._PREPARE = prepare
+        real_before, zeroed = road.before_wait, []
+        road.before_wait = lambda p: (real_before(p), zeroed.append(sum(m.extra.get("zeroed", False)
+                                                                        for m in p.extra["group"].members)))
+        exchange._PREPARE, exchange._CARRIED, exchange._PREZERO = prepare, shortcuts, shortcuts
         try:
             for step in range(steps):
                 x, y = batch(hvd.rank(), step)
@@ -406,19 +411,22 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
                     hvd.poll = poll
                 opt.step()
         finally:
-            exchange._PREPARE = True
+            exchange._PREPARE = exchange._CARRIED = exchange._PREZERO = True
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        return {"grads": grads, "params": params, "prepared": prepared, "nonzero": nonzero}
+        return {"grads": grads, "params": params, "prepared": prepared, "nonzero": nonzero, "zeroed": sum(zeroed)}
 
-    runs = {(prepare, in_flight): train(prepare, in_flight) for prepare in (True, False) for in_flight in (True, False)}
-    ref = runs[(False, False)]
-    return {"same": {f"prepare={k[0]},in_flight={k[1]}": torch.equal(r["grads"], ref["grads"]) and
-                     torch.equal(r["params"], ref["params"]) for k, r in runs.items()},
-            "ranks_equal": all(all_ranks_equal(runs[(True, True)][k]) for k in ("params", "grads")),
-            "prepared": {f"prepare={k[0]},in_flight={k[1]}": r["prepared"] for k, r in runs.items()},
-            "moved": (ref["params"] - runs[(True, True)]["params"]).abs().max().item(),
-            "grads_after_backward_nonzero": runs[(True, True)]["nonzero"]}
+    runs = {f"prepare={prepare},in_flight={in_flight}": train(prepare, in_flight)
+            for prepare in (True, False) for in_flight in (True, False)}
+    runs["own payloads decoded, zeroed after the wait"] = train(True, True, shortcuts=False)
+    ref = train(False, False, shortcuts=False)
+    return {"same": {k: torch.equal(r["grads"], ref["grads"]) and torch.equal(r["params"], ref["params"])
+                     for k, r in runs.items()},
+            "ranks_equal": all(all_ranks_equal(runs["prepare=True,in_flight=True"][k]) for k in ("params", "grads")),
+            "prepared": {k: r["prepared"] for k, r in runs.items()},
+            "zeroed": {k: r["zeroed"] for k, r in runs.items()},
+            "moved": (ref["params"] - runs["prepare=True,in_flight=True"]["params"]).abs().max().item(),
+            "grads_after_backward_nonzero": runs["prepare=True,in_flight=True"]["nonzero"]}
 
 
 def battery(scenarios: List[Dict[str, Any]]) -> List[Any]:
@@ -442,14 +450,14 @@ def independent_noise() -> Dict[str, Any]:
         torch.manual_seed(0)                          # same weights on every rank; a fresh model per road
         model = torch.nn.Linear(64, 64, bias=False)   # (Horovod's hooks stay on the parameters it wrapped)
         comp = gc.QSGD(bits=4, seed=7) if road.endswith("-qsgd") else gc.TopKQSGD(ratio=0.5, bits=4, seed=7)
-        real = comp.compress_named
+        real = comp.compress_carried   # compress_named's too
 
-        def spy(name, grad, _real=real, _road=road):  # what this rank puts on the wire
-            payload = _real(name, grad)
+        def spy(name, grad, relay=False, _real=real, _road=road):  # what this rank puts on the wire
+            payload, carried = _real(name, grad, relay)
             digests.setdefault(_road, _digest(payload))
-            return payload
+            return payload, carried
 
-        comp.compress_named = spy
+        comp.compress_carried = spy
         wrap = hvd.DistributedOptimizer if road.startswith("stock") else gc.DistributedOptimizer
         opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                    compression=comp)
