@@ -87,7 +87,9 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
            if plan.min_seconds else "`: ")
         + f"{_width(speed)} Linear layers, one fixed random batch. "
         "Step time is the mean over timed steps and ranks; *in synchronize()* is the time the optimizer "
-        "waited for exchanges to finish and decoded them (exposed communication); bytes are those each rank "
+        "waited for exchanges to finish and decoded them (exposed communication); *waiting for the last rank* "
+        "is the part of it spent before the last rank arrived (the mean over ranks minus, per step, the least "
+        "time any rank spent there): one rank's backward ending later, not the network; bytes are those each rank "
         "handed to Horovod per step. Horovod rows use `hvd.DistributedOptimizer`, the others "
         "`hvd_gradcomp.DistributedOptimizer`.",
         _convergence_conditions(plan, conv),

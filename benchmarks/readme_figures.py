@@ -38,7 +38,8 @@ def horovod_section(bench: Dict[str, Any]) -> List[str]:
     bound = ", each bound to its own core (`--bind-cores`)" if bench.get("machine", {}).get("bind_cores") else ""
     lines = [f"Horovod, 2 ranks{bound}, 25M parameters, from `{bench['command']}` "
              "([docs/bench-speed/BENCHMARKS.md](docs/bench-speed/BENCHMARKS.md)):", "",
-             "| rate | setting | step time | in synchronize() | MB per step per rank | vs uncompressed |",
+             "| rate | setting | step time | in synchronize() (of it, waiting for the last rank) | MB per step per rank "
+             "| vs uncompressed |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for rate in ("1gbit", "10gbit"):
         res = bench["speed"].get(rate, {}).get("results", {})
@@ -48,7 +49,9 @@ def horovod_section(bench: Dict[str, Any]) -> List[str]:
             if r is None:
                 continue
             speedup = f"{base / r['step_s']:.2f}x" if base else "-"
-            lines.append(f"| {rate} | {r['label']} | {r['step_s'] * 1e3:.0f} ms | {100 * r['comm_s'] / r['step_s']:.1f}% "
+            wait = f" ({100 * r['imbalance_s'] / r['step_s']:.1f}%)" if r.get("imbalance_s") is not None else ""
+            lines.append(f"| {rate} | {r['label']} | {r['step_s'] * 1e3:.0f} ms | "
+                         f"{100 * r['comm_s'] / r['step_s']:.1f}%{wait} "
                          f"| {r['bytes_per_step'] / 1e6:.3f} | {speedup} |")
     return lines + [""]
 

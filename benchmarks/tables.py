@@ -30,6 +30,7 @@ def speed_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) 
         codec = r.get("codec_s", 0.0)
         exposed = r.get("exposed_comm_s", r["comm_s"])
         rows.append({"key": s.key, "label": s.label, "step_s": r["step_s"], "comm_s": r["comm_s"],
+                     "imbalance_s": r.get("imbalance_s"),
                      "codec_s": codec, "exposed_s": exposed, "compute_s": max(r["step_s"] - codec - exposed, 0.0),
                      "auto": (r.get("auto") or {}).get("summary"),
                      "comm_share": r["comm_s"] / r["step_s"], "bytes_per_step": r["bytes_per_step"],
@@ -48,15 +49,17 @@ def render_speed_table(rows: List[Dict[str, Any]]) -> str:
     """Markdown table of :func:`speed_rows`.
 
     >>> print(render_speed_table([{"label": "A", "step_s": 1.0, "comm_s": 0.25, "comm_share": 0.25,
-    ...     "bytes_per_step": 2e6, "ratio": 50.0, "samples_s": 8.0, "samples_s_conf": 1.0,
+    ...     "imbalance_s": 0.05, "bytes_per_step": 2e6, "ratio": 50.0, "samples_s": 8.0, "samples_s_conf": 1.0,
     ...     "speedup": 3.0, "speedup_fp16": None}]).splitlines()[2])
-    | A | 1000.0 | 250.0 | 25.0% | 2.000 | 50.0x | 8.0 +- 1.0 | 3.00x | n/a |
+    | A | 1000.0 | 250.0 | 50.0 | 25.0% | 2.000 | 50.0x | 8.0 +- 1.0 | 3.00x | n/a |
     """
-    lines = ["| setting | step time (ms) | in synchronize() (ms) | comm share | MB sent per step per rank | "
+    lines = ["| setting | step time (ms) | in synchronize() (ms) | of which waiting for the last rank (ms) | "
+             "comm share | MB sent per step per rank | "
              "ratio | samples/s, total (+- 1.96 sigma) | speedup vs uncompressed | speedup vs fp16 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['step_s'] * 1e3:.1f} | {r['comm_s'] * 1e3:.1f} | "
+        wait = "n/a" if r.get("imbalance_s") is None else f"{r['imbalance_s'] * 1e3:.1f}"
+        lines.append(f"| {r['label']} | {r['step_s'] * 1e3:.1f} | {r['comm_s'] * 1e3:.1f} | {wait} | "
                      f"{100 * r['comm_share']:.1f}% | {r['bytes_per_step'] / 1e6:.3f} | {r['ratio']:.1f}x | "
                      f"{r['samples_s']:.1f} +- {r['samples_s_conf']:.1f} | {_x(r['speedup'])} | "
                      f"{_x(r['speedup_fp16'])} |")
@@ -128,6 +131,11 @@ def target_lines(speed: Dict[str, Any], conv_rows: List[Dict[str, Any]]) -> List
         share = t["comm_share"]
         lines.append(f"- TopKQSGD(1%, 8) communication share of the step at {rate}: {100 * share:.1f}% "
                      f"(target < {100 * TARGET_COMM_SHARE:g}%): **{'MET' if share < TARGET_COMM_SHARE else 'MISSED'}**")
+        if t.get("imbalance_s") is not None:
+            last = (t["comm_s"] - t["imbalance_s"]) / t["step_s"]
+            lines.append(f"  - of it, {1e3 * t['imbalance_s']:.1f} ms per step is the ranks waiting for the last one to "
+                         f"finish its backward (load imbalance); the last rank's own time in synchronize() is "
+                         f"{100 * last:.1f}% of the step")
     lines += auto_target_lines(speed)
     c = {r["key"]: r for r in conv_rows}
     if "topkqsgd" in c and c["topkqsgd"]["val_rel"] is not None:

@@ -126,7 +126,20 @@ def test_speed_rows_and_table() -> None:
     assert top["speedup"] == pytest.approx(4.0) and top["speedup_fp16"] == pytest.approx(2.4)
     assert top["comm_share"] == pytest.approx(0.08)
     table = tables.render_speed_table(rows).splitlines()
-    assert table[-1] == "| TopKQSGD(1%, 8) | 500.0 | 40.0 | 8.0% | 0.600 | 180.0x | 16.0 +- 0.5 | 4.00x | 2.40x |"
+    assert table[-1] == "| TopKQSGD(1%, 8) | 500.0 | 40.0 | n/a | 8.0% | 0.600 | 180.0x | 16.0 +- 0.5 | 4.00x | 2.40x |"
+
+
+def test_waiting_for_the_last_rank_is_reported_apart() -> None:
+    """Issue 13: the time the ranks waited in synchronize() for the last one to arrive (load
+    imbalance) is shown beside the share, in the table and under the target."""
+    timed = {"1gbit": {**SPEED["1gbit"], "results": {**SPEED["1gbit"]["results"], "topkqsgd": {
+        **_speed_result(0.5, 0.04, 0.6e6, 180.0), "imbalance_s": 0.03}}}}
+    rows = tables.speed_rows(timed["1gbit"]["results"], bplan.SPEED_SETTINGS)
+    assert "| TopKQSGD(1%, 8) | 500.0 | 40.0 | 30.0 | 8.0% |" in tables.render_speed_table(rows)
+    lines = tables.target_lines(timed, [])
+    assert lines[2].endswith("8.0% (target < 5%): **MISSED**")
+    assert lines[3] == ("  - of it, 30.0 ms per step is the ranks waiting for the last one to finish its backward "
+                        "(load imbalance); the last rank's own time in synchronize() is 2.0% of the step")
 
 
 def test_convergence_rows_and_targets() -> None:
