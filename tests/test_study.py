@@ -40,3 +40,19 @@ def test_horovod_and_ddp_workers_write_the_records_the_report_reads(tmp_path: Pa
     report.write(out, tmp_path / "docs", command="test", minutes=0.1)
     page = (tmp_path / "docs" / "STUDY.md").read_text()
     assert "## char-mlp" in page and "## transformer-ddp" in page and "| transformer-ddp |" in page
+
+
+def test_run_length_page_sets_each_gap_beside_the_longer_runs() -> None:
+    """benchmarks/study/run_length.py: per task, the study's gap and the longer runs' gap, each
+    against the uncompressed run of the same seed and length."""
+    from benchmarks.study import run_length
+
+    def runs(steps: int, base: float, comp: float) -> dict:
+        return {(t, s): [{"seed": seed, "steps": steps, "val_loss": (base if s == "none" else comp) + 0.1 * seed}
+                         for seed in (0, 1)] for t in run_length.TASKS for s in run_length.SETTINGS}
+
+    page = run_length.page(runs(400, 2.0, 2.1), runs(1200, 1.5, 1.8), [0, 1], "python benchmarks/study/run_length.py")
+    rows = [ln for ln in page.splitlines() if ln.startswith("| transformer")]
+    assert rows[0].startswith("| transformer | 400 | 0.8 | 2.0500 | 2.1500 | +4.88% |")
+    assert rows[1].startswith("| transformer | 1200 | 2.4 | 1.5500 | 1.8500 | +19.38% |")
+    assert "`python benchmarks/study/run_length.py`" in page

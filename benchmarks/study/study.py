@@ -46,10 +46,12 @@ def settings_of(task: str) -> tuple:
     return TASK_SETTINGS.get(task, DEFAULT_SETTINGS)
 
 
-def command(task: str, seed: int, settings: list, out: Path) -> list:
-    """horovodrun (or, for a DDP task, torchrun) with 2 ranks over one task and seed."""
+def command(task: str, seed: int, settings: list, out: Path, steps: int = 0) -> list:
+    """horovodrun (or, for a DDP task, torchrun) with 2 ranks over one task and seed; ``steps``:
+    instead of the task's own (0: the task's)."""
     venv_bin = Path(sys.executable).parent
-    args = ["--seed", str(seed), "--settings", ",".join(settings), "--out", str(out)]
+    args = ["--seed", str(seed), "--settings", ",".join(settings), "--out", str(out)] + \
+        (["--steps", str(steps)] if steps else [])
     if task in DDP_TASKS:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 str(ROOT / "benchmarks/study/ddp_worker.py"), "--task", DDP_TASKS[task]] + args
@@ -58,9 +60,9 @@ def command(task: str, seed: int, settings: list, out: Path) -> list:
             sys.executable, str(ROOT / "benchmarks/study/worker.py"), "--task", task] + args
 
 
-def job(task: str, seed: int, settings: list, out: Path, timeout: int) -> bool:
+def job(task: str, seed: int, settings: list, out: Path, timeout: int, steps: int = 0) -> bool:
     """Run one 2-rank job; False (and its output on stderr) when it failed or timed out."""
-    cmd = command(task, seed, settings, out)
+    cmd = command(task, seed, settings, out, steps)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     t0 = time.time()
