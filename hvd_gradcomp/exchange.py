@@ -309,11 +309,14 @@ class AllgatherExchange:
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         _begin(self)
-        payload = encode_or_flag(lambda: self.compressor.compress_named(name, grad))
+        payload, carried = encode_or_flag(lambda: self.compressor.compress_carried(name, grad)) or (None, None)
         sealed = seal(payload, self.compressor.exchange_step, grad.device)
         _confirm(self)
         handle = _hvd().allgather_async(sealed, name=f"hvdgc.ag.{name}", process_set=self.process_set)
-        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel())
+        p = Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel())
+        if isinstance(carried, tuple) and _CARRIED:   # this rank's part, not decoded again
+            p.extra["own"] = carried
+        return p
 
     def advance(self, p: Pending) -> None:
         pass
@@ -329,8 +332,9 @@ class AllgatherExchange:
 
     def _decode(self, p: Pending) -> None:
         envelopes = unseal(_hvd().synchronize(p.handle))
+        own = p.extra.pop("own", None)
         p.extra["parts"] = decode_envelopes(self.compressor, envelopes, self.process_set.size(), p.name,
-                                            p.shape.numel())
+                                            p.shape.numel(), None if own is None else (self.process_set.rank(), own))
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if "parts" not in p.extra:
@@ -365,15 +369,18 @@ def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor]
 
 
 def decode_envelopes(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str,
-                     numel: int) -> Parts:
+                     numel: int, mine: Optional[Tuple[int, Tuple[torch.Tensor, torch.Tensor]]] = None) -> Parts:
     """:func:`decode_payloads` of sealed payloads: steps checked first, and a rank whose input
-    was non-finite contributes NaN everywhere."""
+    was non-finite contributes NaN everywhere. ``mine``: (this rank, its part as its encoder
+    carried it, see :meth:`GradientCompressor.compress_carried`), taken as is, not decoded."""
     if len(envelopes) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(envelopes)}: ranks disagree on this exchange")
     check_steps(compressor, name, [e.step for e in envelopes])
-    sent = [e.payload for e in envelopes if e.payload is not None]
+    at, part = mine if mine is not None else (-1, None)
+    sent = [e.payload for r, e in enumerate(envelopes) if e.payload is not None and r != at]
     decoded = iter(decode_payloads(compressor, sent, len(sent), numel))
-    return [(None, e.nan(numel)) if e.payload is None else next(decoded) for e in envelopes]
+    return [(None, e.nan(numel)) if e.payload is None else part if r == at else next(decoded)
+            for r, e in enumerate(envelopes)]
 
 
 def sparse_support(parts: Parts) -> Optional[torch.Tensor]:
