@@ -260,6 +260,20 @@ def test_auto_feedback_follows_the_optimizer(make, compressor, expected, caplog)
     assert len(said) == 1 and f"feedback '{expected}'" in said[0]
 
 
+@pytest.mark.parametrize("ratio, cautioned", [(0.001, True), (SparsityWarmup(0.001, steps=10), True),
+                                               (0.01, False), (0.05, False)])
+def test_ratios_below_the_measured_ones_are_cautioned_once(ratio, cautioned, caplog):
+    """Issue 9: TopKQSGD(0.1%) ended above uncompressed on every task of the study; the start-up
+    message says so (once, with the policy chosen), and says nothing at 1% and above."""
+    opt = _opt(torch.optim.AdamW)
+    with caplog.at_level(logging.INFO, logger="hvd_gradcomp"):
+        TopKQSGD(ratio=ratio).attach(opt, {opt.param_groups[0]["params"][0]: "w"})
+    said = [r.getMessage() for r in caplog.records if r.name == "hvd_gradcomp"]
+    assert len(said) == 1 and "feedback 'frozen'" in said[0]
+    assert ("ratio 0.001 is below 0.01" in said[0] and "docs/STUDY_RUN_LENGTH.md" in said[0]) == cautioned
+    assert QSGD(bits=8)._caution() == ""
+
+
 def test_a_forced_policy_is_kept_and_only_rank_zero_speaks(caplog):
     c = TopKQSGD(feedback="momentum")
     with caplog.at_level(logging.INFO, logger="hvd_gradcomp"):
