@@ -112,6 +112,15 @@ def unseal(blob: torch.Tensor) -> List[Envelope]:
     return out
 
 
+def encode_carried(compressor: GradientCompressor, name: str, grad: torch.Tensor
+                   ) -> Tuple[Optional[torch.Tensor], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
+    """(payload, this rank's part as its encoder carried it) by
+    :meth:`GradientCompressor.compress_carried`: the part only for a sparse payload, so that
+    it need not be decoded here; (None, None) when the gradient held NaN/Inf."""
+    payload, carried = encode_or_flag(lambda: compressor.compress_carried(name, grad)) or (None, None)
+    return payload, carried if isinstance(carried, tuple) and _CARRIED else None
+
+
 def encode_or_flag(encode: Callable[[], Any]) -> Any:
     """``encode()``, or None when the gradient held NaN/Inf (the codec then changed nothing)."""
     try:
@@ -309,13 +318,13 @@ class AllgatherExchange:
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         _begin(self)
-        payload, carried = encode_or_flag(lambda: self.compressor.compress_carried(name, grad)) or (None, None)
+        payload, own = encode_carried(self.compressor, name, grad)
         sealed = seal(payload, self.compressor.exchange_step, grad.device)
         _confirm(self)
         handle = _hvd().allgather_async(sealed, name=f"hvdgc.ag.{name}", process_set=self.process_set)
         p = Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel())
-        if isinstance(carried, tuple) and _CARRIED:   # this rank's part, not decoded again
-            p.extra["own"] = carried
+        if own is not None:   # this rank's part, not decoded again
+            p.extra["own"] = own
         return p
 
     def advance(self, p: Pending) -> None:
@@ -673,16 +682,15 @@ class FusedAllgatherExchange:
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         _begin(self)
-        payload, carried = encode_or_flag(lambda: self.compressor.compress_carried(name, grad)) or (None, None)
+        payload, own = encode_carried(self.compressor, name, grad)
         if self._open is None:
             self._open = _Group(self._groups_this_step)
             self._groups_this_step += 1
         g = self._open
         p = Pending(name, grad.shape, grad.dtype, None, bytes_sent=0 if payload is None else payload.numel(),
                     extra={"group": g, "device": grad.device})
-        if isinstance(carried, tuple) and _CARRIED:
-            # this rank's part, known without decoding its own payload (see compress_carried)
-            p.extra["own"] = carried
+        if own is not None:   # this rank's part, not decoded from its payload (see _prepare)
+            p.extra["own"] = own
         g.members.append(p)
         g.payloads.append(payload)
         g.raw_bytes += grad.numel() * grad.element_size()
