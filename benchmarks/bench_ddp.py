@@ -190,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 if __name__ == "__main__":
     code = main()
     # Every result is written and flushed by now. The interpreter's teardown after this job
-    # occasionally aborts ("terminate called without an active exception": 2 of ~40 runs of --quick
+    # occasionally aborts ("terminate called without an active exception": 3 of 33 runs of --quick
     # on the 2-core machine): a Gloo worker thread frees a finished allreduce whose tensor holds the
     # last reference to a Python object, needs the GIL while Python finalizes, and is ended with
     # pthread_exit through a noexcept C++ frame (PyTorch's exit race, seen in a core dump). That
