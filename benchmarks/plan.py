@@ -101,12 +101,16 @@ class Plan:
 
 
 
+# Every Horovod row's ranks on their own cores (see horovodrun); the page says so (runner).
+BIND_CORES = True
+
+
 def horovodrun(program: Sequence[str], np: int = RANKS, bin_dir: Optional[Path] = None) -> List[str]:
     """``horovodrun -np 2 -H localhost:2 --gloo <program>`` with the venv's horovodrun, each rank
     bound to its own core (``hvdgc-launch --bind-cores``): unbound, the two ranks and their
     communication threads took turns on the two cores, and every row's step time depended on
     which rank the scheduler favoured (docs/LAUNCHING.md)."""
-    return local_horovodrun(program, np, "gloo", bind_cores=True, **({"bin_dir": bin_dir} if bin_dir else {}))
+    return local_horovodrun(program, np, "gloo", bind_cores=BIND_CORES, **({"bin_dir": bin_dir} if bin_dir else {}))
 
 
 def speed_program(plan: Plan, setting: Setting, out_json: Path) -> List[str]:

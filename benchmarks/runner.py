@@ -15,7 +15,7 @@ from launchers.jobs import rank_env, run_job, tail
 from launchers.two_hosts import horovodrun_across, two_hosts
 
 from .netns import in_netns, rate_limited_netns
-from .plan import ROOT, Plan, Setting, horovodrun, speed_program, train_program
+from .plan import BIND_CORES, ROOT, Plan, Setting, horovodrun, speed_program, train_program
 
 
 class JobFailed(RuntimeError):
@@ -127,7 +127,7 @@ def machine_description() -> Dict[str, str]:
     return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem_gib, "os": _os_name(),
             "python": platform.python_version(), "torch": torch.__version__, "horovod": hvd_version,
             "gpu": "none" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
-            "bind_cores": True}   # plan.horovodrun binds each rank to its own cores
+            "bind_cores": BIND_CORES}
 
 
 def _os_name() -> str:

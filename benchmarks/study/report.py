@@ -73,7 +73,14 @@ def table(task: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
     return lines
 
 
-def _paired_gap(task: str, setting: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[float, int]:
+def spread(losses: List[float]) -> float:
+    """Standard deviation over seeds relative to the mean, in % (NaN with fewer than 2 seeds)."""
+    return statistics.stdev(losses) / statistics.fmean(losses) * 100 if len(losses) > 1 else float("nan")
+
+
+def paired_gap(task: str, setting: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[float, int]:
+    """(mean over seeds of each seed's held-out loss against the uncompressed run of the same
+    seed, in %; how many seeds had both)."""
     base = {r["seed"]: r["val_loss"] for r in runs.get((task, "none"), [])}
     gaps = [(r["val_loss"] / base[r["seed"]] - 1) * 100 for r in runs.get((task, setting), []) if r["seed"] in base]
     return (statistics.fmean(gaps) if gaps else float("nan")), len(gaps)
@@ -92,17 +99,16 @@ def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[s
     for task in tasks:
         if not runs.get((task, "tq1")):
             continue  # not run (yet)
-        g1, n1 = _paired_gap(task, "tq1", runs)
-        gc_, _ = _paired_gap(task, "tq1-classic", runs)
-        gfix, _ = _paired_gap(task, "tq1-fixedlr", runs)
-        g01, _ = _paired_gap(task, "tq01", runs)
+        g1, n1 = paired_gap(task, "tq1", runs)
+        gc_, _ = paired_gap(task, "tq1-classic", runs)
+        gfix, _ = paired_gap(task, "tq1-fixedlr", runs)
+        g01, _ = paired_gap(task, "tq01", runs)
         rs = runs.get((task, "tq1"), [])
         ratio = statistics.fmean(r["ratio_second_half"] for r in rs) if rs else float("nan")
         pol = rs[0]["feedback"] if rs else "-"
-        base = [r["val_loss"] for r in runs.get((task, "none"), [])]
-        spread = (statistics.stdev(base) / statistics.fmean(base) * 100) if len(base) > 1 else float("nan")
+        sd = spread([r["val_loss"] for r in runs.get((task, "none"), [])])
         met = "yes" if g1 <= 1 and g01 <= 2 and ratio >= 50 else "no"
-        lines.append(f"| {task} | {_pct(g1)} ({n1}) | {pol} | {ratio:.0f}x | +-{spread:.2f}% | {_pct(gc_)} | "
+        lines.append(f"| {task} | {_pct(g1)} ({n1}) | {pol} | {ratio:.0f}x | +-{sd:.2f}% | {_pct(gc_)} | "
                      f"{_pct(gfix)} | {_pct(g01)} | {met} |")
     return lines + [""]
 

@@ -46,22 +46,22 @@ def sends_per_value(steps: int, ratio: float = RATIO, ranks: int = RANKS) -> flo
 
 def gap(runs: Runs, task: str, seeds: List[int]) -> Tuple[float, float, float, float]:
     """(uncompressed loss, TopKQSGD(0.1%) loss, gap in %, uncompressed seed spread in %), means
-    over ``seeds``; the gap is per seed against the uncompressed run of the same seed.
+    over ``seeds``; the gap is per seed against the uncompressed run of the same seed
+    (:func:`benchmarks.study.report.paired_gap`).
 
     >>> runs = {("t", "none"): [{"seed": 0, "val_loss": 2.0}, {"seed": 1, "val_loss": 2.2}],
     ...         ("t", "tq01"): [{"seed": 0, "val_loss": 2.1}, {"seed": 1, "val_loss": 2.2}]}
     >>> [round(x, 2) for x in gap(runs, "t", [0, 1])]
     [2.1, 2.15, 2.5, 6.73]
     """
-    base = {r["seed"]: r["val_loss"] for r in runs.get((task, "none"), []) if r["seed"] in seeds}
-    comp = {r["seed"]: r["val_loss"] for r in runs.get((task, "tq01"), []) if r["seed"] in seeds}
-    both = sorted(set(base) & set(comp))
+    both = {s for s in seeds if any(r["seed"] == s for r in runs.get((task, "none"), []))} & \
+        {r["seed"] for r in runs.get((task, "tq01"), [])}
+    kept = {key: [r for r in rs if r["seed"] in both] for key, rs in runs.items() if key[0] == task}
     if not both:
         return (float("nan"),) * 4
-    b = [base[s] for s in both]
-    spread = statistics.stdev(b) / statistics.fmean(b) * 100 if len(b) > 1 else float("nan")
-    return (statistics.fmean(b), statistics.fmean(comp[s] for s in both),
-            statistics.fmean((comp[s] / base[s] - 1) * 100 for s in both), spread)
+    base = [r["val_loss"] for r in kept[(task, "none")]]
+    return (statistics.fmean(base), statistics.fmean(r["val_loss"] for r in kept[(task, "tq01")]),
+            report.paired_gap(task, "tq01", kept)[0], report.spread(base))
 
 
 def page(study: Runs, longer: Runs, seeds: List[int], command: str) -> str:
