@@ -32,7 +32,8 @@ def render_markdown(plan: Plan, machine: Dict[str, str], speed: Dict[str, Any], 
         f"- {machine['os']}, Python {machine['python']}, PyTorch {machine['torch']}, Horovod {machine['horovod']} (Gloo)",
         f"- 2 ranks on this one machine, `torch.set_num_threads(1)` per rank, `HVDGC_COMPILE={plan.compile_mode}`"
         + ("; each rank bound to its own core (`hvdgc-launch --bind-cores`, `launchers/bind.py`), for every row"
-           if machine.get("bind_cores") and not plan.two_hosts else ""), "",
+           if machine.get("bind_cores") and not plan.two_hosts else "")
+        + _allocator_clause(machine), "",
         "## Conditions", "",
         *_condition_lines(plan, speed, conv), "",
     ]
@@ -44,6 +45,21 @@ def render_markdown(plan: Plan, machine: Dict[str, str], speed: Dict[str, Any], 
     if targets:
         out += ["## Targets", "", *targets, ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _allocator_clause(machine: Dict[str, Any]) -> str:
+    """The machine line's note on the ranks' CPU allocator settings (``plan.CPU_ALLOCATOR``), if any.
+
+    >>> _allocator_clause({"cpu_allocator": {"MALLOC_MMAP_MAX_": "0"}})
+    '; every rank keeps the memory it frees (`MALLOC_MMAP_MAX_=0`, `benchmarks/plan.py` says why)'
+    >>> _allocator_clause({})
+    ''
+    """
+    env = machine.get("cpu_allocator")
+    if not env:
+        return ""
+    return ("; every rank keeps the memory it frees (" + " ".join(f"`{k}={v}`" for k, v in env.items())
+            + ", `benchmarks/plan.py` says why)")
 
 
 def _ddp_pointer(plan: Plan) -> List[str]:

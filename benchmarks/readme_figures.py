@@ -36,6 +36,8 @@ def _load(path: Path) -> Optional[Dict[str, Any]]:
 def horovod_section(bench: Dict[str, Any]) -> List[str]:
     """Step time per setting at each rate the run measured, and the issue-13 ratios."""
     bound = ", each bound to its own core (`--bind-cores`)" if bench.get("machine", {}).get("bind_cores") else ""
+    if bench.get("machine", {}).get("cpu_allocator"):
+        bound += " and keeping the memory it frees (`MALLOC_MMAP_MAX_=0`)"
     lines = [f"Horovod, 2 ranks{bound}, 25M parameters, from `{bench['command']}` "
              "([docs/bench-speed/BENCHMARKS.md](docs/bench-speed/BENCHMARKS.md)):", "",
              "| rate | setting | step time | in synchronize() (of it, waiting for the last rank) | MB per step per rank "

@@ -15,7 +15,7 @@ from launchers.jobs import rank_env, run_job, tail
 from launchers.two_hosts import horovodrun_across, two_hosts
 
 from .netns import in_netns, rate_limited_netns
-from .plan import BIND_CORES, ROOT, Plan, Setting, horovodrun, speed_program, train_program
+from .plan import BIND_CORES, CPU_ALLOCATOR, ROOT, Plan, Setting, horovodrun, speed_program, train_program
 
 
 class JobFailed(RuntimeError):
@@ -24,7 +24,7 @@ class JobFailed(RuntimeError):
 
 def run_logged(argv: List[str], plan: Plan, log_path: Path) -> float:
     """One job, output to ``log_path``; returns its seconds, raises :class:`JobFailed`."""
-    res = run_job(argv, rank_env(ROOT, {"HVDGC_COMPILE": plan.compile_mode}), plan.job_timeout, cwd=ROOT,
+    res = run_job(argv, rank_env(ROOT, {"HVDGC_COMPILE": plan.compile_mode, **CPU_ALLOCATOR}), plan.job_timeout, cwd=ROOT,
                   output=log_path)
     if res.timed_out:
         raise JobFailed(f"timed out after {plan.job_timeout:.0f}s (log: {log_path})\n{tail(res.output)}")
@@ -127,7 +127,7 @@ def machine_description() -> Dict[str, str]:
     return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem_gib, "os": _os_name(),
             "python": platform.python_version(), "torch": torch.__version__, "horovod": hvd_version,
             "gpu": "none" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
-            "bind_cores": BIND_CORES}
+            "bind_cores": BIND_CORES, "cpu_allocator": CPU_ALLOCATOR}
 
 
 def _os_name() -> str:

@@ -115,6 +115,7 @@ class SyncBreakdown:
         self.inside, self.now = False, collections.Counter()
         self.last_exit = 0.0
         self.last_tc, self.last_pc = time.thread_time(), time.process_time()
+        self.last_faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         self.rows: List[dict] = []
         self.groups_in_sync = self.groups_early = 0
         cls = optimizer._GradCompOptimizer
@@ -189,6 +190,8 @@ class SyncBreakdown:
                 tc, pc = time.thread_time(), time.process_time()
                 row["cycle_thread_cpu"], row["cycle_process_cpu"] = tc - self.last_tc, pc - self.last_pc
                 self.last_tc, self.last_pc = tc, pc
+                faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+                row["faults"], self.last_faults = faults - self.last_faults, faults
                 # the tail: from the step's last fused allgather launched (its payloads encoded) to the
                 # end of synchronize(), wherever the decode ran (the last hook or synchronize())
                 row["tail"] = self.last_exit - self.last_launch
@@ -212,7 +215,8 @@ class SyncBreakdown:
                   + ", ".join(f"{p} {1e3 * r[p]:.1f}" for p in (*PHASES, "other"))
                   + f"; groups decoded in sync {r['in_sync']}, early {r['early']}; entered "
                   f"{1e3 * r['late']:.1f} ms after the first rank, left {1e3 * r['late_exit']:.1f} ms after; cycle cpu "
-                  f"thread {1e3 * r['cycle_thread_cpu']:.0f} ms, process {1e3 * r['cycle_process_cpu']:.0f} ms", flush=True)
+                  f"thread {1e3 * r['cycle_thread_cpu']:.0f} ms, process {1e3 * r['cycle_process_cpu']:.0f} ms, "
+                  f"minor faults {r['faults']}", flush=True)
         for v in self.variants:
             rows = [r for r in self.rows[skip:] if r["variant"] == v.name]
             if not rows:
@@ -228,6 +232,7 @@ class SyncBreakdown:
                   f"(cpu {1e3 * med['cpu']:.2f} ms, of which decode+scatter {1e3 * med['cpu_decode_scatter']:.2f}) = "
                   + ", ".join(f"{p} {1e3 * med[p]:.1f}" for p in (*PHASES, "other"))
                   + f"; groups in sync {med['in_sync']:g}, early {med['early']:g}; late {1e3 * med['late']:.1f} ms"
+                  + f"; thread cpu {1e3 * med['cycle_thread_cpu']:.1f} ms, minor faults {med['faults']:g}"
                   + "; cpu: " + ", ".join(f"{p} {1e3 * med['cpu_' + p]:.2f}" for p in PHASES), flush=True)
 
 
