@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
+from launchers.command import KEEP_FREED_MEMORY
 from launchers.jobs import local_horovodrun
 from launchers.two_hosts import down_command, horovodrun_across, up_command
 
@@ -104,14 +105,10 @@ class Plan:
 # Every Horovod row's ranks on their own cores (see horovodrun); the page says so (runner).
 BIND_CORES = True
 
-# Every row's ranks run with glibc's allocator told to keep the memory it frees (the page says so).
-# By default glibc hands blocks above a threshold that moves at run time back to the kernel on
-# free(), so each step's large CPU tensors come back as fresh pages: measured with
-# `benchmarks/step_probe.py --sync-breakdown`, 16-24k page faults per step and 8 ms more thread CPU
-# on whichever rank's threshold ended lower, and the other rank waited for it in synchronize().
-# With these, 0 faults, both ranks' CPU within ~2 ms, every step shorter. The same settings are
-# PyTorch's advice for CPU training (a caching allocator); a CUDA run's tensors never touch them.
-CPU_ALLOCATOR: Dict[str, str] = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+# Every row's ranks keep the memory they free (`hvdgc-launch --keep-freed-memory`; the page says so):
+# without it one rank refaulted 32 MiB more per step than the other, for a whole run, and the other
+# waited for it in synchronize() (launchers.command.KEEP_FREED_MEMORY).
+CPU_ALLOCATOR: Dict[str, str] = dict(KEEP_FREED_MEMORY)
 
 
 def horovodrun(program: Sequence[str], np: int = RANKS, bin_dir: Optional[Path] = None) -> List[str]:

@@ -29,7 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import click
 
 from hvd_gradcomp import config  # the settings module only: importing it loads no torch
-from .command import FORWARDED_ENV, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec, build_command, \
+from .command import FORWARDED_ENV, KEEP_FREED_MEMORY, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec, build_command, \
     parse_hostfile_text, parse_hosts, resolve_np
 from .slurm import BatchJob, allocation_from_env, render_sbatch, submit
 from .watch import JobWatch, is_local, rank_hosts
@@ -274,6 +274,9 @@ def _self_command() -> List[str]:
                    "Open MPI btl_tcp_if_include and oob_tcp_if_include).")
 @click.option("--bind-cores", is_flag=True,
               help="Give each rank on a machine its own slice of the cores (launchers/bind.py; srun --cpu-bind=cores).")
+@click.option("--keep-freed-memory", is_flag=True,
+              help="CPU ranks: glibc keeps the memory a rank frees instead of returning it to the kernel each "
+                   "step (sets MALLOC_MMAP_MAX_=0 and MALLOC_TRIM_THRESHOLD_ on every rank).")
 @click.option("--tcp", is_flag=True, help="TCP only (horovodrun --tcp; Open MPI --mca btl tcp,self).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               help="Horovod's log level (horovodrun --log-level, else HOROVOD_LOG_LEVEL).")
@@ -373,7 +376,7 @@ def _spec(command: Tuple[str, ...], launcher_args: Tuple[str, ...], env: Dict[st
         launcher=str(opts["launcher"]),
         backend=None if opts["gloo"] is None else ("gloo" if opts["gloo"] else "mpi"),
         ssh_port=opts["ssh_port"], start_timeout=opts["start_timeout"], verbose=bool(opts["verbose"]),
-        python=sys.executable, env={**env, **extra},
+        python=sys.executable, env={**env, **(KEEP_FREED_MEMORY if opts["keep_freed_memory"] else {}), **extra},
         forward_env=tuple(n for n in FORWARDED_ENV if n in environ) + forwarded,
         as_root=os.geteuid() == 0, network_interface=opts["network_interface"],
         log_level=str(log_level).upper() if log_level else None, tcp=bool(opts["tcp"]),

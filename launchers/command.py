@@ -29,6 +29,17 @@ LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 # Variables every mpirun rank needs to find the same Python and libraries on remote hosts.
 FORWARDED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
 
+KEEP_FREED_MEMORY: Mapping[str, str] = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+"""``--keep-freed-memory``: glibc's allocator keeps the memory a rank frees for its next use.
+
+By default glibc gives large blocks back to the kernel on ``free()`` (above a threshold that moves
+at run time), so a CPU rank's large tensors come back each step as fresh pages, each a page fault
+the kernel zeroes. With 2 ranks on 2 cores (``benchmarks/step_probe.py --sync-breakdown``): 16-24k
+faults per step, 8 ms more CPU on whichever rank's threshold ended lower, and the other rank
+waited for it in ``synchronize()``; with these, no faults. PyTorch advises a caching allocator
+for CPU training for the same reason. A CUDA run's tensors never reach glibc.
+"""
+
 # Host names and IPv4 addresses; anything else (spaces, ';', '[') is a typo or an attack.
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 

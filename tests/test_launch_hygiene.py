@@ -308,3 +308,11 @@ def test_watch_ends_the_job_when_a_host_that_answered_stops_answering():
     watch.stop()
     assert lost == ["127.0.0.1"]
     assert watch.summary(143) == "hvdgc-launch: the job failed (exit code 143) after losing host 127.0.0.1"
+
+
+def test_keep_freed_memory_sets_glibcs_variables_on_every_rank(invoke):
+    lines = invoke("--dry-run", "-np", "2", "--keep-freed-memory", TARGET).output.splitlines()
+    assert {"export MALLOC_MMAP_MAX_=0", f"export MALLOC_TRIM_THRESHOLD_={1 << 40}"} <= set(lines)
+    argv = _command(invoke("--dry-run", "-np", "2", "--launcher", "mpirun", "--keep-freed-memory", TARGET))
+    assert argv[argv.index("MALLOC_MMAP_MAX_") - 1] == "-x" and "MALLOC_TRIM_THRESHOLD_" in argv
+    assert "MALLOC_MMAP_MAX_" not in invoke("--dry-run", "-np", "2", TARGET).output
