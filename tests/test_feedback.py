@@ -459,3 +459,12 @@ def test_under_a_schedule_every_unit_of_lr_times_gradient_arrives(name):
     held = lr_now * c.residuals.residual("w", lr_now).double()
     assert float(held.abs().max()) > 1e-3, "something must still be held back for the check to mean anything"
     torch.testing.assert_close(w.detach().double() - held, expected, rtol=0, atol=2e-5)
+
+
+def test_frozen_variance_says_when_to_freeze_later():
+    """The start-up message (describe) tells a long run's user to freeze later: the run's length is
+    not known to the library (docs/STUDY_RUN_LENGTH.md)."""
+    from hvd_gradcomp import FrozenVariance
+    said = FrozenVariance(warmup=50).describe()
+    assert "frozen after 50 dense steps" in said and "much longer than 200 steps" in said
+    assert "docs/STUDY_RUN_LENGTH.md" in said

@@ -36,6 +36,9 @@ SETTINGS = {
                   lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.MomentumCorrection(sparsity_warmup=0))),
     # The residual kept at the rate it was computed (before it followed the learning rate)
     "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", loop.fixed_rate_topkqsgd),
+    # Adam's second moment frozen 3x later than the default (100 steps): run_length.py's longer runs
+    "tq1-warm300": ("TopKQSGD(1%, 8), second moment frozen after 300 steps",
+                    lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300))),
 }
 DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic", "tq1-fixedlr")
 
