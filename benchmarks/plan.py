@@ -105,9 +105,9 @@ class Plan:
 # Every Horovod row's ranks on their own cores (see horovodrun); the page says so (runner).
 BIND_CORES = True
 
-# Every row's ranks keep the memory they free (`hvdgc-launch --keep-freed-memory`; the page says so):
-# without it one rank refaulted 32 MiB more per step than the other, for a whole run, and the other
-# waited for it in synchronize() (launchers.command.KEEP_FREED_MEMORY).
+# Every row's ranks keep the memory they free (`hvdgc-launch --keep-freed-memory`, whose constant
+# says why; the page says so): without it one rank could fault pages every step for a whole run
+# while the other waited for it in synchronize().
 CPU_ALLOCATOR: Dict[str, str] = dict(KEEP_FREED_MEMORY)
 
 
