@@ -851,7 +851,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     * For the first ``warmup`` optimizer steps of a tensor, :meth:`dense` is True: the tensor
       goes uncompressed through the dense allreduce and the wrapped optimizer runs exact Adam.
     * Then Adam's second moment ``v`` (identical on every rank, since it came from averaged
-      gradients) is frozen: ``denom = max(sqrt(v_hat), floor * mean(sqrt(v_hat))) + eps``. The
+      gradients) is frozen: ``denom = max(sqrt(v_hat), floor * mean(sqrt(v_hat))) + eps``, where
+      ``v_hat`` is the average of the warm-up's last ``window`` squared averaged gradients
+      (recovered from Adam's own ``v``, step by step; ``window=None``: Adam's bias-corrected ``v``,
+      which at step 100 still mostly remembers the first, largest gradients). The
       floor keeps coordinates that had (almost) no gradient during the warm-up (rare tokens'
       embedding rows, dead units) from taking ``lr/eps``-sized steps later.
     * With ``v`` frozen, Adam is linear in the gradient: each rank keeps its own momentum
@@ -891,11 +894,18 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     moves_parameters = True
     _round_stores = ("velocity", "steps")  # frozen at the freeze, before _remember: never None
 
-    def __init__(self, warmup: int = 100, floor: float = 0.1, sparsity_warmup: int = SPARSITY_WARMUP) -> None:
+    def __init__(self, warmup: int = 100, floor: float = 0.1, sparsity_warmup: int = SPARSITY_WARMUP,
+                 window: Optional[int] = 50) -> None:
         super().__init__()
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"FrozenVariance warmup must be an int >= 1 (dense Adam steps before v is frozen), "
                              f"got {warmup!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+            raise ValueError(f"FrozenVariance window must be an int >= 2 (the warm-up's last steps that the frozen v "
+                             f"averages) or None (Adam's own v), got {window!r}")
+        self.window = window
+        self._last_v: Dict[str, Tuple[int, torch.Tensor]] = {}     # Adam's v at the step last seen
+        self._recent: Dict[str, Tuple[torch.Tensor, int]] = {}     # EMA of the squared average, samples
         self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "FrozenVariance")
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"FrozenVariance floor must be in [0, 1] (share of the mean of sqrt(v)), got {floor!r}")
@@ -919,11 +929,44 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             return False
         if name not in self._bound:
             return False  # not bound (yet): prepare() says what is missing
-        param, _, optimizer = self._bound[name]
+        param, group, optimizer = self._bound[name]
         state = optimizer.state.get(param, {})
+        if self.window is not None and "exp_avg_sq" in state and not group.get("amsgrad"):
+            self._track(name, state, group)
         if int(state.get("step", 0)) < self.warmup or "exp_avg_sq" not in state:
             return True
         return not bool(state["exp_avg_sq"].any())  # no gradient yet: nothing to freeze
+
+    def _track(self, name: str, state: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """Once per optimizer step of the warm-up: the squared averaged gradient of Adam's last step,
+        recovered from its second moment (``v_t = b2 * v_(t-1) + (1 - b2) * g_t**2``, so no extra
+        communication), into an average over about ``window`` steps."""
+        t = int(state["step"])
+        last = self._last_v.get(name)
+        if last is not None and last[0] == t:
+            return   # this step was seen (dense() is asked more than once a step)
+        v = state["exp_avg_sq"].detach().reshape(-1).to(torch.float32, copy=True)
+        if last is not None and last[0] == t - 1:
+            b2 = group["betas"][1]
+            squared = torch.sub(v, last[1], alpha=b2).div_(1.0 - b2).clamp_(min=0.0)
+            recent, n = self._recent.get(name, (torch.zeros_like(squared), 0))
+            self._recent[name] = (recent.lerp_(squared, 1.0 / self.window), n + 1)
+        self._last_v[name] = (t, v)
+
+    def _frozen_v(self, name: str, v: torch.Tensor, b2: float, t: int) -> torch.Tensor:
+        """The second moment to freeze: the average of the warm-up's last ~``window`` squared
+        gradients when it saw enough of them (a fifth of the window), else Adam's own, bias-corrected.
+
+        Why not Adam's own: with ``b2 = 0.999`` Adam's v at step 100 is close to a plain average of
+        all 100 steps, dominated by the first ones, whose gradients are large and differently
+        shaped. Adam itself forgets them over the next ~1000 steps; a frozen v never does. With
+        AdamW over 1200 steps, freezing Adam's v at step 100 ended above the 1% target, the last
+        50 steps' average within it (docs/STUDY_RUN_LENGTH.md)."""
+        recent, n = self._recent.pop(name, (None, 0))
+        self._last_v.pop(name, None)
+        if recent is not None and self.window is not None and n >= max(2, self.window // 5):
+            return (recent / (1.0 - (1.0 - 1.0 / self.window) ** n)).to(v.dtype)
+        return v / (1.0 - b2 ** t)
 
     def _freeze(self, name: str) -> None:
         param, group, optimizer = self._bound[name]
@@ -931,7 +974,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         b1, b2 = group["betas"]
         t = int(state["step"])
         v = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
-        root = (v.detach().to(residual_dtype(param.dtype)) / (1.0 - b2 ** t)).sqrt().reshape(-1)
+        v = v.detach().to(residual_dtype(param.dtype)).reshape(-1)
+        root = self._frozen_v(name, v, b2, t).sqrt()
         self.denom[name] = root.clamp(min=self.floor * float(root.mean())).add_(group["eps"])
         self.velocity[name] = state["exp_avg"].detach().to(root.dtype).reshape(-1).clone()
         self.steps[name] = t
@@ -1002,9 +1046,11 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "steps) (docs/STUDY_RUN_LENGTH.md)")
 
     def state_dict(self) -> Dict[str, Any]:
+        # The window's running average is not saved: a run resumed inside the warm-up starts it
+        # again, and freezes Adam's own v if too few steps are left to fill a fifth of it.
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity), "denom": _clone_tensors(self.denom),
                 "steps": dict(self.steps), "warmup": self.warmup, "floor": self.floor,
-                "sparsity_warmup": self.sparsity_warmup}
+                "sparsity_warmup": self.sparsity_warmup, "window": self.window}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -1012,6 +1058,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.denom = _clone_tensors(state.get("denom", {}))
         self.steps = dict(state.get("steps", {}))
         self.warmup, self.floor = int(state.get("warmup", self.warmup)), float(state.get("floor", self.floor))
+        self.window = state.get("window", self.window)
+        self._last_v, self._recent = {}, {}
         self.sparsity_warmup = int(state.get("sparsity_warmup", self.sparsity_warmup))
         if self._undo is not None:
             self._undo.clear()

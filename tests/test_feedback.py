@@ -468,3 +468,37 @@ def test_frozen_variance_says_when_to_freeze_later():
     said = FrozenVariance(warmup=50).describe()
     assert "frozen after 50 dense steps" in said and "much longer than 200 steps" in said
     assert "docs/STUDY_RUN_LENGTH.md" in said
+
+
+def test_frozen_variance_freezes_the_average_of_the_warmups_last_window():
+    """The frozen v is the average of the last ``window`` squared averaged gradients of the dense
+    warm-up, recovered from Adam's own v step by step (written out here as an EMA of g**2), not
+    Adam's v, which still remembers the first, larger gradients; ``window=None`` keeps Adam's."""
+    from hvd_gradcomp import FrozenVariance
+    grads = [torch.randn(6, generator=torch.Generator().manual_seed(t)) * (4.0 if t < 10 else 1.0)
+             for t in range(30)]
+
+    def frozen(window):
+        w = torch.nn.Parameter(torch.zeros(6))
+        opt = torch.optim.AdamW([w], lr=0.01)
+        fv = FrozenVariance(warmup=30, window=window, floor=0.0)
+        fv.bind("w", opt.param_groups[0], w, opt)
+        for g in grads:
+            assert fv.dense("w") and fv.dense("w")   # asked twice a step: seen once
+            w.grad = g.clone()
+            opt.step()
+        assert not fv.dense("w")
+        fv.prepare("w", torch.zeros(6))              # the first compressed step freezes v
+        return fv.denom["w"] - 1e-8, opt.state[w]["exp_avg_sq"] / (1 - 0.999 ** 30)
+
+    ema, n = torch.zeros(6), 0
+    for g in grads[1:]:   # the first step has no earlier v to tell its gradient from
+        ema, n = ema + (g ** 2 - ema) / 10, n + 1
+    recent, adam_v = frozen(10)
+    torch.testing.assert_close(recent, (ema / (1 - 0.9 ** n)).sqrt(), rtol=1e-4, atol=1e-7)
+    assert float(recent.mean()) < 0.6 * float(adam_v.sqrt().mean())   # the early gradients forgotten
+    plain, _ = frozen(None)
+    torch.testing.assert_close(plain, adam_v.sqrt(), rtol=1e-6, atol=1e-8)
+    for bad in (1, True, 2.5):
+        with pytest.raises(ValueError, match="window must be an int >= 2"):
+            FrozenVariance(window=bad)
