@@ -1037,9 +1037,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         avg.zero_()
 
     def describe(self) -> str:
-        # issue 9: with AdamW over 1200 steps, freezing after 100 steps ended above uncompressed and
-        # after 300 (a quarter of the run, 1-bit Adam's advice) did not; the run's length is not
-        # known here, so the user is told once rather than the default guessed
+        # issue 9: with AdamW over 1200 steps, freezing after 300 steps (a quarter of the run, 1-bit
+        # Adam's advice) ended closest to uncompressed (docs/STUDY_RUN_LENGTH.md); the run's length
+        # is not known here, so the user is told once rather than the default guessed
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor, each rank's momentum "
                 "through error feedback (1-bit Adam style); for a run much longer than "
                 f"{4 * self.warmup} steps, freeze later: feedback=FrozenVariance(warmup=a quarter of the run's "
