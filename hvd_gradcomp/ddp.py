@@ -46,6 +46,7 @@ on every rank, as uncompressed DDP would, so ``GradScaler`` skips the step every
 rank with the bad values leaves its residuals untouched and nobody hangs.
 """
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
+import atexit
 import copy
 import threading
 import time
@@ -78,6 +79,56 @@ _CLAIMED: "weakref.WeakSet[GradientCompressor]" = weakref.WeakSet()
 _KEEP_ALIVE: List[Any] = []
 
 Future = torch.futures.Future
+
+
+class _Callback:
+    """A marker that lives exactly as long as one Python callback of this module: it dies when
+    the collective's worker thread releases the callback, after running it."""
+
+
+# The callbacks still held by a worker thread (see _then and _drain_at_exit).
+_PENDING: "weakref.WeakSet[_Callback]" = weakref.WeakSet()
+
+
+def _then(fut: Future, fn: Callable[[Future], Any]) -> Future:
+    """``fut.then(fn)``, with the callback counted in ``_PENDING`` until its thread lets go of it.
+
+    Example::
+
+        >>> f = Future(); g = _then(f, lambda done: done.value() + 1); f.set_result(1); g.wait()
+        2
+    """
+    marker = _Callback()
+    _PENDING.add(marker)
+
+    def run(done: Future) -> Any:
+        _ = marker  # the closure holds the marker as long as the callback lives
+        return fn(done)
+
+    return fut.then(run)
+
+
+def _drain_at_exit(timeout: float = 5.0, settle: float = 0.02) -> None:
+    """At interpreter exit, let the collectives' worker threads finish with this module's callbacks.
+
+    Why: after a callback hands DDP its result, the worker thread that ran it still needs the
+    GIL, to release the callback and then the collective's tensors. DDP already returned, so the
+    main thread may be exiting; a thread that asks for the GIL once Python has begun shutting
+    down is stopped inside C++ and the process aborts ("terminate called without an active
+    exception", SIGABRT, pytorch/pytorch#190489) after training that succeeded: a failed job
+    to its launcher. ``atexit`` runs while other threads may still take the GIL: wait (the
+    GIL released) until every callback was released, at most ``timeout`` seconds (a collective
+    whose peer died never completes), then ``settle`` seconds for the tensors' release.
+    """
+    if not _PENDING and not _KEEP_ALIVE:
+        return
+    deadline = time.monotonic() + timeout
+    while _PENDING and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(settle)
+
+
+atexit.register(_drain_at_exit)
 # all_gather_into_tensor was renamed all_gather_single (torch 2.10); both gather equal-sized tensors.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -348,9 +399,9 @@ class GradCompState:
             if launched is None:
                 complete(None, None)
             else:
-                launched[0].then(lambda f: complete(f, launched[1]))
+                _then(launched[0], lambda f: complete(f, launched[1]))
 
-        torch.futures.collect_all(deps + [previous]).then(ready)
+        _then(torch.futures.collect_all(deps + [previous]), ready)
 
 
 def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -398,7 +449,7 @@ def _allreduce(state: GradCompState, flat: torch.Tensor, step: int, name: str,
             flat.copy_(send)
         return flat
 
-    return fut.then(done)
+    return _then(fut, done)
 
 
 def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int,
@@ -482,7 +533,7 @@ def _when_all(futs: List[Future], buffer: torch.Tensor, finish: Callable[[], Non
         except BaseException as err:  # noqa: BLE001 -- handed to DDP, which raises it in backward
             result.set_exception(err)
 
-    torch.futures.collect_all(futs).then(done)
+    _then(torch.futures.collect_all(futs), done)
     return result
 
 
@@ -794,7 +845,7 @@ class _AutoRoads:
             t0 = clock()
             fut = _allreduce(state, buffer, step, road, torch.float16 if road == FP16 else None)
             codec, payload = clock() - t0, numel * (2 if road == FP16 else itemsize)
-            return fut.then(lambda f: self._done(f, key, road, numel, itemsize, codec, payload, timed))
+            return _then(fut, lambda f: self._done(f, key, road, numel, itemsize, codec, payload, timed))
         view = sparse if road == SPARSE else _RoadView(state, auto.qsgd, clock)
         fut = view.time_call(_allgather if road == SPARSE else _scatter_reduce, buffer, plan, step)
 
@@ -803,7 +854,7 @@ class _AutoRoads:
                        else view.sent)
             return self._done(f, key, road, numel, itemsize, view.codec_s, payload, timed)
 
-        return fut.then(done)
+        return _then(fut, done)
 
     def _begin_step(self, step: int) -> None:
         """The first bucket of a step (the previous step's exchanges are done on every rank):
@@ -878,7 +929,7 @@ def _allreduce_segments(state: GradCompState, buffer: torch.Tensor, segs: Tuple[
             offset += s.numel
         return buffer
 
-    return _allreduce(state, flat, step, "fp16" if cast is not None else "dense", cast).then(copy_back)
+    return _then(_allreduce(state, flat, step, "fp16" if cast is not None else "dense", cast), copy_back)
 
 
 # ---------------------------------------------------------------- registration

@@ -239,6 +239,28 @@ def test_register_outside_distributed_is_a_clear_error():
         ddp.GradCompState(None, None)
 
 
+def test_exit_waits_until_worker_threads_release_the_hooks_callbacks():
+    """The hook's callbacks are counted until their thread releases them, and the exit handler
+    waits for that (a thread taking the GIL during interpreter shutdown aborts the process)."""
+    import threading
+
+    from hvd_gradcomp import ddp
+
+    f = torch.futures.Future()
+    g = ddp._then(f, lambda done: done.value() * 2)
+    assert len(ddp._PENDING) >= 1
+    threading.Timer(0.2, f.set_result, [21]).start()   # the collective completes on another thread
+    t0 = time.monotonic()
+    ddp._drain_at_exit(timeout=10, settle=0)
+    waited = time.monotonic() - t0
+    assert g.value() == 42 and len(ddp._PENDING) == 0
+    assert 0.15 < waited < 5, waited
+    t0 = time.monotonic()
+    ddp._then(torch.futures.Future(), lambda done: None)   # never completes (a peer died)
+    ddp._drain_at_exit(timeout=0.3, settle=0)
+    assert 0.25 < time.monotonic() - t0 < 3
+
+
 def test_compression_from_env_maps_the_settings():
     from hvd_gradcomp import ddp
 
