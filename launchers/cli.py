@@ -29,6 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import click
 
 from hvd_gradcomp import config  # the settings module only: importing it loads no torch
+from . import guard
 from .command import FORWARDED_ENV, KEEP_FREED_MEMORY, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec, build_command, \
     parse_hostfile_text, parse_hosts, resolve_np
 from .slurm import BatchJob, allocation_from_env, render_sbatch, submit
@@ -164,10 +165,11 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
         kill_after: float = 10.0) -> int:
     """Run argv (no shell) with ``env`` added and ``unset`` removed; forward SIGINT/SIGTERM.
 
-    Returns the job's exit code (128+N when it died of signal N). A third signal kills the
-    group outright, for a launcher that hangs while shutting down. The job runs in its own
-    process group and gets SIGTERM from the kernel if this process dies, whatever kills it
-    (even SIGKILL, which no handler sees), so no job outlives its launcher.
+    Returns the job's exit code (128+N when it died of signal N). argv runs under
+    :mod:`launchers.guard`, which passes those signals on, kills every process of the job on
+    the third, and is told by the kernel when this process dies, whatever kills it (even
+    SIGKILL, which no handler sees): it then ends every process of the job, those in other
+    sessions too, so no rank outlives its launcher.
 
     With a ``watch`` the job's output is relayed through it, and a host it reports lost ends
     the job (SIGTERM, then SIGKILL after ``kill_after`` s); a failed job ends with its summary.
@@ -178,13 +180,13 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
         for child in children:
-            _signal_group(child.pid, signal.SIGKILL if len(received) >= 3 else signum)
+            _signal(child.pid, signum)   # the guard counts them and escalates on the third
 
     def end_job(host: str) -> None:
         click.echo(watch.lost_message(host), err=True)
         for child in children:
-            _signal_group(child.pid, signal.SIGTERM)
-            timer = threading.Timer(kill_after, _signal_group, (child.pid, signal.SIGKILL))
+            _signal(child.pid, signal.SIGTERM)
+            timer = threading.Timer(kill_after, _signal, (child.pid, guard.KILL_NOW))
             timer.daemon = True
             timer.start()
 
@@ -196,12 +198,14 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
     # Handlers go in before the child starts, so a Ctrl-C in between cannot orphan it.
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        children.append(subprocess.Popen(argv, env=child_env, start_new_session=True,
+        guarded = [sys.executable, "-m", "launchers.guard", "--parent", str(os.getpid()),
+                   "--grace", str(kill_after), "--", *argv]
+        children.append(subprocess.Popen(guarded, env=child_env, start_new_session=True,
                                          stdout=pipes[0][1] if pipes else None,
                                          stderr=pipes[1][1] if pipes else None,
                                          preexec_fn=_die_with_parent(os.getpid())))
         for signum in received:
-            _signal_group(children[0].pid, signum)
+            _signal(children[0].pid, signum)
         if watch:
             for (read_end, write_end), target in zip(pipes, (1, 2)):
                 os.close(write_end)
@@ -243,9 +247,9 @@ def _die_with_parent(parent: int):
     return preexec
 
 
-def _signal_group(pgid: int, signum: int) -> None:
+def _signal(pid: int, signum: int) -> None:
     try:
-        os.killpg(pgid, signum)
+        os.kill(pid, signum)
     except ProcessLookupError:  # the job has just ended
         pass
 

@@ -116,6 +116,78 @@ def test_item10_child_gets_sigterm_when_launcher_dies(tmp_path):
             pass
 
 
+# A launcher at its worst: it ignores SIGTERM and SIGINT, and its rank runs in a session of its
+# own (as Horovod's middlemen start them) and ignores SIGTERM too.
+_RANK = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({m!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+_STUBBORN = ("import os, signal, subprocess, sys, time; "
+             "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)]; "
+             "subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True); "
+             "open({m!r}, 'w').write(str(os.getpid())); time.sleep({life})")
+
+
+def _stubborn_job(tmp_path, life: int = 300):
+    """(argv of the launcher, path of its pid, path of its rank's pid)."""
+    launcher, rank = tmp_path / "launcher.pid", tmp_path / "rank.pid"
+    code = _STUBBORN.format(rank=_RANK.format(m=str(rank)), m=str(launcher), life=life)
+    return [sys.executable, "-c", code], launcher, rank
+
+
+def _read_pid(path, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def _ended(pids, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["kill -9", "third Ctrl-C"])
+def test_item10_guard_ends_a_launcher_that_ignores_signals_and_its_rank_in_another_session(tmp_path, how):
+    """hvdgc-launch killed (or interrupted three times): the guard ends the launcher and, as a
+    subreaper, its rank in another session, both ignoring SIGTERM (SIGKILL after the grace)."""
+    argv, launcher_pid, rank_pid = _stubborn_job(tmp_path)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from launchers import cli; "
+            f"sys.exit(cli.run({argv!r}, {{}}, kill_after=1.0))")
+    parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    pids = []
+    try:
+        pids = [_read_pid(launcher_pid), _read_pid(rank_pid)]
+        if how == "kill -9":
+            os.kill(parent.pid, signal.SIGKILL)
+            parent.wait(timeout=10)
+        else:
+            for _ in range(3):
+                os.kill(parent.pid, signal.SIGINT)
+                time.sleep(0.3)
+            assert parent.wait(timeout=30) == 128 + signal.SIGKILL
+        assert _ended(pids, 20), f"still running: {[p for p in pids if _alive(p)]}"
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_item10_what_a_launcher_leaves_behind_ends_with_it(tmp_path):
+    """The launcher exits (code 3) and leaves a rank running in another session: run() returns 3
+    and the rank has ended."""
+    argv, launcher_pid, rank_pid = _stubborn_job(tmp_path, life=3)
+    argv[-1] = argv[-1] + "; sys.exit(3)"
+    t0 = time.monotonic()
+    assert cli.run(argv, {}, kill_after=1.0) == 3
+    rank = _read_pid(rank_pid, timeout=0)
+    assert not _alive(rank)
+    assert time.monotonic() - t0 < 30
+
+
 # ---------------------------------------------------------------- 11: hostfiles
 HOSTFILE = "# two nodes\nnodeA slots=2   # comment after a host\n\nnodeB:2\nnodeC\n"
 
