@@ -48,6 +48,13 @@ def _become_subreaper() -> bool:
         return False
 
 
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:  # the launcher has just ended
+        pass
+
+
 def descendants() -> List[psutil.Process]:
     """Every live process under this one: the job, and (as a subreaper) what it orphaned."""
     try:
@@ -100,10 +107,7 @@ class Guard:
         if len(self.received) >= 3:  # a launcher that hangs while shutting down
             signal_all(signal.SIGKILL)
         elif self.job is not None:
-            try:
-                os.killpg(self.job.pid, signum)
-            except ProcessLookupError:  # the launcher has just ended
-                pass
+            _signal_group(self.job.pid, signum)
 
     def _end_in_background(self) -> None:
         if not self._ending.is_set():
@@ -119,7 +123,7 @@ class Guard:
             return 143
         self.job = subprocess.Popen(self.argv, start_new_session=True)
         for signum in list(self.received):  # arrived before the job existed
-            os.killpg(self.job.pid, signum)
+            _signal_group(self.job.pid, signum)
         if self._orphaned():
             self._end_in_background()
         code = self.job.wait()
