@@ -180,13 +180,13 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
         for child in children:
-            _signal(child.pid, signum)   # the guard counts them and escalates on the third
+            guard.send(child.pid, signum)   # the guard counts them and escalates on the third
 
     def end_job(host: str) -> None:
         click.echo(watch.lost_message(host), err=True)
         for child in children:
-            _signal(child.pid, signal.SIGTERM)
-            timer = threading.Timer(kill_after, _signal, (child.pid, guard.KILL_NOW))
+            guard.send(child.pid, signal.SIGTERM)
+            timer = threading.Timer(kill_after, guard.send, (child.pid, guard.KILL_NOW))
             timer.daemon = True
             timer.start()
 
@@ -205,7 +205,7 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
                                          stderr=pipes[1][1] if pipes else None,
                                          preexec_fn=_die_with_parent(os.getpid())))
         for signum in received:
-            _signal(children[0].pid, signum)
+            guard.send(children[0].pid, signum)
         if watch:
             for (read_end, write_end), target in zip(pipes, (1, 2)):
                 os.close(write_end)
@@ -245,13 +245,6 @@ def _die_with_parent(parent: int):
         if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
             os._exit(143)
     return preexec
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:  # the job has just ended
-        pass
 
 
 def _self_command() -> List[str]:

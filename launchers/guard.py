@@ -48,10 +48,11 @@ def _become_subreaper() -> bool:
         return False
 
 
-def _signal_group(pgid: int, signum: int) -> None:
+def send(pid: int, signum: int, group: bool = False) -> None:
+    """``kill`` (``killpg`` with ``group``), quiet when the process has just ended."""
     try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:  # the launcher has just ended
+        (os.killpg if group else os.kill)(pid, signum)
+    except ProcessLookupError:
         pass
 
 
@@ -107,7 +108,7 @@ class Guard:
         if len(self.received) >= 3:  # a launcher that hangs while shutting down
             signal_all(signal.SIGKILL)
         elif self.job is not None:
-            _signal_group(self.job.pid, signum)
+            send(self.job.pid, signum, group=True)
 
     def _end_in_background(self) -> None:
         if not self._ending.is_set():
@@ -123,7 +124,7 @@ class Guard:
             return 143
         self.job = subprocess.Popen(self.argv, start_new_session=True)
         for signum in list(self.received):  # arrived before the job existed
-            _signal_group(self.job.pid, signum)
+            send(self.job.pid, signum, group=True)
         if self._orphaned():
             self._end_in_background()
         code = self.job.wait()
