@@ -194,7 +194,9 @@ if __name__ == "__main__":
     # on the 2-core machine): a Gloo worker thread frees a finished allreduce whose tensor holds the
     # last reference to a Python object, needs the GIL while Python finalizes, and is ended with
     # pthread_exit through a noexcept C++ frame (PyTorch's exit race, seen in a core dump). That
-    # would turn a finished benchmark into a failed one: leave without the teardown.
+    # would turn a finished benchmark into a failed one: leave without the teardown. (The hook's
+    # own callbacks are waited for at exit, see docs/DDP.md "Never blocking"; this exit also
+    # covers the benchmark's own collectives.)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
