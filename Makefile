@@ -31,7 +31,7 @@ test: setup slurm-up two-hosts-up
 bench: setup
 	@$(PY) -m benchmarks
 
-# Compressed vs uncompressed training, 4 tasks x 3 seeds x 7 settings on 2 ranks -> docs/STUDY.md
+# Compressed vs uncompressed training, 6 tasks x 3 seeds x 8+ settings on 2 ranks -> docs/STUDY.md
 study: setup
 	@$(PY) benchmarks/study/study.py
 
