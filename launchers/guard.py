@@ -134,6 +134,7 @@ class Guard:
 
 
 def main(args: Optional[Sequence[str]] = None) -> int:
+    """``python -m launchers.guard [--parent PID] [--grace S] -- COMMAND...``: run COMMAND guarded."""
     parser = argparse.ArgumentParser(prog="python -m launchers.guard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parent", type=int, default=None,
                         help="pid of hvdgc-launch (default: this process's parent)")
