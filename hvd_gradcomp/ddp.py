@@ -81,13 +81,9 @@ _KEEP_ALIVE: List[Any] = []
 Future = torch.futures.Future
 
 
-class _Callback:
-    """A marker that lives exactly as long as one Python callback of this module: it dies when
-    the collective's worker thread releases the callback, after running it."""
-
-
-# The callbacks still held by a worker thread (see _then and _drain_at_exit).
-_PENDING: "weakref.WeakSet[_Callback]" = weakref.WeakSet()
+# This module's callbacks still held by a collective's worker thread: weak references, so an
+# entry leaves when its thread releases the callback, after running it (see _drain_at_exit).
+_PENDING: "weakref.WeakSet[Callable[[Future], Any]]" = weakref.WeakSet()
 
 
 def _then(fut: Future, fn: Callable[[Future], Any]) -> Future:
@@ -98,13 +94,10 @@ def _then(fut: Future, fn: Callable[[Future], Any]) -> Future:
         >>> f = Future(); g = _then(f, lambda done: done.value() + 1); f.set_result(1); g.wait()
         2
     """
-    marker = _Callback()
-    _PENDING.add(marker)
-
-    def run(done: Future) -> Any:
-        _ = marker  # the closure holds the marker as long as the callback lives
+    def run(done: Future) -> Any:  # a callable of our own: ``fn`` may be shared or not weak-referenceable
         return fn(done)
 
+    _PENDING.add(run)
     return fut.then(run)
 
 

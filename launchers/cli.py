@@ -231,8 +231,8 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 def _die_with_parent(parent: int):
     """A ``preexec_fn`` asking the kernel to SIGTERM the child when ``parent`` dies.
 
-    horovodrun, mpirun and srun all end their ranks on SIGTERM. Linux only; elsewhere the
-    launcher still forwards the signals it can catch.
+    The child is :mod:`launchers.guard`, which then ends every process of the job. Linux only;
+    elsewhere the launcher still forwards the signals it can catch.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child may not load libraries

@@ -14,6 +14,7 @@ learning-rate schedule people use for it, and the DistributedOptimizer it is tra
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -68,12 +69,16 @@ def teacher_mlp(inputs: int = 64, hidden: int = 512, classes: int = 10) -> nn.Mo
                          nn.GELU(), nn.Linear(hidden, classes))
 
 
+@functools.lru_cache(maxsize=None)
+def _teacher_weights(inputs: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randn(inputs, 256, generator=g), torch.randn(256, 256, generator=g), torch.randn(256, 10, generator=g)
+
+
 @torch.no_grad()
 def teacher_labels(x: torch.Tensor) -> torch.Tensor:
     """The class a fixed random tanh network (seeded, the same on every rank and run) gives ``x``."""
-    g = torch.Generator().manual_seed(1234)
-    w1, w2 = torch.randn(x.shape[1], 256, generator=g), torch.randn(256, 256, generator=g)
-    w3 = torch.randn(256, 10, generator=g)
+    w1, w2, w3 = _teacher_weights(x.shape[1])
     h = torch.tanh(x @ w1 * (1.5 / x.shape[1] ** 0.5))
     h = torch.tanh(h @ w2 * (1.5 / 256 ** 0.5))
     return (h @ w3).argmax(-1)
