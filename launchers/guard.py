@@ -64,16 +64,13 @@ def descendants() -> List[psutil.Process]:
         return []
 
 
-def signal_all(signum: int, procs: Optional[Sequence[psutil.Process]] = None) -> int:
-    """Send ``signum`` to ``procs`` (default: every descendant); returns how many got it."""
-    sent = 0
+def signal_all(signum: int, procs: Optional[Sequence[psutil.Process]] = None) -> None:
+    """Send ``signum`` to ``procs`` (default: every descendant)."""
     for proc in descendants() if procs is None else procs:
         try:
             proc.send_signal(signum)
-            sent += 1
         except psutil.Error:  # ended meanwhile
             pass
-    return sent
 
 
 def end_all(grace: float) -> None:
