@@ -61,3 +61,20 @@ def test_run_length_page_sets_each_gap_beside_the_longer_runs() -> None:
                               [0, 1], "c")
     assert "| transformer | 1200 | 2.4 | 1.5500 | +-4.56% | +0.00% | - | +0.00% |" in partial
     assert "`python benchmarks/study/run_length.py`" in page
+
+
+def test_outside_check_trains_both_wrappers_and_tables_the_gaps(tmp_path: Path) -> None:
+    """benchmarks/study/outside_check.py, 20 steps: uncompressed once, TopKQSGD through both wrappers,
+    a table row each with a finite gap; a rerun trains nothing again."""
+    out = tmp_path / "runs.jsonl"
+    argv = [sys.executable, str(ROOT / "benchmarks/study/outside_check.py"), "--steps", "20", "--seeds", "0",
+            "--optimizers", "adam", "--settings", "none,tq1", "--out", str(out)]
+    res = launch(argv, 300, rank_env())
+    assert res.returncode == 0, res.output
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["wrapper"], r["setting"]) for r in runs) == [("gc", "none"), ("gc", "tq1"), ("hvd", "tq1")]
+    assert all(0 < r["mse"] < 100 for r in runs)
+    rows = [ln for ln in res.output.splitlines() if ln.startswith("| adam |")]
+    assert len(rows) == 2 and all("%" in ln for ln in rows), res.output
+    again = launch(argv, 300, rank_env())
+    assert again.returncode == 0 and "seed 0 ..." not in again.output and len(out.read_text().splitlines()) == 3
