@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -220,36 +221,40 @@ def _momentum_fused(grad: torch.Tensor, old: Optional[torch.Tensor], residual: O
     return mask, grad.sum(dtype=torch.float32) if total else None
 
 
-def _unpack_deltas(widths: torch.Tensor, starts: torch.Tensor, data: torch.Tensor, out: torch.Tensor) -> None:
+def _unpack_deltas(widths: torch.Tensor, starts: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> None:
     """The deltas of :func:`hvd_gradcomp.wire.decode_delta_indices`, in one loop over them.
 
-    ``widths``/``starts``: per block, its bit width and first bit (int64); ``data``: the packed
-    uint8 section. Each value gathers the ``wire._SPAN`` bytes from its first byte on (clamped
-    at the end of ``data``: bytes past a value's last one only set bits above its width, which
-    the final mask clears), so no padded int64 copy of the section is made.
+    A block of ``wire.INDEX_BLOCK`` (64) values of ``w`` bits is exactly ``w`` little-endian int64
+    words, so each value lies in at most two words of its block: two gathers per value, where
+    gathering the bytes it touches took up to six (4x slower for 42K indices on CPU).
+    ``widths``/``starts``: per block, its bit width and first word (int64); ``words``: the
+    section as int64 words. ``>>`` on int64 copies the sign bit down: masked off below.
     """
     j = torch.arange(out.numel(), device=out.device)
     blk = j // wire.INDEX_BLOCK
     w = widths[blk]
-    offset = starts[blk] + (j % wire.INDEX_BLOCK) * w
-    first = offset >> 3
-    last = data.numel() - 1
-    word = torch.zeros_like(offset)
-    for b in range(wire._SPAN):
-        word = word | (data[torch.clamp(first + b, max=last)].to(torch.int64) << (8 * b))
-    out.copy_((word >> (offset & 7)) & ((1 << w) - 1))
+    bit = (j % wire.INDEX_BLOCK) * w
+    word = starts[blk] + (bit >> 6)
+    s = bit & 63
+    lo = words[word]
+    hi = words[torch.clamp(word + 1, max=words.numel() - 1)]
+    low = (lo >> s) & ((1 << torch.clamp(64 - s, max=63)) - 1)   # s = 0: 63 bits, more than any width
+    high = (hi << 1) << (63 - s)                                  # hi << (64 - s); 0 when s = 0
+    out.copy_((low | high) & ((1 << w) - 1))
 
 
 def decode_delta_indices(widths: torch.Tensor, data: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`hvd_gradcomp.wire.decode_delta_indices` (same values), compiled for many indices:
     eager, its ~20 small passes cost ~1 ms per 42K indices, paid once per rank's payload."""
     kernel = _kernel("unpack_deltas", k)
-    if kernel is _EAGER["unpack_deltas"] or not k or not data.numel():
+    if kernel is _EAGER["unpack_deltas"] or not k or not data.numel() or sys.byteorder != "little":
         return wire.decode_delta_indices(widths, data, k)
     w = widths.to(torch.int64)
-    starts = (torch.cumsum(w, 0) - w) * wire.INDEX_BLOCK
+    starts = torch.cumsum(w, 0) - w    # in words: block b is 8 * w[b] bytes
+    # int64 words need an 8-byte-aligned start (a payload slice may not have one: then a copy)
+    words = (data if data.storage_offset() % 8 == 0 else data.clone()).view(torch.int64)
     deltas = torch.empty(k, dtype=torch.int64, device=data.device)
-    kernel(w, starts, data, deltas)
+    kernel(w, starts, words, deltas)
     return torch.cumsum(deltas + 1, 0) - 1
 
 
