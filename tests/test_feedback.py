@@ -466,8 +466,52 @@ def test_frozen_variance_says_when_to_freeze_later():
     not known to the library (docs/STUDY_RUN_LENGTH.md)."""
     from hvd_gradcomp import FrozenVariance
     said = FrozenVariance(warmup=50).describe()
-    assert "frozen after 50 dense steps" in said and "much longer than 200 steps" in said
+    assert "frozen after 50 dense steps per tensor" in said and "much longer than 200 steps" in said
     assert "docs/STUDY_RUN_LENGTH.md" in said
+
+
+def test_frozen_variance_stays_dense_while_the_learning_rate_rises():
+    """A scheduler's ramp keeps the dense warm-up going (v is frozen once the rate stops rising,
+    never later than ``max_warmup`` steps, never before ``warmup``); a constant rate freezes at
+    ``warmup``; after a resume the first step is dense while the trend is learnt."""
+    from hvd_gradcomp import FrozenVariance
+
+    def freeze_step(fv, ramp, steps=30):
+        w = torch.nn.Parameter(torch.zeros(6))
+        opt = torch.optim.AdamW([w], lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / ramp))
+        fv.bind("w", opt.param_groups[0], w, opt)
+        for t in range(steps):
+            if not (fv.dense("w") and fv.dense("w")):   # asked twice a step: the same answer
+                return t
+            w.grad = torch.randn(6, generator=torch.Generator().manual_seed(t))
+            opt.step()
+            sched.step()
+        return None
+
+    assert freeze_step(FrozenVariance(warmup=4), ramp=1) == 4          # constant rate
+    assert freeze_step(FrozenVariance(warmup=4), ramp=12) == 12        # rose last into step 11 (its peak)
+    assert freeze_step(FrozenVariance(warmup=4, max_warmup=8), ramp=12) == 8
+    assert freeze_step(FrozenVariance(warmup=4, max_warmup=1), ramp=12) == 4
+    assert freeze_step(FrozenVariance(warmup=10, max_warmup=5), ramp=30) == 10
+    assert "more while the learning rate still rises, at most 1000" in FrozenVariance().describe()
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="max_warmup must be an int >= 1"):
+            FrozenVariance(max_warmup=bad)
+
+    fv = FrozenVariance(warmup=4)
+    fv.load_state_dict(FrozenVariance(warmup=4, max_warmup=7).state_dict())
+    assert fv.max_warmup == 7
+    w = torch.nn.Parameter(torch.zeros(6))
+    opt = torch.optim.AdamW([w], lr=0.01)
+    fv.bind("w", opt.param_groups[0], w, opt)
+    for _ in range(5):                        # resumed past the warm-up, constant rate
+        w.grad = torch.ones(6)
+        opt.step()
+    assert fv.dense("w")                      # the trend is not known yet: one more dense step
+    w.grad = torch.ones(6)
+    opt.step()
+    assert not fv.dense("w")
 
 
 def test_frozen_variance_freezes_the_average_of_the_warmups_last_window():
