@@ -853,10 +853,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       While the learning rate still rises from one step to the next (a scheduler's warm-up:
       ``LinearLR``, ``OneCycleLR``, a ``LambdaLR`` ramp), the dense warm-up goes on, up to
       ``max_warmup`` steps (``warmup`` when larger): the gradients' scale settles with the rate, and a ``v`` frozen in
-      the middle of the ramp is the wrong one for the rest of the run (the outside check's
-      OneCycleLR: +0.79% held-out loss at ratio 1 when frozen at step 100 inside its 360-step
-      ramp, +0.14% when frozen after it; docs/OUTSIDE_CHECK.md). ``max_warmup=1`` freezes
-      after ``warmup`` steps whatever the rate does.
+      the middle of the ramp is the wrong one for the rest of the run (with Adam and OneCycleLR's
+      360-step ramp, freezing at step 100 was most of TopKQSGD(1%, 8)'s gap to uncompressed
+      training: the ``-at100`` rows of docs/OUTSIDE_CHECK.md). ``max_warmup=1`` freezes after
+      ``warmup`` steps whatever the rate does.
     * Then Adam's second moment ``v`` (identical on every rank, since it came from averaged
       gradients) is frozen: ``denom = max(sqrt(v_hat), floor * mean(sqrt(v_hat))) + eps``, where
       ``v_hat`` is the average of the warm-up's last ``window`` squared averaged gradients

@@ -68,7 +68,7 @@ def test_outside_check_trains_both_wrappers_and_tables_the_gaps(tmp_path: Path) 
     a table row each with a finite gap; a rerun trains nothing again."""
     out = tmp_path / "runs.jsonl"
     argv = [sys.executable, str(ROOT / "benchmarks/study/outside_check.py"), "--steps", "20", "--seeds", "0",
-            "--optimizers", "adam", "--settings", "none,tq1", "--out", str(out)]
+            "--optimizers", "adam", "--settings", "none,tq1", "--out", str(out), "--page", str(tmp_path / "page.md")]
     res = launch(argv, 300, rank_env())
     assert res.returncode == 0, res.output
     runs = [json.loads(line) for line in out.read_text().splitlines()]
@@ -76,5 +76,16 @@ def test_outside_check_trains_both_wrappers_and_tables_the_gaps(tmp_path: Path) 
     assert all(0 < r["mse"] < 100 for r in runs)
     rows = [ln for ln in res.output.splitlines() if ln.startswith("| adam |")]
     assert len(rows) == 2 and all("%" in ln for ln in rows), res.output
+    page = (tmp_path / "page.md").read_text()
+    assert all(ln in page for ln in rows) and "20 steps, 3 runs" in page
     again = launch(argv, 300, rank_env())
     assert again.returncode == 0 and "seed 0 ..." not in again.output and len(out.read_text().splitlines()) == 3
+
+
+def test_outside_check_page_is_generated_from_the_saved_results() -> None:
+    """docs/OUTSIDE_CHECK.md is what outside_check.py renders from docs/data/outside_check.jsonl."""
+    sys.path.insert(0, str(ROOT / "benchmarks/study"))
+    import outside_check
+    results = [json.loads(line) for line in outside_check.DEFAULT_OUT.read_text().splitlines()]
+    steps = max(r["steps"] for r in results)
+    assert outside_check.DEFAULT_PAGE.read_text() == outside_check.render_page(results, steps)

@@ -245,7 +245,9 @@ def choice_section(docs: Path) -> List[str]:
         "(nothing dropped) it was still +18% on the CNN: each rank's second moment comes from half the batch, "
         "so every step is too short.",
         "* **Adam/AdamW, the default now** (`feedback=\"frozen\"`, 1-bit Adam's recipe): exact Adam, dense, "
-        "for the first 100 steps of each tensor; then Adam's second moment (identical on every rank) is "
+        "for the first 100 steps of each tensor (longer while the learning rate still rises, at most 1000 "
+        "steps: only teacher-mlp's 720-step ramp outlasts 100 steps here); then Adam's second moment "
+        "(identical on every rank) is "
         "frozen, which makes Adam linear in the gradient, and each rank's update direction (its momentum "
         "divided by the frozen sqrt(v)) goes through top-k and error feedback, like DGC's momentum "
         "correction. In the simulator (`frozen` lines below; `--warm` is the dense share of the steps) "

@@ -7,7 +7,9 @@ that the uncompressed loss is flat) give TopKQSGD(0.1%, 8) only about one send p
 gap could be an artefact of short runs. This command tests that: it trains the two tasks whose
 uncompressed seed spread is small (``transformer``: AdamW; ``char-mlp``: momentum SGD) for
 ``--scale`` times their steps (the same schedule, stretched), uncompressed, TopKQSGD(0.1%, 8) and
-TopKQSGD(1%, 8) (for AdamW also with Adam's second moment frozen after 300 steps instead of 100), and writes ``docs/STUDY_RUN_LENGTH.md``: the gap at the study's length (from ``docs/data/study``,
+TopKQSGD(1%, 8) (for AdamW also with Adam's second moment frozen after 300 steps instead of the
+default's 100, or the end of the rate's warm-up ramp when later: 120 steps at 3x the transformer's
+400), and writes ``docs/STUDY_RUN_LENGTH.md``: the gap at the study's length (from ``docs/data/study``,
 the same seeds) next to the gap of the longer runs. Finished runs are kept (one JSON per run under
 ``--out``) and not run again.
 
@@ -31,7 +33,8 @@ from benchmarks.study.study import job  # noqa: E402
 
 TASKS = ("transformer", "char-mlp")
 # The compressed settings run per task (benchmarks/study/worker.py); "tq1-warm300" freezes Adam's
-# second moment after 300 steps instead of 100: only for AdamW, only in the longer runs.
+# second moment after 300 steps instead of the default's 100 (or the ramp's end): only for AdamW, only in
+# the longer runs.
 TASK_SETTINGS = {"transformer": ("tq01", "tq1", "tq1-warm300"), "char-mlp": ("tq01", "tq1")}
 SETTINGS = ("none", "tq01", "tq1", "tq1-warm300")
 COLUMNS = (("tq01", "TopKQSGD(0.1%, 8)"), ("tq1", "TopKQSGD(1%, 8)"),
