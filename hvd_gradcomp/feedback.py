@@ -852,8 +852,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       goes uncompressed through the dense allreduce and the wrapped optimizer runs exact Adam.
       While the learning rate still rises from one step to the next (a scheduler's warm-up:
       ``LinearLR``, ``OneCycleLR``, a ``LambdaLR`` ramp), the dense warm-up goes on, up to
-      ``max_warmup`` steps (``warmup`` when larger): the gradients' scale settles with the rate, and a ``v`` frozen in
-      the middle of the ramp is the wrong one for the rest of the run (with Adam and OneCycleLR's
+      ``max_warmup`` steps (``warmup`` when larger): the gradients' scale settles with the rate,
+      and a ``v`` frozen in the middle of the ramp is the wrong one for the rest of the run (with Adam and OneCycleLR's
       360-step ramp, freezing at step 100 was most of TopKQSGD(1%, 8)'s gap to uncompressed
       training: the ``-at100`` rows of docs/OUTSIDE_CHECK.md). ``max_warmup=1`` freezes after
       ``warmup`` steps whatever the rate does.
@@ -947,9 +947,13 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             self._track(name, state, group)
         t = int(state.get("step", 0))
         rising = self._lr_rising(name, t, float(group["lr"]))
-        if t < self.warmup or "exp_avg_sq" not in state or (rising and t < max(self.warmup, self.max_warmup)):
+        if t < self.warmup or "exp_avg_sq" not in state or (rising and t < self._longest_warmup):
             return True
         return not bool(state["exp_avg_sq"].any())  # no gradient yet: nothing to freeze
+
+    @property
+    def _longest_warmup(self) -> int:
+        return max(self.warmup, self.max_warmup)
 
     def _lr_rising(self, name: str, t: int, lr: float) -> bool:
         """Whether the rate of the coming step ``t`` (the optimizer's completed steps) is higher than
@@ -1067,8 +1071,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         # Adam's advice) ended closest to uncompressed (docs/STUDY_RUN_LENGTH.md); the run's length
         # is not known here, so the user is told once rather than the default guessed
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor (more while the learning "
-                f"rate still rises, at most {max(self.warmup, self.max_warmup)}), each rank's momentum through error feedback (1-bit "
-                f"Adam style); for a run much longer than {4 * self.warmup} steps, freeze later: "
+                f"rate still rises, at most {self._longest_warmup}), each rank's momentum through error feedback "
+                f"(1-bit Adam style); for a run much longer than {4 * self.warmup} steps, freeze later: "
                 "feedback=FrozenVariance(warmup=a quarter of the run's steps) (docs/STUDY_RUN_LENGTH.md)")
 
     def state_dict(self) -> Dict[str, Any]:
