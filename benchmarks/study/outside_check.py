@@ -8,7 +8,7 @@ and are kept, so a rerun only trains what is missing. The table gives each setti
 MSE gap to uncompressed training (``hvd_gradcomp.DistributedOptimizer``, same seed), averaged
 over seeds, next to the uncompressed seed spread (population standard deviation over seeds)::
 
-    python benchmarks/study/outside_check.py                                   # AdamW, Adam; both wrappers
+    python benchmarks/study/outside_check.py        # AdamW, Adam; both wrappers; none, tq1, tq1-at100
     python benchmarks/study/outside_check.py --seeds 0 --optimizers adamw --wrappers gc \\
         --settings none,tq1,ratio1,ratio1-warm300,ratio1-warm600,tq1-warm300,tq1-warm600
 
@@ -129,7 +129,7 @@ def gap_table(results: List[Dict[str, Any]], steps: int) -> List[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--settings", default="none,tq1")
+    ap.add_argument("--settings", default="none,tq1,tq1-at100")
     ap.add_argument("--optimizers", default="adamw,adam")
     ap.add_argument("--wrappers", default="gc,hvd")
     ap.add_argument("--seeds", default="0,1,2")
