@@ -36,7 +36,9 @@ def test_horovod_and_ddp_workers_write_the_records_the_report_reads(tmp_path: Pa
                   *args], 300, rank_env())
     none, tq1 = _check(res, out, ["transformer-ddp-none-s0", "transformer-ddp-tq1-s0"])
     assert tq1["feedback"] == "frozen" and tq1["wrapper"] == "ddp"
-    assert tq1["val_loss"] == none["val_loss"]   # 4 steps: all inside frozen's dense warm-up, exactly uncompressed
+    # 4 steps: all inside frozen's dense warm-up; the small tensors (biases, norms) still go as float16
+    # (exempt="fp16"): the loss matched exactly on session 10's CI machine, within 1 ulp on session 11's
+    assert tq1["val_loss"] == pytest.approx(none["val_loss"], rel=1e-5)
     report.write(out, tmp_path / "docs", command="test", minutes=0.1)
     page = (tmp_path / "docs" / "STUDY.md").read_text()
     assert "## char-mlp" in page and "## transformer-ddp" in page and "| transformer-ddp |" in page
