@@ -234,7 +234,9 @@ def _unpack_deltas(widths: torch.Tensor, starts: torch.Tensor, words: torch.Tens
     blk = j // wire.INDEX_BLOCK
     w = widths[blk]
     bit = (j % wire.INDEX_BLOCK) * w
-    word = starts[blk] + (bit >> 6)
+    # clamped: a zero-width block after the last word (a run of consecutive indices at the end)
+    # starts past it; its values are masked to 0 below whatever is read
+    word = torch.clamp(starts[blk] + (bit >> 6), max=words.numel() - 1)
     s = bit & 63
     lo = words[word]
     hi = words[torch.clamp(word + 1, max=words.numel() - 1)]

@@ -245,15 +245,17 @@ def test_compiled_momentum_marked_matches_eager(monkeypatch, with_old, with_resi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k, spread, offset", [(40_000, 100, 0), (50_000, 3, 3), (33_000, 1 << 30, 0),
-                                               (70_000, 1, 0), (40_000, 1 << 40, 5)])
+                                               (70_000, 1, 0), (40_000, 1 << 40, 5), (40_000, -100, 0)])
 def test_compiled_delta_decode_matches_wire(monkeypatch, k, spread, offset):
     """The compiled delta decoder returns wire's indices: narrow, wide (up to 41-bit deltas, values
     spanning two words) and all-zero (width 0) blocks, and a last block cut short; ``offset``: the
     section starts mid-word in its payload, as a slice of a received blob may."""
     from hvd_gradcomp import wire
     g = gen(k)
-    steps = torch.randint(1, spread + 1, (k,), generator=g)
+    steps = torch.randint(1, abs(spread) + 1, (k,), generator=g)
     steps[k // 3: k // 3 + 200] = 1           # whole blocks of zero deltas
+    if spread < 0:
+        steps[-300:] = 1                      # ...at the end too: zero-width blocks start past the last word
     idx = torch.cumsum(steps, 0) - 1
     widths, data = wire.delta_index_bytes(idx)
     data = torch.cat([torch.zeros(offset, dtype=torch.uint8), data])[offset:]
