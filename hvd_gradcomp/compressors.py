@@ -89,6 +89,14 @@ Ratio = Union[float, Callable[[int], float]]
 # the decoder's ratio (ratios down to ~5e-6 stay below it); beyond, only as many as the
 # decoder's own ratio explains. A forged ``numel`` cannot make decode() allocate more.
 MAX_EXPANSION = 1 << 16
+MIN_SELECTED = 32
+"""The fewest values a top-k codec sends of a compressed tensor (``TopK(min_k=...)``), whatever
+the ratio: below about 32 (8-bit values, delta-coded indices) a payload's values and indices
+take fewer bytes than its own 56-byte header, so sending fewer saves almost nothing, while the
+tensor starves: at ratio 0.001 a 4096-element projection sent 5 values per step, each
+coordinate waited ~800 steps for its turn, and the study's transformer ended +4.8% above
+uncompressed training (+2.5% with the floor, for 1% more bytes; docs/STUDY.md). Large tensors
+never reach it (ratio 0.01 of 3,200 elements is 32)."""
 # The smallest top-k ratio that matched uncompressed held-out loss on every task of the study
 # (docs/STUDY.md); a smaller one is cautioned about at start-up (TopK._caution).
 MEASURED_RATIO = 0.01
@@ -787,7 +795,9 @@ class QSGD(_Quantiser, GradientCompressor):
 
 
 class TopK(GradientCompressor):
-    """TopK sparsification: send the k = max(1, ceil(ratio * n)) entries of largest magnitude.
+    """TopK sparsification: send the k = max(min_k, ceil(ratio * n)) entries of largest magnitude
+    (all n when n <= min_k; ``min_k`` defaults to :data:`MIN_SELECTED`, 32: fewer values than
+    that save almost no bytes, since each payload carries a 56-byte header, and starve the tensor).
 
     Selection is exact (see :func:`hvd_gradcomp.kernels.topk_indices`). Values travel in the
     gradient's dtype; indices are delta coded with per-block bit widths, or as a bitmap when
@@ -797,19 +807,32 @@ class TopK(GradientCompressor):
 
     >>> TopK(ratio=0.01)
     TopK(ratio=0.01, error_feedback=True)
+    >>> TopK(ratio=0.001).selected(4096), TopK(ratio=0.001).selected(1_000_000), TopK(0.001, min_k=1).selected(4096)
+    (32, 1000, 5)
     """
 
     kind = wire.KIND_TOPK
 
     def __init__(self, ratio: Ratio = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
-                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16",
+                 min_k: int = MIN_SELECTED) -> None:
         super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
         self.schedule: Optional[Callable[[int], float]] = None
         if callable(ratio):
             self.schedule = ratio
             ratio = getattr(ratio, "ratio", None) or ratio(0)
         self.ratio = ratio
+        if isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 1:
+            raise ValueError(f"min_k must be an int >= 1 (the fewest values sent of a compressed tensor; "
+                             f"default {MIN_SELECTED}), got {min_k!r}")
+        self.min_k = min_k
+
+    def selected(self, numel: int, ratio: Optional[float] = None) -> int:
+        """How many of a ``numel``-element tensor's entries are sent at ``ratio`` (default: the target
+        ratio): ``max(min_k, ceil(ratio * numel))``, at most ``numel``."""
+        share = self.ratio if ratio is None else ratio
+        return min(numel, max(self.min_k, kernels.num_selected(share, numel)))
 
     @property
     def ratio(self) -> float:
@@ -822,6 +845,10 @@ class TopK(GradientCompressor):
 
     def __repr__(self) -> str:
         return f"TopK(ratio={self._ratio_repr()}, error_feedback={self.error_feedback}{self._extra_repr()})"
+
+    def _extra_repr(self) -> str:
+        extra = f", min_k={self.min_k}" if self.min_k != MIN_SELECTED else ""
+        return super()._extra_repr() + extra
 
     def _caution(self) -> str:
         if self.ratio >= MEASURED_RATIO:
@@ -857,12 +884,12 @@ class TopK(GradientCompressor):
         return self.ratio
 
     def _selects(self, name: str, numel: int) -> Optional[int]:
-        return kernels.num_selected(self.ratio_at(self._steps.get(name, 0)), numel)
+        return self.selected(numel, self.ratio_at(self._steps.get(name, 0)))
 
     def _select(self, flat: torch.Tensor, marked: fb.Marked = None
                 ) -> Tuple[torch.Tensor, torch.Tensor, int, List[torch.Tensor]]:
         """(indices, flat at them, index mode, index sections) of the top-k."""
-        idx, vals = kernels.topk(flat, kernels.num_selected(self.ratio_at(self._step_now), flat.numel()), marked)
+        idx, vals = kernels.topk(flat, self.selected(flat.numel(), self.ratio_at(self._step_now)), marked)
         mode, sections = wire.encode_indices(idx, flat.numel())
         return idx, vals, mode, sections
 
@@ -904,8 +931,8 @@ class TopKQSGD(_Quantiser, TopK):
     def __init__(self, ratio: Ratio = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
                  error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
                  clip: Optional[float] = None, exclude: Optional[str] = None,
-                 checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
-        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt)
+                 checksum: Optional[bool] = None, exempt: str = "fp16", min_k: int = MIN_SELECTED) -> None:
+        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt, min_k)
         self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:
@@ -1060,7 +1087,7 @@ def payload_size(compressor: GradientCompressor, shape: Tuple[int, ...], dtype: 
     if isinstance(compressor, QSGD):
         nb = (n + compressor.bucket_size - 1) // compressor.bucket_size
         return head + wire.padded(4 * nb) + wire.padded((n * compressor.bits + 7) // 8)
-    k = kernels.num_selected(compressor.ratio, n)
+    k = compressor.selected(n)
     if index_bytes is None:
         raise ValueError("sparse payload sizes depend on the index coding: pass index_bytes")
     if isinstance(compressor, TopKQSGD):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hvd_gradcomp import QSGD, SparsityWarmup, TopK, TopKQSGD, kernels
-from hvd_gradcomp.compressors import payload_size
+from hvd_gradcomp.compressors import MIN_SELECTED, payload_size
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 COMPRESSORS = {
@@ -32,9 +32,9 @@ def pad8(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def expected_k(ratio: float, n: int) -> int:
-    """k = max(1, ceil(ratio * n)), with the ratio read as the decimal the user wrote."""
-    return max(1, math.ceil(Fraction(str(ratio)) * n))
+def expected_k(ratio: float, n: int, min_k: int = MIN_SELECTED) -> int:
+    """k = max(min_k, ceil(ratio * n)), at most n, with the ratio read as the decimal the user wrote."""
+    return min(n, max(min_k, math.ceil(Fraction(str(ratio)) * n)))
 
 
 def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
@@ -342,12 +342,28 @@ def test_topk_exact_on_half_precision(dtype):
                                       (0.29, 100), (0.57, 100), (0.3, 10), (1.0, 17), (1e-9, 10),
                                       (0.001, 10 ** 6 + 1), (0.07, 3 * 10 ** 9), (0.07, 10 ** 10)])
 def test_k_is_ceil_of_ratio_times_n(ratio, n):
-    assert kernels.num_selected(ratio, n) == expected_k(ratio, n)
+    assert kernels.num_selected(ratio, n) == max(1, expected_k(ratio, n, min_k=1))
     if n <= 10 ** 6 + 1:
         x = torch.randn(n, generator=gen(6)) + 0.5  # no zeros: the support counts the kept entries
         x[x == 0] = 1.0
         y = TopK(ratio=ratio).decode(TopK(ratio=ratio).encode(x))
         assert int((y != 0).sum()) == expected_k(ratio, n)
+
+
+@pytest.mark.parametrize("make", [lambda **kw: TopK(ratio=0.001, **kw), lambda **kw: TopKQSGD(ratio=0.001, **kw)])
+def test_a_compressed_tensor_sends_at_least_min_k_values(make):
+    """At ratio 0.001 a 4096-element tensor would send 5 values: the floor sends 32 (min_k), the
+    exact top 32; a tensor of at most min_k elements goes whole; a large one is not affected."""
+    for n, want in ((4096, 32), (20, 20), (100_000, 100)):
+        x = distinct_values(n, torch.float32, seed=n)
+        y = make(error_feedback=False).decode(make().encode(x))
+        assert set(y.nonzero().squeeze(1).tolist()) <= topk_set(x, want)
+        assert int((y != 0).sum()) >= want - 1  # TopKQSGD may round one value to zero
+    assert make(min_k=1).selected(4096) == 5 and make().selected(4096) == MIN_SELECTED == 32
+    assert "min_k=8" in repr(make(min_k=8)) and "min_k" not in repr(make())
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="min_k must be an int >= 1"):
+            make(min_k=bad)
 
 
 def test_topkqsgd_keeps_the_exact_top_k_and_quantises_them():
@@ -499,7 +515,7 @@ def test_non_finite_gradient_raises_without_error_feedback(name):
 def test_large_finite_gradient_is_not_reported_as_nan():
     """Finite values near float32's maximum are valid gradients (their sum overflows, they don't)."""
     x = torch.tensor([3e38, -1.0, 3e38, 1.0])
-    c = TopK(ratio=0.5)
+    c = TopK(ratio=0.5, min_k=1)
     y = c.decode(c.compress_named("w", x))
     assert torch.equal(y, torch.tensor([3e38, 0.0, 3e38, 0.0]))
 

@@ -85,7 +85,7 @@ def test_invariant_holds_for_chunks(name):
 
 
 def test_topk_residual_is_the_unsent_part_exactly():
-    c = TopK(ratio=0.25)
+    c = TopK(ratio=0.25, min_k=1)  # min_k=1: k = 2 of these 8 values
     g = torch.tensor([1.0, -8.0, 3.0, 0.5, 2.0, -0.25, 7.0, 0.0])
     c.compress_named("w", g)  # k = 2: -8 and 7 go out
     assert c.residuals.residual("w").tolist() == [1.0, 0.0, 3.0, 0.5, 2.0, -0.25, 0.0, 0.0]

@@ -297,14 +297,14 @@ def test_bad_feedback_arguments_are_refused(kw, match):
 
 # ------------------------------------------------------------------ schedules, exclude, clip
 def test_sparsity_warmup_sends_more_at_first():
-    c = TopK(ratio=SparsityWarmup(0.01, steps=4, start=0.5), error_feedback=False)
+    c = TopK(ratio=SparsityWarmup(0.01, steps=4, start=0.5), error_feedback=False, min_k=1)
     ks = [c.decode_parts(c.compress_named("w", torch.randn(1000, generator=gen(s))))[0].numel() for s in range(6)]
     assert ks == [500, 189, 71, 27, 10, 10]  # ceil(1000 * 0.5 * 0.02 ** (s / 4))
     assert c.ratio == 0.01 and "SparsityWarmup" in repr(c)
 
 
 def test_ratio_may_be_any_schedule():
-    c = TopK(ratio=lambda step: 0.5 if step < 1 else 0.1, error_feedback=False)
+    c = TopK(ratio=lambda step: 0.5 if step < 1 else 0.1, error_feedback=False, min_k=1)
     ks = [c.decode_parts(c.compress_named("w", torch.randn(100, generator=gen(s))))[0].numel() for s in range(3)]
     assert ks == [50, 10, 10]
     with pytest.raises(ValueError, match="ratio"):
