@@ -248,7 +248,7 @@ def test_sum_parts_adds_16_bit_gradients_in_float32() -> None:
 
 
 def test_decode_and_reduce_payloads_in_rank_order() -> None:
-    c = gc.TopK(ratio=0.5, error_feedback=False)
+    c = gc.TopK(ratio=0.5, error_feedback=False, min_k=1)
     grads = [torch.tensor([4.0, -1.0, 0.0, 3.0]), torch.tensor([0.0, 2.0, -5.0, 1.0])]
     payloads = [c.encode(g) for g in grads]
     assert reduce_payloads(c, payloads, True, 2, torch.float32).tolist() == [2.0, 1.0, -2.5, 1.5]

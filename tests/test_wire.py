@@ -77,8 +77,8 @@ def oracle_delta_bytes(indices) -> int:
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 4, 5)])
 @pytest.mark.parametrize("make, kind_bits", [
     (lambda: QSGD(bits=4, bucket_size=16, seed=1), 4),
-    (lambda: TopK(ratio=0.3), 0),
-    (lambda: TopKQSGD(ratio=0.3, bits=2, bucket_size=8, seed=1), 2),
+    (lambda: TopK(ratio=0.3, min_k=1), 0),
+    (lambda: TopKQSGD(ratio=0.3, bits=2, bucket_size=8, seed=1, min_k=1), 2),
 ])
 def test_header_follows_documented_layout(make, kind_bits, shape, dtype):
     c = make()
