@@ -92,11 +92,11 @@ MAX_EXPANSION = 1 << 16
 MIN_SELECTED = 32
 """The fewest values a top-k codec sends of a compressed tensor (``TopK(min_k=...)``), whatever
 the ratio: below about 32 (8-bit values, delta-coded indices) a payload's values and indices
-take fewer bytes than its own 56-byte header, so sending fewer saves almost nothing, while the
-tensor starves: at ratio 0.001 a 4096-element projection sent 5 values per step, each
-coordinate waited ~800 steps for its turn, and the study's transformer ended +4.8% above
-uncompressed training (+2.5% with the floor, for 1% more bytes; docs/STUDY.md). Large tensors
-never reach it (ratio 0.01 of 3,200 elements is 32)."""
+take fewer bytes than its own header (40 bytes plus 8 per dimension), so sending fewer saves
+almost nothing, while the tensor starves: at ratio 0.001 a 4096-element projection would send 5
+values per step and each coordinate wait ~800 steps for its turn (the study's transformer ended
++4.8% above uncompressed training without the floor; docs/STUDY.md has it with the floor). Large
+tensors never reach it (ratio 0.01 of 3,200 elements is 32)."""
 # The smallest top-k ratio that matched uncompressed held-out loss on every task of the study
 # (docs/STUDY.md); a smaller one is cautioned about at start-up (TopK._caution).
 MEASURED_RATIO = 0.01
@@ -823,10 +823,19 @@ class TopK(GradientCompressor):
             self.schedule = ratio
             ratio = getattr(ratio, "ratio", None) or ratio(0)
         self.ratio = ratio
-        if isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 1:
-            raise ValueError(f"min_k must be an int >= 1 (the fewest values sent of a compressed tensor; "
-                             f"default {MIN_SELECTED}), got {min_k!r}")
         self.min_k = min_k
+
+    @property
+    def min_k(self) -> int:
+        """The fewest values sent of a compressed tensor (all of them when it has fewer)."""
+        return self._min_k
+
+    @min_k.setter
+    def min_k(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"min_k must be an int >= 1 (the fewest values sent of a compressed tensor; "
+                             f"default {MIN_SELECTED}), got {value!r}")
+        self._min_k = value
 
     def selected(self, numel: int, ratio: Optional[float] = None) -> int:
         """How many of a ``numel``-element tensor's entries are sent at ``ratio`` (default: the target

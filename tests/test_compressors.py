@@ -364,6 +364,10 @@ def test_a_compressed_tensor_sends_at_least_min_k_values(make):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="min_k must be an int >= 1"):
             make(min_k=bad)
+        c = make()
+        with pytest.raises(ValueError, match="min_k must be an int >= 1"):
+            c.min_k = bad  # checked on assignment too, and left as it was
+        assert c.min_k == MIN_SELECTED
 
 
 def test_topkqsgd_keeps_the_exact_top_k_and_quantises_them():
