@@ -2,7 +2,8 @@
 
 At a ratio r, each of P ranks sends r * n of a tensor's n values per step, so a run of T steps
 sends at most T * r * P values per value of the tensor ("sends per value"): below 1, part of every
-tensor is never sent, however good the error feedback. The study's runs (400-600 steps, chosen so
+tensor is never sent, however good the error feedback (for tensors of more than 32,000 elements:
+smaller ones send at least ``min_k`` = 32 values per step, more than r * n). The study's runs (400-600 steps, chosen so
 that the uncompressed loss is flat) give TopKQSGD(0.1%, 8) only about one send per value, so its
 gap could be an artefact of short runs. This command tests that: it trains the two tasks whose
 uncompressed seed spread is small (``transformer``: AdamW; ``char-mlp``: momentum SGD) for
@@ -81,8 +82,8 @@ def page(study: Runs, longer: Runs, seeds: List[int], command: str) -> str:
              f"{', '.join(map(str, seeds))}; each gap is the held-out loss against the uncompressed run of the "
              "same seed and length, averaged over the seeds; - : not run at that length.", "",
              "*sends per value at 0.1%* is steps x ratio x ranks: the most times a run at ratio 0.001 can send "
-             "each value of a tensor (see `benchmarks/study/run_length.py`). Below 1, part of every tensor is "
-             "never sent.", "",
+             "each value of a tensor of more than 32,000 elements (see `benchmarks/study/run_length.py`). Below 1, "
+             "part of every such tensor is never sent; smaller tensors send at least 32 values per step (`min_k`).", "",
              "| task | steps | sends per value at 0.1% | uncompressed held-out loss | uncompressed seed spread | "
              + " | ".join(f"{label}: gap" for _, label in COLUMNS) + " |",
              "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in COLUMNS) + " |"]
