@@ -39,7 +39,7 @@ from . import kernels, wire
 from . import feedback as fb
 from .feedback import Feedback
 from .stats import ByteStats
-from .settings import check_bits, check_bucket_size, check_ratio
+from .settings import check_bits, check_bucket_size, check_min_k, check_ratio
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
@@ -832,10 +832,7 @@ class TopK(GradientCompressor):
 
     @min_k.setter
     def min_k(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"min_k must be an int >= 1 (the fewest values sent of a compressed tensor; "
-                             f"default {MIN_SELECTED}), got {value!r}")
-        self._min_k = value
+        self._min_k = check_min_k(value)
 
     def selected(self, numel: int, ratio: Optional[float] = None) -> int:
         """How many of a ``numel``-element tensor's entries are sent at ``ratio`` (default: the target

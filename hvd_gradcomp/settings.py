@@ -35,6 +35,14 @@ def check_bits(bits: Any) -> int:
     return bits
 
 
+def check_min_k(min_k: Any) -> int:
+    """TopK's fewest values sent of a compressed tensor, >= 1."""
+    if not _is_int(min_k) or min_k < 1:
+        raise ValueError(f"min_k must be an int >= 1 (the fewest values sent of a compressed tensor; "
+                         f"default 32), got {min_k!r}")
+    return min_k
+
+
 MAX_BUCKET_SIZE = (1 << 32) - 1  # the wire format stores it in 32 bits
 
 
