@@ -39,7 +39,7 @@ from . import kernels, wire
 from . import feedback as fb
 from .feedback import Feedback
 from .stats import ByteStats
-from .settings import check_bits, check_bucket_size, check_min_k, check_ratio
+from .settings import MIN_SELECTED, check_bits, check_bucket_size, check_min_k, check_ratio
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
@@ -89,14 +89,6 @@ Ratio = Union[float, Callable[[int], float]]
 # the decoder's ratio (ratios down to ~5e-6 stay below it); beyond, only as many as the
 # decoder's own ratio explains. A forged ``numel`` cannot make decode() allocate more.
 MAX_EXPANSION = 1 << 16
-MIN_SELECTED = 32
-"""The fewest values a top-k codec sends of a compressed tensor (``TopK(min_k=...)``), whatever
-the ratio: below about 32 (8-bit values, delta-coded indices) a payload's values and indices
-take fewer bytes than its own header (40 bytes plus 8 per dimension), so sending fewer saves
-almost nothing, while the tensor starves: at ratio 0.001 a 4096-element projection would send 5
-values per step and each coordinate wait ~800 steps for its turn (the study's transformer ended
-+4.8% above uncompressed training without the floor; docs/STUDY.md has it with the floor). Large
-tensors never reach it (ratio 0.01 of 3,200 elements is 32)."""
 # The smallest top-k ratio that matched uncompressed held-out loss on every task of the study
 # (docs/STUDY.md); a smaller one is cautioned about at start-up (TopK._caution).
 MEASURED_RATIO = 0.01
@@ -796,8 +788,9 @@ class QSGD(_Quantiser, GradientCompressor):
 
 class TopK(GradientCompressor):
     """TopK sparsification: send the k = max(min_k, ceil(ratio * n)) entries of largest magnitude
-    (all n when n <= min_k; ``min_k`` defaults to :data:`MIN_SELECTED`, 32: fewer values than
-    that save almost no bytes, since each payload carries a 56-byte header, and starve the tensor).
+    (all n when n <= min_k; ``min_k`` defaults to :data:`~hvd_gradcomp.settings.MIN_SELECTED`, 32:
+    fewer values than that save almost no bytes, since each payload carries its header, 56 bytes
+    for a matrix, and starve the tensor).
 
     Selection is exact (see :func:`hvd_gradcomp.kernels.topk_indices`). Values travel in the
     gradient's dtype; indices are delta coded with per-block bit widths, or as a bitmap when

@@ -1,6 +1,6 @@
 """The settings the library reads, checked in one place; imports nothing (no torch, no Horovod).
 
-* Checks of ratio, bits and bucket size, used by the codecs (:mod:`hvd_gradcomp.compressors`)
+* Checks of ratio, bits, bucket size and ``min_k``, used by the codecs (:mod:`hvd_gradcomp.compressors`)
   and by the ``HVDGC_*`` settings alike, so a value is refused with the same message
   wherever it is given. Each message starts with the setting's name.
 * The ``HVDGC_*`` variables (:data:`VARIABLES`; the table is in :mod:`hvd_gradcomp.config`),
@@ -35,11 +35,21 @@ def check_bits(bits: Any) -> int:
     return bits
 
 
+MIN_SELECTED = 32
+"""The fewest values a top-k codec sends of a compressed tensor (``TopK(min_k=...)`` in
+:mod:`hvd_gradcomp.compressors`), whatever the ratio: below about 32 (8-bit values, delta-coded indices) a payload's values and indices
+take fewer bytes than its own header (40 bytes plus 8 per dimension), so sending fewer saves
+almost nothing, while the tensor starves: at ratio 0.001 a 4096-element projection would send 5
+values per step and each coordinate wait ~800 steps for its turn (the study's transformer ended
++4.8% above uncompressed training without the floor; docs/STUDY.md has it with the floor). Large
+tensors never reach it (ratio 0.01 of 3,200 elements is 32)."""
+
+
 def check_min_k(min_k: Any) -> int:
     """TopK's fewest values sent of a compressed tensor, >= 1."""
     if not _is_int(min_k) or min_k < 1:
         raise ValueError(f"min_k must be an int >= 1 (the fewest values sent of a compressed tensor; "
-                         f"default 32), got {min_k!r}")
+                         f"default {MIN_SELECTED}), got {min_k!r}")
     return min_k
 
 

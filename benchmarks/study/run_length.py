@@ -3,8 +3,8 @@
 At a ratio r, each of P ranks sends r * n of a tensor's n values per step, so a run of T steps
 sends at most T * r * P values per value of the tensor ("sends per value"): below 1, part of every
 tensor is never sent, however good the error feedback (for tensors of more than 32,000 elements:
-smaller ones send at least ``min_k`` = 32 values per step, more than r * n). The study's runs (400-600 steps, chosen so
-that the uncompressed loss is flat) give TopKQSGD(0.1%, 8) only about one send per value, so its
+smaller ones send at least ``min_k`` = 32 values per step, more than r * n). The study's runs
+(400-600 steps, chosen so that the uncompressed loss is flat) give TopKQSGD(0.1%, 8) only about one send per value, so its
 gap could be an artefact of short runs. This command tests that: it trains the two tasks whose
 uncompressed seed spread is small (``transformer``: AdamW; ``char-mlp``: momentum SGD) for
 ``--scale`` times their steps (the same schedule, stretched), uncompressed, TopKQSGD(0.1%, 8) and
