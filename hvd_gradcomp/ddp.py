@@ -62,12 +62,11 @@ import torch.distributed as dist
 from . import feedback as fb
 from . import kernels, settings, wire
 from .auto import Auto
-from .compressors import QSGD, GradientCompressor, TopKQSGD, payload_size
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, QSGD, GradientCompressor, TopKQSGD, payload_size
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
 from .policy import DENSE, FP16, QSGD_AR, SPARSE
 from .stats import ByteStats
 
-DEFAULT_MIN_COMPRESS_NUMEL = 1024
 DENSE_DTYPES = (torch.float16, torch.bfloat16)
 STATE_VERSION = 1
 _DEFAULT_COMPRESSION = TopKQSGD(ratio=0.01, bits=8)
