@@ -604,8 +604,19 @@ class GradientCompressor:
         had never run. Not rolled back: the local optimizers of ``feedback="update"``, which
         already applied the step to the parameters (a loss scaler does not fit that policy:
         its local optimizer steps on scaled gradients). Either way the step counter advances:
-        the exchange did happen on every rank.
+        the exchange did happen on every rank. A RuntimeWarning says so (each time, or once per
+        process under Python's default warning filter).
         """
+        self._close_round(ok)
+        if not ok:
+            # Not an error: a loss scaler (torch.amp.GradScaler) finds the same inf/NaN and skips the
+            # step on every rank. Said because without a scaler it would be a silent NaN.
+            warnings.warn("hvd_gradcomp: an averaged gradient is not finite (NaN or Inf) this step: the "
+                          "compressor's state was kept as before it, and the gradients go to the optimizer as "
+                          "they are (a torch.amp.GradScaler skips such a step; without one the parameters become "
+                          "NaN). Check the loss and the inputs of this step.", RuntimeWarning, stacklevel=2)
+
+    def _close_round(self, ok: bool) -> None:
         for policy in (self.feedback, self._relay, self._half):
             policy.end_round(ok)
         if not ok and self._undo_steps:
@@ -619,7 +630,7 @@ class GradientCompressor:
 
     def abandon_round(self) -> None:
         """Undo an unfinished step and restart the step count (elastic reset, checkpoint load)."""
-        self.end_round(False)
+        self._close_round(False)
         self._round = 0
 
     @property

@@ -339,6 +339,27 @@ def _name_parameters(param_groups: List[dict], named_parameters: Optional[Iterab
     return mapping
 
 
+def _check_compression(compression: Any) -> None:
+    """Refuse, before any hook is registered, what is not a compressor: a name such as "topk"
+    would otherwise fail only inside the first backward, and leave hooks on the parameters.
+
+    >>> _check_compression("topk")
+    Traceback (most recent call last):
+    ...
+    ValueError: compression must be an hvd_gradcomp compressor (e.g. TopKQSGD(ratio=0.01, bits=8), QSGD(bits=8)), hvd_gradcomp.Auto(), a Horovod compressor (hvd.Compression.none / fp16) or None, got 'topk' (str); names such as 'topk' are for hvdgc-launch --compression (HVDGC_COMPRESSION): hvd_gradcomp.config.from_env().make_compressor() builds one from them
+    """
+    if compression is None or isinstance(compression, GradientCompressor) or hasattr(compression, "make_exchange") \
+            or (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
+        return
+    hint = ""
+    if isinstance(compression, str):
+        hint = (f"; names such as {compression!r} are for hvdgc-launch --compression (HVDGC_COMPRESSION): "
+                "hvd_gradcomp.config.from_env().make_compressor() builds one from them")
+    raise ValueError("compression must be an hvd_gradcomp compressor (e.g. TopKQSGD(ratio=0.01, bits=8), QSGD(bits=8)), "
+                     "hvd_gradcomp.Auto(), a Horovod compressor (hvd.Compression.none / fp16) or None, got "
+                     f"{compression!r} ({type(compression).__name__}){hint}")
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Iterable] = None,
                          compression: Any = None, backward_passes_per_step: int = 1, op: Any = None,
                          gradient_predivide_factor: float = 1.0, process_set: Any = None,
@@ -382,6 +403,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    _check_compression(compression)
     if hasattr(optimizer, "_compressed") and hasattr(optimizer, "_pending"):
         raise ValueError("optimizer is already an hvd_gradcomp.DistributedOptimizer; wrap the plain optimizer once")
     process_set = hvd.global_process_set if process_set is None else process_set

@@ -370,3 +370,25 @@ def test_unread_settings_warn_once(real) -> None:
     assert len(first) == 1 and first[0].startswith("UnreadSettingsWarning: HVDGC_COMPRESSION=topk is set")
     assert "DistributedOptimizer(compression=None, backward_passes_per_step=1)" in first[0]
     assert second == []
+
+
+@pytest.mark.parametrize("bad", ["topk", "topk-qsgd", 0.01, torch.float16, object()])
+def test_distributed_optimizer_refuses_what_is_not_a_compressor(bad: Any) -> None:
+    """Refused by gc.DistributedOptimizer before any hook is registered (a name such as "topk"
+    used to pass and fail inside the first backward, with hooks left on the parameters); the
+    message names what was given and what is accepted, and for a name how to build one."""
+    from hvd_gradcomp.optimizer import _check_compression
+    with pytest.raises(ValueError) as err:
+        _check_compression(bad)
+    text = str(err.value)
+    assert "compression must be an hvd_gradcomp compressor" in text and type(bad).__name__ in text
+    assert ("make_compressor()" in text) == isinstance(bad, str)
+
+
+def test_distributed_optimizer_accepts_every_kind_of_compressor() -> None:
+    """None, ours, Auto and Horovod's compressors (classes with compress/decompress) pass."""
+    from hvd_gradcomp.optimizer import _check_compression
+    horovod_like = SimpleNamespace(compress=lambda t: (t, None), decompress=lambda t, ctx: t)
+    for ok in (None, gc.TopKQSGD(ratio=0.01, bits=8), gc.QSGD(bits=8), gc.TopK(ratio=0.01), gc.Auto(), horovod_like,
+               hvd.Compression.none, hvd.Compression.fp16):
+        _check_compression(ok)

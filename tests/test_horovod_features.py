@@ -78,11 +78,14 @@ def res(backend, ckpt_dir):
 @pytest.mark.parametrize("wrapper,kind", WK)
 def test_issue11_case3_gradscaler_overflow_skipped_on_every_rank(res, wrapper, kind):
     """Rank 1's scaled loss is inf at step 2: every rank sees a non-finite average, every rank's
-    scaler skips that step, and no residual, random stream, velocity or parameter moves."""
+    scaler skips that step, and no residual, random stream, velocity or parameter moves;
+    the compressor warns of the non-finite average at that step, through either wrapper."""
     for r in res[f"gradscaler-{wrapper}-{kind}"]:
         rows = r["rows"]
         assert [row["skipped"] for row in rows] == [False, False, True, False, False], rows
         assert [row["grads_finite"] for row in rows] == [True, True, False, True, True], rows
+        # said (no silent NaN without a scaler), on every rank, at that step only
+        assert [row["warned_not_finite"] for row in rows] == [False, False, True, False, False], rows
         bad = rows[2]
         assert bad["params_unchanged"] and bad["compressor_unchanged"] and bad["velocity_unchanged"], bad
         for row in rows[1:2] + rows[3:]:  # the checks can fail: good steps do change all three

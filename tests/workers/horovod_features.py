@@ -95,7 +95,9 @@ def gradscaler(wrapper: str, kind: str, tag: str, bad_step: int = 2, steps: int 
         snap, params = comp_snapshot(comp), flat_params(model).clone()
         velocity = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters() if p in opt.state]
         scaler.scale(loss).backward()
-        opt.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.synchronize()
         grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
         scaler.unscale_(opt)
         with opt.skip_synchronize():
@@ -104,6 +106,7 @@ def gradscaler(wrapper: str, kind: str, tag: str, bad_step: int = 2, steps: int 
         scaler.update()
         velocity_after = [opt.state[p]["momentum_buffer"] for p in model.parameters() if p in opt.state]
         rows.append({"skipped": scaler.get_scale() < scale, "grads_finite": grads_finite,
+                     "warned_not_finite": any("not finite" in str(w.message) for w in caught),
                      "params_unchanged": torch.equal(params, flat_params(model)),
                      "compressor_unchanged": same_snapshot(snap, comp_snapshot(comp)),
                      "velocity_unchanged": len(velocity) == len(velocity_after) > 0 and
