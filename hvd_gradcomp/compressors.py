@@ -39,7 +39,7 @@ from . import kernels, wire
 from . import feedback as fb
 from .feedback import Feedback
 from .stats import ByteStats
-from .settings import MIN_SELECTED, check_bits, check_bucket_size, check_min_k, check_ratio
+from .settings import MIN_SELECTED, Checked, check_bits, check_bucket_size, check_min_k, check_ratio
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
@@ -714,31 +714,14 @@ class GradientCompressor:
 class _Quantiser:
     """What QSGD and TopKQSGD share: bits, bucket size and the error-feedback scale."""
 
-    bits: int
-    bucket_size: int
     error_feedback: bool
 
     def _init_quantiser(self, bits: int, bucket_size: int) -> None:
         self.bits = bits
         self.bucket_size = bucket_size
 
-    @property
-    def bits(self) -> int:
-        """Bits per value: 1 sign bit + level bits, 2 to 8."""
-        return self._bits
-
-    @bits.setter
-    def bits(self, value: int) -> None:
-        self._bits = check_bits(value)
-
-    @property
-    def bucket_size(self) -> int:
-        """Values sharing one norm, 1 to 2**32 - 1."""
-        return self._bucket_size
-
-    @bucket_size.setter
-    def bucket_size(self, value: int) -> None:
-        self._bucket_size = check_bucket_size(value)
+    bits = Checked(check_bits, "Bits per value: 1 sign bit + level bits, 2 to 8.")
+    bucket_size = Checked(check_bucket_size, "Values sharing one norm, 1 to 2**32 - 1.")
 
     @property
     def ef_scale(self) -> float:
@@ -829,14 +812,7 @@ class TopK(GradientCompressor):
         self.ratio = ratio
         self.min_k = min_k
 
-    @property
-    def min_k(self) -> int:
-        """The fewest values sent of a compressed tensor (all of them when it has fewer)."""
-        return self._min_k
-
-    @min_k.setter
-    def min_k(self, value: int) -> None:
-        self._min_k = check_min_k(value)
+    min_k = Checked(check_min_k, "The fewest values sent of a compressed tensor (all of them when it has fewer).")
 
     def selected(self, numel: int, ratio: Optional[float] = None) -> int:
         """How many of a ``numel``-element tensor's entries are sent at ``ratio`` (default: the target
@@ -844,14 +820,7 @@ class TopK(GradientCompressor):
         share = self.ratio if ratio is None else ratio
         return min(numel, max(self.min_k, kernels.num_selected(share, numel)))
 
-    @property
-    def ratio(self) -> float:
-        """The share of entries sent, in (0, 1] (the target, with a schedule)."""
-        return self._ratio
-
-    @ratio.setter
-    def ratio(self, value: float) -> None:
-        self._ratio = check_ratio(value)
+    ratio = Checked(check_ratio, "The share of entries sent, in (0, 1] (the target, with a schedule).")
 
     def __repr__(self) -> str:
         return f"TopK(ratio={self._ratio_repr()}, error_feedback={self.error_feedback}{self._extra_repr()})"

@@ -15,7 +15,7 @@ ValueError: bits must be in 2..8, got 9: an int, 1 sign bit + level bits
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -62,6 +62,32 @@ def check_bucket_size(bucket_size: Any) -> int:
         raise ValueError(f"bucket_size must be an int in 1..2**32 - 1, got {bucket_size!r}: values per QSGD norm "
                          "(the wire format stores it in 32 bits)")
     return bucket_size
+
+
+class Checked:
+    """A codec setting checked on every assignment, in the constructor or later (``c.ratio = 0.05``),
+    by one of the checks above; the value lives in ``_<name>`` on the instance.
+
+    >>> class Codec:
+    ...     bits = Checked(check_bits, "Bits per value.")
+    >>> c = Codec(); c.bits = 4; c.bits
+    4
+    >>> c.bits = 9
+    Traceback (most recent call last):
+    ValueError: bits must be in 2..8, got 9: an int, 1 sign bit + level bits
+    """
+
+    def __init__(self, check: Callable[[Any], Any], doc: str) -> None:
+        self.check, self.__doc__ = check, doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.slot, self.check(value))
 
 
 def check_settings(compression: str, ratio: Any, bits: Any, accumulate: Any) -> None:
