@@ -799,6 +799,8 @@ class TopK(GradientCompressor):
     """
 
     kind = wire.KIND_TOPK
+    ratio = Checked(check_ratio, "The share of entries sent, in (0, 1] (the target, with a schedule).")
+    min_k = Checked(check_min_k, "The fewest values sent of a compressed tensor (all of them when it has fewer).")
 
     def __init__(self, ratio: Ratio = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
@@ -812,15 +814,11 @@ class TopK(GradientCompressor):
         self.ratio = ratio
         self.min_k = min_k
 
-    min_k = Checked(check_min_k, "The fewest values sent of a compressed tensor (all of them when it has fewer).")
-
     def selected(self, numel: int, ratio: Optional[float] = None) -> int:
         """How many of a ``numel``-element tensor's entries are sent at ``ratio`` (default: the target
         ratio): ``max(min_k, ceil(ratio * numel))``, at most ``numel``."""
         share = self.ratio if ratio is None else ratio
         return min(numel, max(self.min_k, kernels.num_selected(share, numel)))
-
-    ratio = Checked(check_ratio, "The share of entries sent, in (0, 1] (the target, with a schedule).")
 
     def __repr__(self) -> str:
         return f"TopK(ratio={self._ratio_repr()}, error_feedback={self.error_feedback}{self._extra_repr()})"

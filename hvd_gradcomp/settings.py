@@ -37,8 +37,8 @@ def check_bits(bits: Any) -> int:
 
 MIN_SELECTED = 32
 """The fewest values a top-k codec sends of a compressed tensor (``TopK(min_k=...)`` in
-:mod:`hvd_gradcomp.compressors`), whatever the ratio: below about 32 (8-bit values, delta-coded indices) a payload's values and indices
-take fewer bytes than its own header (40 bytes plus 8 per dimension), so sending fewer saves
+:mod:`hvd_gradcomp.compressors`), whatever the ratio: below about 32 (8-bit values, delta-coded
+indices) a payload's values and indices take fewer bytes than its own header (40 bytes plus 8 per dimension), so sending fewer saves
 almost nothing, while the tensor starves: at ratio 0.001 a 4096-element projection would send 5
 values per step and each coordinate wait ~800 steps for its turn (the study's transformer ended
 +4.8% above uncompressed training without the floor; docs/STUDY.md has it with the floor). Large
