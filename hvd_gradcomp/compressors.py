@@ -193,6 +193,8 @@ class GradientCompressor:
         self._relay = fb.ErrorFeedback()  # re-quantisation in QSGD's compressed allreduce
         self._half = fb.HalfPrecision()   # the float16 road of exempt tensors (see sends_half)
         self._attached: Any = None
+        self._binding: Optional[Tuple[Any, Dict[Any, str]]] = None   # see bind_groups
+        self._rebind_hook: Any = None
         self.stats = ByteStats()
         self._steps: Dict[str, int] = {}
         self._owner: Optional[weakref.ref] = None
@@ -264,14 +266,49 @@ class GradientCompressor:
             key, why = fb.choose(optimizer, isinstance(self, QSGD), self._contracting)
             if key != self.feedback.key:
                 self._set_policy(fb.make(key))
-        for group in getattr(optimizer, "param_groups", []):
-            for p in group["params"]:
-                if p in names:
-                    self.feedback.bind(names[p], group, p, optimizer)
+        self.bind_groups(optimizer, names)
         if rank == 0:
             fb.announce(f"{self!r} with {type(optimizer).__name__}: feedback '{self.feedback.key}' "
                         f"({self.feedback.describe()}; {why}). Override with feedback='none'|'classic'|"
                         "'momentum'|'update'|'frozen'." + self._caution())
+
+    def bind_groups(self, optimizer: Any, names: Dict[Any, str]) -> None:
+        """Bind the feedback policy to each named parameter's param group of ``optimizer`` (the
+        policies read the rate, betas, momentum and weight decay there, live), now and again after
+        every ``optimizer.load_state_dict()`` and policy change.
+
+        Why again: torch's ``load_state_dict`` replaces the group dicts. A policy still reading the
+        old ones kept the rate of before the load for the rest of the run (a resumed run with a
+        scheduler stepped at a stale rate, and error feedback rescaled its residuals by it).
+        Called by the optimizers and the DDP hook, not by users.
+        """
+        self._binding = (optimizer, names)
+        self._bind_policy()
+        if self._rebind_hook is not None:
+            self._rebind_hook.remove()
+        me = weakref.ref(self)   # the optimizer must not keep alive a compressor it no longer uses
+
+        def rebind(opt: Any) -> None:
+            comp = me()
+            if comp is not None and comp._binding is not None and comp._binding[0] is opt:
+                comp._bind_policy()
+
+        register = getattr(optimizer, "register_load_state_dict_post_hook", None)
+        self._rebind_hook = None if register is None else register(rebind)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The load_state_dict hook (see bind_groups) stays with the optimizer it was registered on:
+        # a pickled or deep-copied compressor does not carry it (its handle refers to a local function).
+        return {**self.__dict__, "_rebind_hook": None}
+
+    def _bind_policy(self) -> None:
+        if self._binding is None:
+            return
+        optimizer, names = self._binding
+        for group in getattr(optimizer, "param_groups", []):
+            for p in group["params"]:
+                if p in names:
+                    self.feedback.bind(names[p], group, p, optimizer)
 
     def _caution(self) -> str:
         """What the user should know about these settings, said with the choice (empty: nothing)."""
@@ -583,6 +620,7 @@ class GradientCompressor:
     def _set_policy(self, policy: Feedback) -> None:
         self.feedback = policy
         self._track_rounds()
+        self._bind_policy()   # a policy taken from a checkpoint after attach() needs its groups too
 
     def detach(self) -> None:
         """Release the compressor from its optimizer (after ``remove_hooks()``)."""

@@ -1146,8 +1146,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
                                    "copy of the optimizer on each rank; in the DDP hook error feedback is classic")
         if key != comp.feedback.key:
             comp._set_policy(fb.make(key))
-    for name, group, param in groups:
-        comp.feedback.bind(name, group, param, optimizer)
+    comp.bind_groups(optimizer, names)
     if rank == 0:
         fb.announce(f"{comp!r} in the DDP hook with {type(optimizer).__name__}: feedback '{comp.feedback.key}' "
                     f"({comp.feedback.describe()}; {why}).")

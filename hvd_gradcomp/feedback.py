@@ -1079,12 +1079,16 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "compressed run still trails uncompressed training, try feedback='update' (docs/SMALL_MLP_CHECK.md)")
 
     def state_dict(self) -> Dict[str, Any]:
-        # The window's running average is not saved: a run resumed inside the warm-up starts it
-        # again, and freezes Adam's own v if too few steps are left to fill a fifth of it.
+        # The warm-up's window (running average, Adam's last v) and the rates seen are saved too, so
+        # a run resumed inside the warm-up freezes the same v at the same step as one that never
+        # stopped (two gradient-sized tensors per tensor still in its warm-up; none after it).
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity), "denom": _clone_tensors(self.denom),
                 "steps": dict(self.steps), "warmup": self.warmup, "floor": self.floor,
                 "sparsity_warmup": self.sparsity_warmup, "window": self.window,
-                "max_warmup": self.max_warmup}
+                "max_warmup": self.max_warmup,
+                "recent": {n: (r.clone(), k) for n, (r, k) in self._recent.items()},
+                "last_v": {n: (t, v.clone()) for n, (t, v) in self._last_v.items()},
+                "lr_seen": dict(self._lr_seen)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -1094,7 +1098,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.warmup, self.floor = int(state.get("warmup", self.warmup)), float(state.get("floor", self.floor))
         self.window = state.get("window", self.window)
         self.max_warmup = int(state.get("max_warmup", self.max_warmup))
-        self._last_v, self._recent, self._lr_seen = {}, {}, {}
+        # Checkpoints from before the window was saved have none: the warm-up's window starts again.
+        self._recent = {n: (r.clone(), int(k)) for n, (r, k) in state.get("recent", {}).items()}
+        self._last_v = {n: (int(t), v.clone()) for n, (t, v) in state.get("last_v", {}).items()}
+        self._lr_seen = {n: (int(t), float(lr), bool(up)) for n, (t, lr, up) in state.get("lr_seen", {}).items()}
         self.sparsity_warmup = int(state.get("sparsity_warmup", self.sparsity_warmup))
         if self._undo is not None:
             self._undo.clear()

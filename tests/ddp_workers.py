@@ -176,18 +176,23 @@ def raw_no_sync(micro: int = 4) -> Dict[str, Any]:
     return {"rel": rel(flat_grads(model.module), flat_grads(big.module)), "exchanges": state.iter}
 
 
-def train(model: DDP, state: Any, opt: torch.optim.Optimizer, steps: range, extra=None) -> None:
+def train(model: DDP, state: Any, opt: torch.optim.Optimizer, steps: range, extra=None, sched=None) -> None:
     rank = dist.get_rank()
     for step in steps:
         opt.zero_grad()
         loss_of(model, *batch(rank, step)).backward()
         opt.step()
+        if sched is not None:
+            sched.step()
 
 
-def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, **kw: Any) -> Dict[str, Any]:
+def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, schedule: bool = False,
+               **kw: Any) -> Dict[str, Any]:
     """6 steps straight vs 3 steps, save, fresh DDP + state + optimizer, load, 3 steps: bit-identical.
     ``bind``: the optimizer goes to register() (momentum correction: velocities are checkpointed too).
-    ``adamw``: AdamW with FrozenVariance(warmup=2), so the checkpoint falls in the frozen phase."""
+    ``adamw``: AdamW with FrozenVariance(warmup=2), so the checkpoint falls in the frozen phase.
+    ``schedule``: a rate that changes every step (the policy must read the param groups that the
+    optimizer's load_state_dict put in place, not those register() saw)."""
     rank = dist.get_rank()
 
     def fresh():
@@ -197,22 +202,26 @@ def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, **
         extra = {"feedback": gc.FrozenVariance(warmup=2)} if adamw else {}
         state = gc_ddp.register(model, compression=make_compression(kind, seed=11, **kw, **extra),
                                 optimizer=opt if bind else None)
-        return model, state, opt
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7) if schedule else None
+        return model, state, opt, sched
 
-    model, state, opt = fresh()
-    train(model, state, opt, range(6))
+    model, state, opt, sched = fresh()
+    train(model, state, opt, range(6), sched=sched)
     straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
-    model, state, opt = fresh()
-    train(model, state, opt, range(3))
+    model, state, opt, sched = fresh()
+    train(model, state, opt, range(3), sched=sched)
     path = Path(ckpt) / f"rank{rank}.pt"
-    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, path)
-    model, state, opt = fresh()
+    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict(),
+                "sched": sched.state_dict() if sched is not None else None}, path)
+    model, state, opt, sched = fresh()
     saved = torch.load(path, weights_only=False)
     model.module.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     state.load_state_dict(saved["hook"])
-    train(model, state, opt, range(3, 6))
+    if sched is not None:
+        sched.load_state_dict(saved["sched"])
+    train(model, state, opt, range(3, 6), sched=sched)
     resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"identical": bool(torch.equal(straight, resumed)), "max_diff": float((straight - resumed).abs().max()),
             "params": resumed.tolist()}

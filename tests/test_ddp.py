@@ -42,6 +42,10 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "ckpt-qsgd4": {"fn": "checkpoint", "kind": "qsgd", "bits": 4},
     "ckpt-topkqsgd-mc": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "bind": True},
     "ckpt-topkqsgd-frozen": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "bind": True, "adamw": True},
+    "ckpt-topkqsgd-frozen-scheduled": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "bind": True,
+                                       "adamw": True, "schedule": True},
+    "ckpt-topkqsgd-mc-scheduled": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "bind": True,
+                                   "schedule": True},
     "momentum": {"fn": "momentum"},
     "options-none": {"fn": "ddp_options", "kind": "none"},
     "options-topk-all": {"fn": "ddp_options", "kind": "topk", "ratio": 1.0, "exempt": "fp32"},
@@ -134,7 +138,8 @@ def test_flush_averages_a_partial_window(battery):
     assert r["flushed"] and r["steps"] == 1 and r["rel"] <= 1e-5
 
 
-@pytest.mark.parametrize("sid", ["ckpt-topkqsgd", "ckpt-qsgd4", "ckpt-topkqsgd-mc", "ckpt-topkqsgd-frozen"])
+@pytest.mark.parametrize("sid", ["ckpt-topkqsgd", "ckpt-qsgd4", "ckpt-topkqsgd-mc", "ckpt-topkqsgd-frozen",
+                                 "ckpt-topkqsgd-frozen-scheduled", "ckpt-topkqsgd-mc-scheduled"])
 def test_checkpoint_resume_is_bit_identical(battery, sid):
     r0, r1 = battery[sid]
     assert r0["identical"] and r1["identical"], (r0["max_diff"], r1["max_diff"])

@@ -2,6 +2,7 @@
 many steps, per-name state, checkpoints and shape checks."""
 import io
 import math
+import pickle
 from itertools import pairwise
 
 import pytest
@@ -548,3 +549,28 @@ def test_frozen_variance_freezes_the_average_of_the_warmups_last_window():
     for bad in (1, True, 2.5):
         with pytest.raises(ValueError, match="window must be an int >= 2"):
             FrozenVariance(window=bad)
+
+
+def test_policy_reads_the_param_groups_in_place_after_a_load():
+    """torch's Optimizer.load_state_dict replaces the param group dicts: the policy must follow
+    (a resumed run used to keep the rate of before the load), and a policy taken from a
+    checkpoint (feedback="auto" chose another one at attach) must be bound too."""
+    w = torch.nn.Parameter(torch.zeros(4096))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    c = TopK(ratio=0.01)
+    c.attach(opt, {w: "w"})
+    assert c.feedback.key == "momentum"
+    opt.load_state_dict(opt.state_dict())
+    opt.param_groups[0]["lr"] = 0.05
+    assert c.feedback._lr("w") == 0.05
+
+    other = TopK(ratio=0.01)
+    other.attach(torch.optim.SGD([torch.nn.Parameter(torch.zeros(4096))], lr=0.1), {})  # auto: classic
+    c.load_state_dict(other.state_dict())
+    assert c.feedback.key == "classic"
+    opt.param_groups[0]["lr"] = 0.02
+    assert c.feedback._lr("w") == 0.02
+    opt.load_state_dict(opt.state_dict())
+    opt.param_groups[0]["lr"] = 0.01
+    assert c.feedback._lr("w") == 0.01
+    assert pickle.loads(pickle.dumps(c)).feedback.key == "classic"   # the hook stays with the optimizer

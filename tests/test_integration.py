@@ -64,6 +64,12 @@ def _checkpoint_scenarios(tmp_path_factory):
           for kind in ("topkqsgd", "qsgd", "topk", "none")}
     sc["topkqsgd-stock"] = {"fn": "checkpoint_resume", "kind": "topkqsgd", "stock": True,
                             "ckpt_dir": str(tmp_path_factory.mktemp("topkqsgd-stock"))}
+    # With a scheduler, resumed after the freeze and inside the warm-up, on both wrappers.
+    for stock in (False, True):
+        for where, extra in (("frozen", {}), ("warmup", {"warmup": 4, "window": 4})):
+            key = f"topkqsgd-scheduled-{where}{'-stock' if stock else ''}"
+            sc[key] = {"fn": "checkpoint_resume", "kind": "topkqsgd", "stock": stock, "schedule": True, **extra,
+                       "ckpt_dir": str(tmp_path_factory.mktemp(key))}
     return sc
 
 
@@ -160,10 +166,15 @@ def test_bytes_handed_to_horovod_match_ratio(backend, case):
             assert r["compressor_ratio"] >= min_ratio, r
 
 
-@pytest.mark.parametrize("kind", ["topkqsgd", "qsgd", "topk", "none", "topkqsgd-stock"])
+@pytest.mark.parametrize("kind", ["topkqsgd", "qsgd", "topk", "none", "topkqsgd-stock",
+                                  "topkqsgd-scheduled-frozen", "topkqsgd-scheduled-frozen-stock",
+                                  "topkqsgd-scheduled-warmup", "topkqsgd-scheduled-warmup-stock"])
 def test_checkpoint_resume_is_identical(backend, kind, tmp_path_factory):
     """(d) stop, save per-rank state, rebuild everything, resume == never stopped; the biases'
-    float16 road (exempt="fp16") is checkpointed with the rest."""
+    float16 road (exempt="fp16") is checkpointed with the rest. The scheduled cases: Adam under a
+    rate that changes every step, resumed after v was frozen and inside the dense warm-up (its
+    window of squared gradients under way), on both wrappers: the feedback policy reads the param
+    groups the optimizer's load_state_dict put in place, and the warm-up's window is saved."""
     for r in battery(backend, "checkpoint", tmp_path_factory)[kind]:
         assert r["moved"] > 1e-3, "training did not change the parameters: the test would prove nothing"
         assert r["identical"], f"resumed run differs by {r['max_diff']}"

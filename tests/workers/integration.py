@@ -9,7 +9,7 @@ import math
 import os
 import signal
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import horovod.torch as hvd
 import torch
@@ -211,46 +211,58 @@ def bytes_per_step(kind: str, **kw: Any) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------- (d) checkpoint / resume
-def _train(model, acc, steps: int, start: int, n: int) -> None:
+def _train(model, acc, steps: int, start: int, n: int, sched=None) -> None:
     for step in range(start, start + steps):
         for i in range(n):
             x, y = batch(hvd.rank(), 100 * step + i, 8)
             acc.backward(F.cross_entropy(model(x), y))
+        if sched is not None:
+            sched.step()
 
 
-def _fresh(kind: str, n: int, stock: bool = False):
+def _fresh(kind: str, n: int, stock: bool = False, schedule: bool = False, warmup: int = 2,
+           window: Optional[int] = 50):
     model = make_model()
     # Adam's default policy ("frozen") is dense for 100 steps: freeze after 2, so the checkpoint
     # (after 3) holds the frozen second moment, the velocities and the residuals (the biases':
-    # those of their float16 road, exempt="fp16").
-    frozen = {"feedback": gc.FrozenVariance(warmup=2)} if kind in ("topk", "topkqsgd") else {}
+    # those of their float16 road, exempt="fp16"). warmup=4, window=4: the checkpoint falls inside
+    # the warm-up, with the window's running average under way.
+    frozen = {"feedback": gc.FrozenVariance(warmup=warmup, window=window)} if kind in ("topk", "topkqsgd") else {}
     comp = make_compressor(kind, seed=7, **frozen) if kind != "none" else None
     wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
     opt = wrap(torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
                compression=comp or hvd.Compression.none, backward_passes_per_step=n)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    return model, opt, gc.GradientAccumulator(opt, steps=n, micro_batch=8)
+    # A rate that changes every step: a policy reading the param groups of before the load
+    # (torch's load_state_dict replaces them) would step the resumed run at a stale rate.
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7) if schedule else None
+    return model, opt, gc.GradientAccumulator(opt, steps=n, micro_batch=8), sched
 
 
-def checkpoint_resume(kind: str, ckpt_dir: str, n: int = 2, steps: int = 6, stock: bool = False) -> Dict[str, Any]:
+def checkpoint_resume(kind: str, ckpt_dir: str, n: int = 2, steps: int = 6, stock: bool = False,
+                      schedule: bool = False, warmup: int = 2, window: Optional[int] = 50) -> Dict[str, Any]:
     """Uninterrupted run vs a run stopped at steps/2, saved, rebuilt from scratch and resumed."""
-    model, _, acc = _fresh(kind, n, stock)
-    _train(model, acc, steps, 0, n)
+    setup = dict(stock=stock, schedule=schedule, warmup=warmup, window=window)
+    model, _, acc, sched = _fresh(kind, n, **setup)
+    _train(model, acc, steps, 0, n, sched)
     straight = [p.detach().clone() for p in model.parameters()]
 
-    model, _, acc = _fresh(kind, n, stock)
-    _train(model, acc, steps // 2, 0, n)
+    model, _, acc, sched = _fresh(kind, n, **setup)
+    _train(model, acc, steps // 2, 0, n, sched)
     path = os.path.join(ckpt_dir, f"ckpt-rank{hvd.rank()}.pt")
-    torch.save({"model": model.state_dict(), "acc": acc.state_dict()}, path)
+    torch.save({"model": model.state_dict(), "acc": acc.state_dict(),
+                "sched": sched.state_dict() if sched is not None else None}, path)
     owed = {k: v.numel() for k, v in acc.state_dict()["compression"]["half"]["residuals"].items()} \
         if kind != "none" else {}
     del model, acc
-    model, _, acc = _fresh(kind, n, stock)       # new objects, new (same-seeded) compressor
+    model, _, acc, sched = _fresh(kind, n, **setup)       # new objects, new (same-seeded) compressor
     state = torch.load(path)
     model.load_state_dict(state["model"])
     acc.load_state_dict(state["acc"])
-    _train(model, acc, steps - steps // 2, steps // 2, n)
+    if sched is not None:
+        sched.load_state_dict(state["sched"])
+    _train(model, acc, steps - steps // 2, steps // 2, n, sched)
     resumed = [p.detach().clone() for p in model.parameters()]
     moved = max((a - b).abs().max().item() for a, b in zip(straight, make_model().parameters()))
     return {"identical": all(torch.equal(a, b) for a, b in zip(straight, resumed)),
