@@ -529,6 +529,12 @@ class GradientCompressor:
         norm = float(grad.float().norm())
         return grad if norm <= self.clip else grad * (self.clip / norm)
 
+    def dense_average(self, name: str, avg: torch.Tensor) -> None:
+        """``avg``: the average of ``name`` where it went uncompressed (small, excluded, or a dense step
+        of its feedback policy), before the user's code between the exchange and the optimizer step
+        sees it; for the policy (:meth:`hvd_gradcomp.feedback.Feedback.dense_average`). Called by the roads."""
+        self.feedback.dense_average(name, avg)
+
     def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         """The average of all ranks' payloads for ``name`` (same on every rank), rewritten in place
         by the feedback policy into what the optimizer sees. ``support``: see

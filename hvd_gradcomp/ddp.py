@@ -211,7 +211,9 @@ class GradCompState:
         self.world_size = dist.get_world_size(self.process_group)
         self.min_compress_numel = max(min_compress_numel, self.world_size)  # QSGD chunks are never empty
         self._names: Dict[torch.Tensor, str] = {}
-        self._at_step: Dict[str, None] = {}  # names whose received() waits for the optimizer step
+        # names whose received() waits for the optimizer step, with their average kept apart (None: left in p.grad)
+        self._at_step: Dict[str, Optional[torch.Tensor]] = {}
+        self._kept: Dict[str, torch.Tensor] = {}   # one buffer per name, reused every step
         self.auto: Optional["_AutoRoads"] = None
         if isinstance(compression, (GradientCompressor, Auto)):
             if compression in _CLAIMED:
@@ -333,20 +335,30 @@ class GradCompState:
         the parameter itself, when the optimizer steps (not during backward: autograd, clipping
         and a skipped step all expect the parameters to stay put until then). ``support``: see
         :func:`hvd_gradcomp.exchange.sparse_support`."""
-        if self.compression.feedback.moves_parameters:
-            self._at_step[name] = None
-        else:
+        if not self.compression.feedback.moves_parameters:
             self.compression.received(name, avg, support)
+            return
+        # The average is an update *direction* (FrozenVariance: momentum / sqrt(v)), not a gradient:
+        # kept apart until the step, and zeros go to p.grad, as on the Horovod road. Left in p.grad,
+        # a clip_grad_norm_(model.parameters(), 1.0) before opt.step() saw its norm (far above a
+        # gradient's) and shortened every step by as much. A non-finite average stays in p.grad,
+        # where the optimizer meets it.
+        kept = None
+        if kernels.all_finite(avg):
+            kept = self._kept.get(name)
+            kept = self._kept[name] = avg.clone() if kept is None or kept.shape != avg.shape else kept.copy_(avg)
+            avg.zero_()
+        self._at_step[name] = kept
 
     def _apply_at_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Optimizer step pre-hook: the deferred :meth:`_received` calls, on the averages DDP
-        wrote to ``p.grad`` (rewritten in place, e.g. zeroed under ``"frozen"``)."""
+        """Optimizer step pre-hook: the deferred :meth:`_received` calls, on the averages kept
+        apart (or, non-finite, left in ``p.grad``)."""
         with self._lock:
-            names, self._at_step = list(self._at_step), {}
-            for name in names:
-                grad = self._by_name[name].grad
-                if grad is not None:
-                    self.compression.received(name, grad)
+            pending, self._at_step = self._at_step, {}
+            for name, kept in pending.items():
+                avg = kept if kept is not None else self._by_name[name].grad
+                if avg is not None:
+                    self.compression.received(name, avg)
 
     # ------------------------------------------------------------ ordering
     def _then_in_order(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
@@ -467,8 +479,16 @@ def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: 
             for s in segs:
                 s.view(buffer).copy_(flat[offset:offset + s.numel])
                 offset += s.numel
+        _dense_averages(state, buffer, plan.dense)
 
     return futs, copy_back
+
+
+def _dense_averages(state: GradCompState, buffer: torch.Tensor, segments: Iterable[_Segment]) -> None:
+    """Hand the averages of the segments that went uncompressed to the feedback policy (see
+    :meth:`hvd_gradcomp.compressors.GradientCompressor.dense_average`)."""
+    for s in segments:
+        state.compression.dense_average(s.name, s.view(buffer))
 
 
 def _sends_half(state: GradCompState, seg: _Segment, dtype: torch.dtype) -> bool:
@@ -498,7 +518,10 @@ def _dense_bucket(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step:
     """A bucket with nothing to compress this step: one allreduce, or those of
     :func:`_start_dense` when some of it travels as float16."""
     if not any(_sends_half(state, s, buffer.dtype) for s in plan.dense):
-        return _allreduce(state, buffer, step, "dense", None)
+        def deliver(f: Future) -> torch.Tensor:
+            _dense_averages(state, buffer, plan.dense)
+            return f.value()
+        return _then(_allreduce(state, buffer, step, "dense", None), deliver)
     futs, copy_back = _start_dense(state, buffer, plan, step, kernels.all_finite(buffer))
     return _when_all(futs, buffer, copy_back)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import warnings
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -433,6 +434,11 @@ class Feedback:
         """True: send ``name`` uncompressed this step (in the dense allreduce, like small tensors).
         Must give the same answer on every rank (decide from replicated state only)."""
         return False
+
+    def dense_average(self, name: str, avg: torch.Tensor) -> None:
+        """``avg``: the average of a tensor that went uncompressed (:meth:`dense`, or small), as the
+        exchange delivered it, before the user's code between the exchange and the optimizer step
+        (gradient clipping) sees it. Called by every road; most policies ignore it."""
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
              optimizer: Any = None) -> None:
@@ -918,6 +924,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.window = window
         self._last_v: Dict[str, Tuple[int, torch.Tensor]] = {}     # Adam's v at the step last seen
         self._recent: Dict[str, Tuple[torch.Tensor, int]] = {}     # EMA of the squared average, samples
+        self._delivered: Dict[str, Tuple[int, torch.Tensor]] = {}  # step, squared norm of the average exchanged
+        self._rescaled: Dict[str, torch.Tensor] = {}               # least ratio seen: clipped / exchanged
+        self.clipping_seen = False
         self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "FrozenVariance")
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"FrozenVariance floor must be in [0, 1] (share of the mean of sqrt(v)), got {floor!r}")
@@ -978,9 +987,37 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if last is not None and last[0] == t - 1:
             b2 = group["betas"][1]
             squared = torch.sub(v, last[1], alpha=b2).div_(1.0 - b2).clamp_(min=0.0)
+            self._unscale(name, t, squared)
             recent, n = self._recent.get(name, (torch.zeros_like(squared), 0))
             self._recent[name] = (recent.lerp_(squared, 1.0 / self.window), n + 1)
         self._last_v[name] = (t, v)
+
+    def dense_average(self, name: str, avg: torch.Tensor) -> None:
+        """Keep the squared norm of a warm-up step's average as exchanged (see :meth:`_unscale`)."""
+        if name in self._last_v and name not in self.denom and self.window is not None:
+            param, _, optimizer = self._bound[name]
+            t = int(optimizer.state.get(param, {}).get("step", 0)) + 1   # the Adam step about to use it
+            self._delivered[name] = (t, torch.linalg.vector_norm(avg.detach(), dtype=torch.float32).square())
+
+    def _unscale(self, name: str, t: int, squared: torch.Tensor) -> None:
+        """Undo, in the squared gradient of Adam's step ``t``, a scaling done by the user's code
+        between the exchange and that step: ``clip_grad_norm_`` in Horovod's pattern
+        (``synchronize()``, clip, ``step()``) or before ``step()`` under DDP.
+
+        Why: after the freeze the update is made from the gradients as exchanged, where such code
+        no longer reaches them (compressed tensors hand the optimizer zeros). A ``v`` frozen from
+        clipped gradients then divides unclipped ones: every compressed step too long. The scale
+        is the ratio of the squared sums, left alone within :data:`CLIP_DETECT_TOLERANCE` (float32
+        recovery errors are orders of magnitude below it, so runs without clipping are unchanged,
+        bit for bit)."""
+        got = self._delivered.pop(name, None)
+        if got is None or got[0] != t:
+            return
+        ratio = squared.sum() / got[1].to(squared.device)
+        scaled = (ratio - 1.0).abs() > CLIP_DETECT_TOLERANCE
+        squared.div_(torch.where(scaled & (ratio > 0), ratio, torch.ones_like(ratio)))
+        least = self._rescaled.get(name)
+        self._rescaled[name] = ratio if least is None else torch.minimum(least, ratio)
 
     def _frozen_v(self, name: str, v: torch.Tensor, b2: float, t: int) -> torch.Tensor:
         """The second moment to freeze: the average of the warm-up's last ~``window`` squared
@@ -994,6 +1031,17 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         recent, n = self._recent.pop(name, (None, 0))
         self._last_v.pop(name, None)
         self._lr_seen.pop(name, None)
+        self._delivered.pop(name, None)
+        least = self._rescaled.pop(name, None)
+        if least is not None and float(least) < 1.0 - CLIP_DETECT_TOLERANCE and not self.clipping_seen:
+            self.clipping_seen = True
+            warnings.warn(
+                f"feedback='frozen': during Adam's dense warm-up the gradients of {name!r} were scaled (down to "
+                f"{float(least) ** 0.5:.3g}x) between the exchange and the optimizer step, as clip_grad_norm_ does. The "
+                "second moment is frozen from the gradients as exchanged, and from now on such code does not reach "
+                "the compressed tensors (their update is applied from the exchange; p.grad holds zeros): to bound "
+                "the gradients, use the compressor's clip= (e.g. TopKQSGD(ratio=0.01, bits=8, clip=1.0)), which "
+                "clips each rank's gradient before it is sent.", RuntimeWarning, stacklevel=2)
         if recent is not None and self.window is not None and n >= max(2, self.window // 5):
             return (recent / (1.0 - (1.0 - 1.0 / self.window) ** n)).to(v.dtype)
         return v / (1.0 - b2 ** t)
@@ -1088,7 +1136,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "max_warmup": self.max_warmup,
                 "recent": {n: (r.clone(), k) for n, (r, k) in self._recent.items()},
                 "last_v": {n: (t, v.clone()) for n, (t, v) in self._last_v.items()},
-                "lr_seen": dict(self._lr_seen)}
+                "lr_seen": dict(self._lr_seen),
+                "delivered": {n: (t, x.clone()) for n, (t, x) in self._delivered.items()},
+                "rescaled": _clone_tensors(self._rescaled), "clipping_seen": self.clipping_seen}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -1102,10 +1152,18 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._recent = {n: (r.clone(), int(k)) for n, (r, k) in state.get("recent", {}).items()}
         self._last_v = {n: (int(t), v.clone()) for n, (t, v) in state.get("last_v", {}).items()}
         self._lr_seen = {n: (int(t), float(lr), bool(up)) for n, (t, lr, up) in state.get("lr_seen", {}).items()}
+        self._delivered = {n: (int(t), x.clone()) for n, (t, x) in state.get("delivered", {}).items()}
+        self._rescaled = _clone_tensors(state.get("rescaled", {}))
+        self.clipping_seen = bool(state.get("clipping_seen", False))
         self.sparsity_warmup = int(state.get("sparsity_warmup", self.sparsity_warmup))
         if self._undo is not None:
             self._undo.clear()
 
+
+CLIP_DETECT_TOLERANCE = 1e-2
+"""A squared gradient sum recovered from Adam's ``v`` this far from the exchanged one's (relative)
+counts as scaled by the user's code (see :meth:`FrozenVariance._unscale`); float32 recovery
+errors stay well under it."""
 
 FROZEN_VARIANCE_CLASSES = ("Adam", "AdamW")
 SCALED_GRADIENT_RATIO = 1000.0

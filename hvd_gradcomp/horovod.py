@@ -293,7 +293,7 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
                 return _compress_half(compressor, call, tensor)
             compressor.stats.record(call.name, tensor.numel() * tensor.element_size(),
                                     tensor.numel() * tensor.element_size())
-            return tensor, None
+            return tensor, DenseContext(call.name)
         if not compressor.join_checked:  # the step's first allgather (float16 allreduces work with join)
             check_no_joined_ranks(call.process_set)
         compressor.exchange_opened(call.name)
@@ -304,6 +304,14 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
         raise ValueError(f"{type(compressor).__name__}.compress() needs name= when called outside "
                          "hvd.DistributedOptimizer with error_feedback=True (the residual is kept per name)")
     return compressor.encode(tensor), _LOCAL
+
+
+@dataclass
+class DenseContext:
+    """decompress()'s context of a tensor Horovod allreduced as it is: its average goes to the
+    feedback policy (:meth:`GradientCompressor.dense_average`) on its way back."""
+
+    name: str
 
 
 @dataclass
@@ -340,6 +348,9 @@ def _decompress_half(compressor: GradientCompressor, tensor: torch.Tensor, ctx: 
 def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
     """Horovod's ``decompress``: see :meth:`HorovodCompressor.decompress`."""
     if ctx is None:
+        return tensor
+    if isinstance(ctx, DenseContext):
+        compressor.dense_average(ctx.name, tensor)
         return tensor
     if isinstance(ctx, HalfContext):
         return _decompress_half(compressor, tensor, ctx)

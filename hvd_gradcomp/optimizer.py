@@ -270,6 +270,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 n = p.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
+                if isinstance(self.compression, GradientCompressor):
+                    self.compression.dense_average(self._parameter_names[p], p.grad)
 
     def _record(self, name: str, raw_bytes: int, sent_bytes: int) -> None:
         self._step_bytes += sent_bytes

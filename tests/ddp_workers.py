@@ -227,6 +227,41 @@ def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, sc
             "params": resumed.tolist()}
 
 
+def clipped_warmup(steps: int = 9, scale: float = 0.5) -> Dict[str, Any]:
+    """AdamW under TopKQSGD with FrozenVariance(warmup=6, window=4) twice: as is, and with every
+    gradient scaled by ``scale`` before opt.step() (what clip_grad_norm_ does). Returns the largest
+    relative difference of the frozen denominators (v is frozen from the gradients as exchanged),
+    the RuntimeWarnings of each run, and, at the last (compressed) step, the largest |p.grad| of
+    the compressed weights (zeros: the update direction is kept apart, not left for a clip to see)
+    and whether they still moved."""
+    rank = dist.get_rank()
+
+    def run(s: float):
+        model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        comp = gc.TopKQSGD(ratio=0.25, bits=8, seed=1, feedback=gc.FrozenVariance(warmup=6, window=4))
+        gc_ddp.register(model, compression=comp, optimizer=opt)
+        weights = [model.module.fc1.weight, model.module.fc2.weight]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                opt.zero_grad()
+                loss_of(model, *batch(rank, step)).backward()
+                for p in model.parameters():
+                    p.grad.mul_(s)
+                before = [w.detach().clone() for w in weights]
+                seen = max(float(w.grad.abs().max()) for w in weights)
+                opt.step()
+        moved = min(float((w.detach() - b).abs().max()) for w, b in zip(weights, before))
+        return (dict(comp.feedback.denom), [str(w.message) for w in caught if w.category is RuntimeWarning],
+                seen, moved)
+
+    plain, plain_warned, seen, moved = run(1.0)
+    scaled, scaled_warned, _, _ = run(scale)
+    return {"names": sorted(plain), "rel": max(float(((scaled[n] - plain[n]) / plain[n]).abs().max()) for n in plain),
+            "plain_warned": plain_warned, "scaled_warned": scaled_warned, "grad_seen": seen, "moved": moved}
+
+
 def ddp_options(kind: str, **kw: Any) -> Dict[str, Any]:
     """find_unused_parameters, frozen parameters and static_graph, 3 steps each, vs uncompressed."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -521,7 +556,7 @@ def die(after: int) -> Dict[str, Any]:
 
 SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
-             "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt}
+             "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

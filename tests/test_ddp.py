@@ -55,6 +55,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "nonfinite-topkqsgd-mc": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05, "bind": True},
     "errors": {"fn": "errors"},
     "frozen": {"fn": "frozen"},
+    "clipped-warmup": {"fn": "clipped_warmup"},
     "exempt": {"fn": "exempt"},
 }
 
@@ -358,3 +359,15 @@ def test_ddp_speed_benchmark_quick(tmp_path):
     assert rows["powersgd-1"]["ratio"] > rows["powersgd-4"]["ratio"] > 2
     assert rows["topkqsgd"]["ratio"] > 50 and 3.5 < rows["qsgd8"]["ratio"] < 4.1
     assert all(r["step_s"] > 0 and 0 <= r["comm_share"] < 1 for r in rows.values())
+
+
+def test_clipping_under_frozen_adam(battery):
+    """Gradients scaled before opt.step() (clip_grad_norm_) during Adam's dense warm-up: v is frozen
+    from the gradients as exchanged (said once, with the fix: clip=). After the freeze p.grad of a
+    compressed weight holds zeros, as on the Horovod road, not the averaged update direction:
+    left there, a clip_grad_norm_(1.0) saw its norm (hundreds) and shortened every step ~300x."""
+    for r in battery["clipped-warmup"]:
+        assert r["names"] == ["fc1.weight", "fc2.weight", "fc3.weight"], r["names"]
+        assert r["rel"] < 1e-2, f"frozen denominators differ by {r['rel']:.3g} (a v of the scaled gradients: 0.5)"
+        assert r["plain_warned"] == [] and len(r["scaled_warned"]) == 1 and "clip=" in r["scaled_warned"][0]
+        assert r["grad_seen"] == 0.0 and r["moved"] > 0.0, r

@@ -61,3 +61,16 @@ def test_compressed_training_stays_close_to_uncompressed(case, base):
 def test_frozen_variance_keeps_every_rank_identical(case):
     r0, r1 = results()[case]
     assert r0["feedback"] == "frozen" and r0["identical"] and r1["identical"]
+
+
+@pytest.mark.parametrize("wrapper", ["gc", "hvd"])
+def test_clipping_in_the_warm_up_does_not_shrink_the_frozen_second_moment(wrapper):
+    """Gradients scaled by the user's code during Adam's dense warm-up (clip_grad_norm_ between
+    synchronize() and step()): v is frozen from the gradients as exchanged, because afterwards
+    the update is made from those (with a v of clipped gradients an AdamW MLP under
+    clip_grad_norm_(1.0) ended at twice the held-out loss); said once with the fix (clip=)."""
+    for r in run_ranks("fidelity:clipped_warmup", timeout=240, wrapper=wrapper):
+        assert r["names"] == ["0.weight", "2.weight"], r["names"]
+        assert r["rel"] < 1e-2, f"frozen denominators differ by {r['rel']:.3g} (a v of the scaled gradients: 0.5)"
+        assert r["plain_warned"] == []
+        assert len(r["scaled_warned"]) == 1 and "clip=" in r["scaled_warned"][0], r["scaled_warned"]

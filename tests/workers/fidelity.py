@@ -69,3 +69,38 @@ def train(wrapper: str, optimizer: str, compression: str, steps: int = 120, accu
 
 def battery(scenarios: List[Dict[str, Any]]) -> List[Any]:
     return [train(**sc) for sc in scenarios]
+
+
+def clipped_warmup(wrapper: str, steps: int = 8, scale: float = 0.5) -> Dict[str, Any]:
+    """AdamW under TopKQSGD with FrozenVariance(warmup=6, window=4) twice: as is, and with every
+    gradient scaled by ``scale`` between synchronize() and step() (what clip_grad_norm_ does,
+    in Horovod's pattern). Returns the largest relative difference between the two runs' frozen
+    denominators (the second moment must be that of the gradients as exchanged) and the
+    warnings each run raised."""
+    import warnings
+
+    def run(s: float):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+        comp = gc.TopKQSGD(ratio=0.25, bits=8, seed=1, feedback=gc.FrozenVariance(warmup=6, window=4))
+        kw = dict(named_parameters=model.named_parameters(), compression=comp)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = gc.DistributedOptimizer(opt, **kw) if wrapper == "gc" else hvd.DistributedOptimizer(opt, **kw)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                x, y = _data(10_000 * hvd.rank() + step, 32)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.synchronize()
+                for p in model.parameters():
+                    p.grad.mul_(s)
+                with opt.skip_synchronize():
+                    opt.step()
+        return dict(comp.feedback.denom), [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+    plain, plain_warned = run(1.0)
+    scaled, scaled_warned = run(scale)
+    return {"names": sorted(plain), "rel": max(float(((scaled[n] - plain[n]) / plain[n]).abs().max()) for n in plain),
+            "plain_warned": plain_warned, "scaled_warned": scaled_warned}
