@@ -17,25 +17,56 @@ Example::
         acc.backward(loss_fn(model(x), y))     # steps on every 8th call
     acc.flush()               # the last, partial window of the epoch: steps if anything is left
 
+``max_grad_norm=1.0`` clips the averaged gradients before each step (``last_grad_norm`` holds
+the norm before clipping), the usual recipe with AdamW.
+
 The partial window: with k < N micro-batches left, each gradient was scaled by 1/N, so
 ``flush()`` rescales them by N/k before stepping: the step uses the mean over the k
 micro-batches it saw, exactly as a full window uses the mean over N.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import torch
+
+
+def check_max_grad_norm(value: Any) -> Optional[float]:
+    """``value`` as a float if it is a positive number, None for None, else a ValueError.
+
+    >>> check_max_grad_norm(1), check_max_grad_norm(None)
+    (1.0, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"max_grad_norm must be a positive number (the norm clip_grad_norm_ clips the averaged "
+                         f"gradients to before each step) or None, got {value!r}")
+    return float(value)
+
+
+def clip_averaged(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` of the averaged gradients (the same on every rank, so every rank clips
+    alike); returns the total norm before clipping, as a tensor (no host sync)."""
+    return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
 
 
 class GradientAccumulator:
     """Scale, count and step; see the module docstring.
 
+    ``max_grad_norm``: clip the averaged gradients to this norm before each step
+    (``synchronize()``, ``clip_grad_norm_``, ``step()``: Horovod's pattern); the norm before
+    clipping is kept in ``last_grad_norm`` (a tensor). Under ``feedback="frozen"`` (Adam/AdamW
+    with a TopK compressor), once a tensor's dense warm-up is over its update is made in
+    ``synchronize()`` and its ``p.grad`` holds zeros: the norm and the clipping then cover the
+    uncompressed tensors only; the compressor's ``clip=`` bounds the compressed ones.
+
     Attributes: ``steps`` (N), ``micro_batch``, ``optimizer_steps`` (steps taken so far),
-    ``pending`` (micro-batches in the current window).
+    ``pending`` (micro-batches in the current window), ``last_grad_norm``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, steps: int, micro_batch: Optional[int] = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int, micro_batch: Optional[int] = None,
+                 max_grad_norm: Optional[float] = None) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1 (backward passes per optimizer step), got {steps!r}")
         if micro_batch is not None and (isinstance(micro_batch, bool) or not isinstance(micro_batch, int)
@@ -52,6 +83,8 @@ class GradientAccumulator:
         self.optimizer = optimizer
         self.steps = steps
         self.micro_batch = micro_batch
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.last_grad_norm: Optional[torch.Tensor] = None
         self.pending = 0
         self.optimizer_steps = 0
 
@@ -82,7 +115,14 @@ class GradientAccumulator:
         return True
 
     def _step(self) -> None:
-        self.optimizer.step()
+        if self.max_grad_norm is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.synchronize()
+            self.last_grad_norm = clip_averaged((p for g in self.optimizer.param_groups for p in g["params"]),
+                                                self.max_grad_norm)
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
         self.optimizer.zero_grad()
         self.pending = 0
         self.optimizer_steps += 1

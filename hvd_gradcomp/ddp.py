@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from . import feedback as fb
 from . import kernels, settings, wire
+from .accumulate import check_max_grad_norm, clip_averaged
 from .auto import Auto
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, QSGD, GradientCompressor, TopKQSGD, payload_size
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
@@ -1046,6 +1047,11 @@ class GradientAccumulator:
     dtype, rescales by N/k and steps. Call it on every rank. (The hook does not see that
     window: under ``feedback="frozen"`` the wrapped Adam steps it with its own state.)
 
+    ``max_grad_norm``: clip the averaged gradients to this norm before each step
+    (``last_grad_norm``: the norm before clipping, a tensor). Under ``feedback="frozen"``, after
+    a tensor's dense warm-up its ``p.grad`` holds zeros (the update is applied at the step): the
+    clipping then covers the uncompressed tensors only; the compressor's ``clip=`` bounds the rest.
+
     Example::
 
         acc = gc_ddp.GradientAccumulator(model, opt, steps=8, micro_batch=4)
@@ -1056,13 +1062,15 @@ class GradientAccumulator:
     """
 
     def __init__(self, ddp_model: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                 steps: int, micro_batch: Optional[int] = None) -> None:
+                 steps: int, micro_batch: Optional[int] = None, max_grad_norm: Optional[float] = None) -> None:
         if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"GradientAccumulator takes the DistributedDataParallel model, got "
                             f"{type(ddp_model).__name__}")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1 (micro-batches per optimizer step), got {steps!r}")
         self.model, self.optimizer, self.steps, self.micro_batch = ddp_model, optimizer, steps, micro_batch
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.last_grad_norm: Optional[torch.Tensor] = None
         self.pending = 0
         self.optimizer_steps = 0
         self._inside = False
@@ -1116,6 +1124,8 @@ class GradientAccumulator:
         return True
 
     def _step(self) -> None:
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = clip_averaged(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.pending = 0

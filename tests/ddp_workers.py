@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -146,6 +147,38 @@ def accumulation(kind: str, micro: int = 4, tail: int = 0, **kw: Any) -> Dict[st
     if tail:
         want = reference_of_first(x, y, micro, tail, world, rank)
     return {"rel": rel(grads[0], want), "steps": acc.optimizer_steps, "flushed": flushed}
+
+
+def accumulation_clipped(micro: int = 2, steps: int = 3, max_norm: float = 0.05) -> Dict[str, Any]:
+    """gc_ddp.GradientAccumulator(max_grad_norm=...) against the loop written out (no_sync, clip,
+    step), TopKQSGD with momentum correction: the same parameters bit for bit and the same norms."""
+    rank = dist.get_rank()
+
+    def build():
+        model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        gc_ddp.register(model, compression=make_compression("topkqsgd", ratio=0.25, seed=5), optimizer=opt)
+        return model, opt
+
+    model, opt = build()
+    acc = gc_ddp.GradientAccumulator(model, opt, steps=micro, max_grad_norm=max_norm)
+    norms = []
+    for step in range(steps):
+        for i in range(micro):
+            with acc.accumulate():
+                acc.backward(loss_of(model, *batch(rank, 10 * step + i)))
+        norms.append(float(acc.last_grad_norm))
+    ref, ref_opt = build()
+    ref_norms = []
+    for step in range(steps):
+        for i in range(micro):
+            with ref.no_sync() if i + 1 < micro else nullcontext():
+                (loss_of(ref, *batch(rank, 10 * step + i)) / micro).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"identical": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())),
+            "norms": norms, "ref_norms": ref_norms}
 
 
 def reference_of_first(x, y, micro, tail, world, rank) -> torch.Tensor:
@@ -556,7 +589,8 @@ def die(after: int) -> Dict[str, Any]:
 
 SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
-             "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup}
+             "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup,
+             "accumulation_clipped": accumulation_clipped}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

@@ -56,6 +56,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "errors": {"fn": "errors"},
     "frozen": {"fn": "frozen"},
     "clipped-warmup": {"fn": "clipped_warmup"},
+    "acc-clipped": {"fn": "accumulation_clipped"},
     "exempt": {"fn": "exempt"},
 }
 
@@ -371,3 +372,11 @@ def test_clipping_under_frozen_adam(battery):
         assert r["rel"] < 1e-2, f"frozen denominators differ by {r['rel']:.3g} (a v of the scaled gradients: 0.5)"
         assert r["plain_warned"] == [] and len(r["scaled_warned"]) == 1 and "clip=" in r["scaled_warned"][0]
         assert r["grad_seen"] == 0.0 and r["moved"] > 0.0, r
+
+
+def test_accumulator_clips_the_averaged_gradients(battery):
+    """gc_ddp.GradientAccumulator(max_grad_norm=...) is the loop written out (no_sync, clip, step):
+    the same parameters bit for bit, the same norms; the norm is large enough that clipping acts."""
+    for r in battery["acc-clipped"]:
+        assert r["identical"], r
+        assert r["norms"] == r["ref_norms"] and min(r["norms"]) > 0.05, r

@@ -230,6 +230,12 @@ def test_gradient_accumulator_argument_errors(optimizer, steps, expected) -> Non
         gc.GradientAccumulator(optimizer, steps=steps)
 
 
+@pytest.mark.parametrize("max_grad_norm", [0, -1.0, "1", True, float("inf"), float("nan")])
+def test_gradient_accumulator_refuses_a_bad_max_grad_norm(max_grad_norm) -> None:
+    with pytest.raises(ValueError, match="max_grad_norm must be a positive number"):
+        gc.GradientAccumulator(SimpleNamespace(backward_passes_per_step=2), steps=2, max_grad_norm=max_grad_norm)
+
+
 # ---------------------------------------------------------------- pure reduction helpers
 def test_sum_parts_averages_or_sums_sparse_and_dense_parts() -> None:
     parts = [(None, torch.tensor([1.0, 2.0, 3.0, 4.0])), (torch.tensor([0, 3]), torch.tensor([10.0, 20.0]))]

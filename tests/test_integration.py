@@ -73,7 +73,12 @@ def _checkpoint_scenarios(tmp_path_factory):
     return sc
 
 
-SCENARIOS = {"gradient": _gradient_scenarios, "accumulation": _accumulation_scenarios,
+def _clipped_scenarios(_):
+    return {f"{kind}{'-stock' if stock else ''}": {"fn": "accumulation_clipped", "kind": kind, "stock": stock}
+            for kind in ("none", "topkqsgd") for stock in (False, True)}
+
+
+SCENARIOS = {"gradient": _gradient_scenarios, "accumulation": _accumulation_scenarios, "clipped": _clipped_scenarios,
              "bytes": _bytes_scenarios, "checkpoint": _checkpoint_scenarios}
 
 
@@ -208,3 +213,13 @@ def test_failing_rank_ends_job(backend, mode):
     [res] = run_ranks("integration:failing_rank", backend=backend, mode=mode, expect_fail=True, timeout=240)
     assert res["returncode"] != 0
     assert "rank 1 going down" in res["output"]
+
+
+@pytest.mark.parametrize("case", ["none", "none-stock", "topkqsgd", "topkqsgd-stock"])
+def test_accumulator_clips_the_averaged_gradients(backend, case):
+    """GradientAccumulator(max_grad_norm=...) is Horovod's clipping pattern (synchronize, clip,
+    step) written out: the same parameters bit for bit and the same norms, on every rank; the
+    norm is large enough that clipping acts."""
+    for r in battery(backend, "clipped")[case]:
+        assert r["identical"] and r["ranks_equal"], r
+        assert r["norms"] == r["ref_norms"] and min(r["norms"]) > 0.05, r

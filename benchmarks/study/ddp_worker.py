@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -35,7 +36,7 @@ SETTINGS = {
 DEFAULT_SETTINGS = ("none", "tq1", "tq01", "tq1-classic", "tq1-fixedlr")
 
 
-def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, Any]:
+def run(task_name: str, setting: str, seed: int, steps: int = 0, clip: float = 0.0) -> Dict[str, Any]:
     task = make_task(task_name, seed, dist.get_rank())
     if task.accumulate != 1:
         raise ValueError(f"{task_name}: the DDP worker runs tasks without accumulation")
@@ -55,6 +56,8 @@ def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, An
         task.optimizer.zero_grad()
         x, y = task.batch()
         task.loss(model, x, y).backward()
+        if clip:   # as users do under DDP: clip the averaged gradients before the step
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         task.optimizer.step()
 
     trained = loop.train(task, task.optimizer, one_step, lambda: state.last_step_bytes if state else raw,

@@ -80,7 +80,7 @@ def record(task: Task, task_name: str, setting: str, label: str, seed: int, rank
 
 
 def main(doc: str, settings_table: Dict[str, Any], defaults: Sequence[str], init: Callable[[], None],
-         rank: Callable[[], int], run: Callable[[str, str, int, int], Dict[str, Any]]) -> int:
+         rank: Callable[[], int], run: Callable[[str, str, int, int, float], Dict[str, Any]]) -> int:
     """A worker's command line: runs each setting of ``--settings`` in turn; rank 0 writes the JSON."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--task", choices=TASKS, required=True)
@@ -88,6 +88,9 @@ def main(doc: str, settings_table: Dict[str, Any], defaults: Sequence[str], init
     ap.add_argument("--settings", default=",".join(defaults), help=f"comma-separated, of {list(settings_table)}")
     ap.add_argument("--out", default="runs/study")
     ap.add_argument("--steps", type=int, default=0, help="override the task's steps (smoke tests)")
+    ap.add_argument("--clip", type=float, default=0.0,
+                    help="clip_grad_norm_ of the averaged gradients to this norm before each optimizer step, as "
+                         "users do (0: none); the JSON files then end in -clipNORM")
     args = ap.parse_args()
     settings = args.settings.split(",")
     bad = [s for s in settings if s not in settings_table]
@@ -97,10 +100,12 @@ def main(doc: str, settings_table: Dict[str, Any], defaults: Sequence[str], init
     init()
     out = Path(args.out)
     for setting in settings:
-        result = run(args.task, setting, args.seed, args.steps)
+        result = run(args.task, setting, args.seed, args.steps, args.clip)
+        result["clip"] = args.clip
         if rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"{result['task']}-{setting}-s{args.seed}.json").write_text(json.dumps(result, indent=1) + "\n")
+            suffix = f"-clip{args.clip:g}" if args.clip else ""
+            (out / f"{result['task']}-{setting}-s{args.seed}{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
             print(f"{result['task']} {setting} seed {args.seed}: held-out loss {result['val_loss']:.4f} "
                   f"acc {result['val_accuracy']:.3f} ratio(2nd half) {result['ratio_second_half']:.0f}x "
                   f"feedback {result['feedback']} {result['wall_s']:.0f}s", flush=True)

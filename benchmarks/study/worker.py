@@ -11,6 +11,7 @@ from typing import Any, Dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
 
 import hvd_gradcomp as gc  # noqa: E402
 from benchmarks.study import loop  # noqa: E402
@@ -72,7 +73,7 @@ class Bytes:
         return self.raw // 2 if self.compression is hvd.Compression.fp16 else self.raw
 
 
-def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, Any]:
+def run(task_name: str, setting: str, seed: int, steps: int = 0, clip: float = 0.0) -> Dict[str, Any]:
     task = make_task(task_name, seed, hvd.rank())
     if steps:
         task.steps = steps
@@ -84,6 +85,16 @@ def run(task_name: str, setting: str, seed: int, steps: int = 0) -> Dict[str, An
     acc = gc.GradientAccumulator(opt, steps=task.accumulate)
 
     def one_step() -> None:
+        if clip:   # Horovod's documented pattern: synchronize, clip the averages, step
+            for _ in range(task.accumulate):
+                x, y = task.batch()
+                (task.loss(task.model, x, y) / task.accumulate).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(task.model.parameters(), clip)
+            with opt.skip_synchronize():
+                opt.step()
+            opt.zero_grad()
+            return
         for _ in range(task.accumulate):
             x, y = task.batch()
             acc.backward(task.loss(task.model, x, y))

@@ -210,6 +210,44 @@ def bytes_per_step(kind: str, **kw: Any) -> Dict[str, Any]:
             "sent_big": sent_big, "compressor_ratio": comp_ratio, "size": hvd.size()}
 
 
+def accumulation_clipped(stock: bool = False, kind: str = "topkqsgd", n: int = 2, steps: int = 3,
+                         max_norm: float = 0.05) -> Dict[str, Any]:
+    """GradientAccumulator(max_grad_norm=...) against the same loop written out (synchronize,
+    clip_grad_norm_, step): parameters and norms must be identical, and equal on every rank."""
+    wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
+
+    def build():
+        model = make_model()
+        comp = make_compressor(kind, ratio=0.25, seed=5) if kind != "none" else None
+        opt = wrap(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                   named_parameters=model.named_parameters(), compression=comp or hvd.Compression.none,
+                   backward_passes_per_step=n)
+        return model, opt
+
+    model, opt = build()
+    acc = gc.GradientAccumulator(opt, steps=n, max_grad_norm=max_norm)
+    norms = []
+    for step in range(steps):
+        for i in range(n):
+            x, y = batch(hvd.rank(), 10 * step + i)
+            acc.backward(F.cross_entropy(model(x), y))
+        norms.append(float(acc.last_grad_norm))
+    ref, ref_opt = build()
+    ref_norms = []
+    for step in range(steps):
+        for i in range(n):
+            x, y = batch(hvd.rank(), 10 * step + i)
+            (F.cross_entropy(ref(x), y) / n).backward()
+        ref_opt.synchronize()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
+        with ref_opt.skip_synchronize():
+            ref_opt.step()
+        ref_opt.zero_grad()
+    return {"identical": all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())),
+            "norms": norms, "ref_norms": ref_norms,
+            "ranks_equal": all(all_ranks_equal(p.detach()) for p in model.parameters())}
+
+
 # ---------------------------------------------------------------- (d) checkpoint / resume
 def _train(model, acc, steps: int, start: int, n: int, sched=None) -> None:
     for step in range(start, start + steps):
