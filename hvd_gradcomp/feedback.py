@@ -1032,21 +1032,27 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._last_v.pop(name, None)
         self._lr_seen.pop(name, None)
         self._delivered.pop(name, None)
-        least = self._rescaled.pop(name, None)
-        if least is not None and float(least) < 1.0 - CLIP_DETECT_TOLERANCE and not self.clipping_seen:
-            self.clipping_seen = True
-            warnings.warn(
-                f"feedback='frozen': during Adam's dense warm-up the gradients of {name!r} were scaled (down to "
-                f"{float(least) ** 0.5:.3g}x) between the exchange and the optimizer step, as clip_grad_norm_ does. The "
-                "second moment is frozen from the gradients as exchanged, and from now on such code does not reach "
-                "the compressed tensors (their update is applied from the exchange; p.grad holds zeros): to bound "
-                "the gradients, use the compressor's clip= (e.g. TopKQSGD(ratio=0.01, bits=8, clip=1.0)), which "
-                "clips each rank's gradient before it is sent.", RuntimeWarning, stacklevel=2)
         if recent is not None and self.window is not None and n >= max(2, self.window // 5):
             return (recent / (1.0 - (1.0 - 1.0 / self.window) ** n)).to(v.dtype)
         return v / (1.0 - b2 ** t)
 
+    def _say_if_clipped(self, name: str) -> None:
+        """At the freeze, once per policy: say that the warm-up saw the user's code scale the gradients
+        (see :meth:`_unscale`), and what bounds them from now on."""
+        least = self._rescaled.pop(name, None)
+        if least is None or self.clipping_seen or not float(least) < 1.0 - CLIP_DETECT_TOLERANCE:
+            return
+        self.clipping_seen = True
+        warnings.warn(
+            f"feedback='frozen': during Adam's dense warm-up the gradients of {name!r} were scaled (down to "
+            f"{float(least) ** 0.5:.3g}x) between the exchange and the optimizer step, as clip_grad_norm_ does. The "
+            "second moment is frozen from the gradients as exchanged, and from now on such code does not reach "
+            "the compressed tensors (their update is applied from the exchange; p.grad holds zeros): to bound "
+            "the gradients, use the compressor's clip= (e.g. TopKQSGD(ratio=0.01, bits=8, clip=1.0)), which "
+            "clips each rank's gradient before it is sent.", RuntimeWarning, stacklevel=3)
+
     def _freeze(self, name: str) -> None:
+        self._say_if_clipped(name)
         param, group, optimizer = self._bound[name]
         state = optimizer.state[param]
         b1, b2 = group["betas"]
