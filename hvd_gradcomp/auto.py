@@ -53,6 +53,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import feedback as fb
 from . import policy
 from .compressors import QSGD, TopKQSGD, _compressible, payload_size
 from .exchange import (AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange,
@@ -181,12 +182,31 @@ class Auto:
         self._samples: Dict[Tuple[str, str], Deque[float]] = {}
         self._setup: Optional[_Setup] = None
         self._names: Optional[Dict[torch.Tensor, str]] = None
+        self._noted = False   # see note_optimizer
         if named_parameters is not None:
             self.bind(named_parameters)
 
     def __repr__(self) -> str:
         return (f"Auto(roads={self.roads or OURS_ROADS}, ratio={self.sparse.ratio}, bits={self.sparse.bits}, "
                 f"qsgd_bits={self.qsgd.bits}, interval={self.interval})")
+
+    def note_optimizer(self, optimizer: Any, rank: int) -> None:
+        """Say once, on rank 0, when ``optimizer`` has a feedback recipe of its own (momentum
+        correction for SGD with momentum, ``frozen`` for Adam/AdamW, see
+        :func:`hvd_gradcomp.feedback.choose`) that Auto's compressed roads do not apply: their error
+        feedback is classic, since a tensor may change road at any re-decision and those recipes
+        keep state tied to one road. Called by the optimizers and the DDP hook."""
+        if self._noted or rank != 0 or optimizer is None:
+            return
+        self._noted = True
+        key, _ = fb.choose(optimizer, False, True)
+        if key in ("classic", "none"):
+            return
+        name = fb.plain_class(optimizer).__name__
+        fb.announce(f"{self!r} with {name}: error feedback on its compressed roads is classic (on gradients), "
+                    f"not the recipe a fixed compressor applies for {name} (feedback '{key}'). Where it picks a "
+                    f"compressed road (a slow link), compression=hvd_gradcomp.TopKQSGD(ratio={self.sparse.ratio}, "
+                    f"bits={self.sparse.bits}) trains closer to uncompressed (docs/AUTO.md, docs/STUDY.md).")
 
     # ------------------------------------------------------------ set-up
     def make_exchange(self, op: Any, process_set: Any) -> "AutoExchange":
@@ -483,6 +503,7 @@ class Auto:
         if call is None:
             return tensor, None
         self._configure("stock", call.op, call.process_set)
+        self.note_optimizer(call.optimizer, call.process_set.rank())
         road = self.road_for(call.name)
         tensor = self.flush_residuals(call.name, tensor, road)
         t0 = time.perf_counter()

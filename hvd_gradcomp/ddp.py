@@ -227,6 +227,7 @@ class GradCompState:
             _CLAIMED.add(compression)
             if isinstance(compression, Auto):
                 self.auto = _AutoRoads(self, compression)
+                compression.note_optimizer(optimizer, self.rank)
             else:
                 compression.stream = self.rank  # independent rounding noise on every rank
                 _choose_feedback(compression, optimizer, self._names, self.rank)

@@ -47,6 +47,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from . import kernels
+from .auto import Auto
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
 from .exchange import DenseExchange, HalfExchange, JoinGuard, Pending, SparseExchange, choose_exchange
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
@@ -76,6 +77,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             # The feedback policy ("auto") is chosen from this optimizer's class and settings.
             # A rank outside the process set has no rank in it (and compresses nothing): it stays quiet.
             compression.attach(self, self._parameter_names, process_set.rank() if self._included else -1)
+        elif isinstance(compression, Auto):
+            compression.note_optimizer(self, process_set.rank() if self._included else -1)
         warn_unread_settings(compression, backward_passes_per_step,
                              f"DistributedOptimizer(compression={compression!r}, "
                              f"backward_passes_per_step={backward_passes_per_step})")

@@ -2,10 +2,12 @@
 across road switches, in hvd_gradcomp's optimizer and in stock Horovod's (one job per backend)."""
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any, Dict
 
 import pytest
+import torch
 
 import hvd_gradcomp as gc
 from tests.harness import run_ranks
@@ -19,6 +21,26 @@ def battery(backend: str):
                                     scenarios=[{"fn": "switching"}, {"fn": "switching", "stock": True},
                                                {"fn": "fused"}])
     return _cache[backend]
+
+
+@pytest.mark.parametrize("make,said", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "feedback 'frozen'"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "feedback 'momentum'"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), None)])
+def test_auto_says_when_the_optimizer_has_a_recipe_its_roads_do_not_apply(make, said, caplog):
+    """Auto's compressed roads use classic error feedback: with an optimizer that has a recipe of
+    its own it says so once, on rank 0, and names the fixed compressor that applies it."""
+    opt = make([torch.nn.Parameter(torch.zeros(4))])
+    auto = gc.Auto()
+    with caplog.at_level(logging.INFO, logger="hvd_gradcomp"):
+        auto.note_optimizer(opt, rank=1)          # not rank 0: quiet
+        auto.note_optimizer(opt, rank=0)
+        auto.note_optimizer(opt, rank=0)          # once
+    messages = [r.getMessage() for r in caplog.records]
+    if said is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and said in messages[0] and "TopKQSGD(ratio=0.01, bits=8)" in messages[0], messages
 
 
 @pytest.mark.parametrize("kw,match", [({"roads": ["zip"]}, "roads"), ({"roads": []}, "roads"),
