@@ -57,7 +57,7 @@ from . import feedback as fb
 from . import policy
 from .compressors import QSGD, TopKQSGD, _compressible, payload_size
 from .exchange import (AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange,
-                       TimedExchange, chunk_bounds, wait_done)
+                       TimedExchange, allreducible, chunk_bounds, wait_done)
 from .feedback import residual_dtype
 from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE, Link, TensorCosts
 
@@ -508,14 +508,15 @@ class Auto:
         tensor = self.flush_residuals(call.name, tensor, road)
         t0 = time.perf_counter()
         if road == DENSE:
-            out, inner, payload = tensor, None, tensor.numel() * tensor.element_size()
+            out, inner = allreducible(tensor), None   # decompress() casts back
+            payload = out.numel() * out.element_size()
         elif road == FP16:
             out, inner = _hvd().Compression.fp16.compress(tensor)
             payload = out.numel() * out.element_size()
         else:
             exchange = AllgatherExchange(self.sparse if road == SPARSE else self.qsgd, call.op, call.process_set)
             inner = (exchange, exchange.start(call.name, tensor))
-            out, payload = tensor.new_empty(0), inner[1].bytes_sent
+            out, payload = allreducible(tensor.new_empty(0)), inner[1].bytes_sent
         ctx = _StockCtx(call.name, road, inner, tensor, time.perf_counter() - t0, payload)
         return out, ctx
 
@@ -528,7 +529,7 @@ class Auto:
             wait = wait_done(ctx.inner[1].handle)
         t0 = time.perf_counter()
         if ctx.road == DENSE:
-            out = tensor
+            out = tensor.to(ctx.like.dtype)
         elif ctx.road == FP16:
             out = _hvd().Compression.fp16.decompress(tensor, ctx.inner)
         else:

@@ -152,6 +152,17 @@ def _hvd():
     return hvd
 
 
+def allreducible(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in a dtype Horovod's allreduce takes: bfloat16 as float32 (exact; Horovod 0.28.1's
+    Gloo and MPI collectives refuse bfloat16: "Tensor type torch.BFloat16Tensor is not supported"),
+    anything else as it is. The caller casts the average back.
+
+    >>> allreducible(torch.ones(2, dtype=torch.bfloat16)).dtype, allreducible(torch.ones(2)).dtype
+    (torch.float32, torch.float32)
+    """
+    return tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+
+
 class DenseExchange:
     """Horovod allreduce, through a Horovod-style compressor (``hvd.Compression.none/fp16``)."""
 
@@ -162,6 +173,7 @@ class DenseExchange:
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         # Horovod's collectives take contiguous tensors only (a channels_last gradient is not).
         tensor, ctx = self.compression.compress(grad.contiguous())
+        tensor = allreducible(tensor)   # finish() casts back as it copies into the output
         handle = _hvd().allreduce_async(tensor, name=f"hvdgc.dense.{name}", op=self.op,
                                         process_set=self.process_set)
         return Pending(name, grad.shape, grad.dtype, handle, ctx, tensor.numel() * tensor.element_size())

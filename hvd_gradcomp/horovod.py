@@ -49,7 +49,7 @@ import torch
 
 from . import compressors, kernels, settings
 from .compressors import GradientCompressor, _compressible
-from .exchange import AllgatherExchange, Pending, check_no_joined_ranks
+from .exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks
 
 HOROVOD_CHECKED = "0.28.1"
 """The Horovod release every entry of :data:`HOROVOD_INTERNALS` was read and tested against."""
@@ -291,15 +291,17 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
             small = tensor.numel() < compressors.DEFAULT_MIN_COMPRESS_NUMEL
             if compressor.sends_half(call.name, tensor.dtype, small):
                 return _compress_half(compressor, call, tensor)
+            sent = allreducible(tensor)
             compressor.stats.record(call.name, tensor.numel() * tensor.element_size(),
-                                    tensor.numel() * tensor.element_size())
-            return tensor, DenseContext(call.name)
+                                    sent.numel() * sent.element_size())
+            return sent, DenseContext(call.name, tensor.dtype)
         if not compressor.join_checked:  # the step's first allgather (float16 allreduces work with join)
             check_no_joined_ranks(call.process_set)
         compressor.exchange_opened(call.name)
         compressor.join_checked = True
         exchange = AllgatherExchange(compressor, call.op, call.process_set)
-        return tensor.new_empty(0), StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
+        placeholder = allreducible(tensor.new_empty(0))   # Horovod allreduces it: a dtype it takes
+        return placeholder, StockContext(exchange, exchange.start(call.name, tensor), tensor.device)
     if compressor.error_feedback:
         raise ValueError(f"{type(compressor).__name__}.compress() needs name= when called outside "
                          "hvd.DistributedOptimizer with error_feedback=True (the residual is kept per name)")
@@ -308,10 +310,13 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
 
 @dataclass
 class DenseContext:
-    """decompress()'s context of a tensor Horovod allreduced as it is: its average goes to the
-    feedback policy (:meth:`GradientCompressor.dense_average`) on its way back."""
+    """decompress()'s context of a tensor Horovod allreduced uncompressed (:func:`allreducible`):
+    cast back to ``dtype``, its average goes to the feedback policy
+    (:meth:`GradientCompressor.dense_average`) on its way back."""
 
     name: str
+    dtype: torch.dtype
+
 
 
 @dataclass
@@ -350,6 +355,7 @@ def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -
     if ctx is None:
         return tensor
     if isinstance(ctx, DenseContext):
+        tensor = tensor.to(ctx.dtype)
         compressor.dense_average(ctx.name, tensor)
         return tensor
     if isinstance(ctx, HalfContext):

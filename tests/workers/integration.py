@@ -248,6 +248,34 @@ def accumulation_clipped(stock: bool = False, kind: str = "topkqsgd", n: int = 2
             "ranks_equal": all(all_ranks_equal(p.detach()) for p in model.parameters())}
 
 
+def bfloat16_model(stock: bool = False, kind: str = "topkqsgd") -> Dict[str, Any]:
+    """A bfloat16 model (Horovod 0.28.1's CPU allreduce refuses bfloat16): one step through either
+    wrapper; the uncompressed (small) tensors' averages must be the float32 average of every rank's
+    gradient cast to bfloat16, exactly, and every rank must hold the same parameters after 3 steps."""
+    torch.manual_seed(0)   # the same start on every rank (Horovod cannot broadcast bfloat16 here)
+    model = make_model().to(torch.bfloat16)
+    comp = gc.Auto(named_parameters=model.named_parameters() if stock else None) if kind == "auto" \
+        else gc.TopKQSGD(ratio=0.25, bits=8, seed=3)
+    wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+               compression=comp)
+    exact = True
+    for step in range(3):
+        x, y = batch(hvd.rank(), step)
+        opt.zero_grad()
+        F.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+        local = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.numel() < 1024}
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            if n in local:
+                want = hvd.allgather(local[n].unsqueeze(0), name=f"bf16.{n}.{step}.{stock}.{kind}").mean(0)
+                exact = exact and torch.equal(p.grad, want.to(torch.bfloat16))
+        with opt.skip_synchronize():
+            opt.step()
+    return {"exact": exact, "small": sorted(local), "dtype": str(next(model.parameters()).dtype),
+            "ranks_equal": all(all_ranks_equal(p.detach().float()) for p in model.parameters())}
+
+
 # ---------------------------------------------------------------- (d) checkpoint / resume
 def _train(model, acc, steps: int, start: int, n: int, sched=None) -> None:
     for step in range(start, start + steps):
