@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from . import feedback as fb
 from . import kernels, settings, wire
-from .accumulate import check_max_grad_norm, clip_averaged
+from .accumulate import check_clippable, check_max_grad_norm, clip_averaged
 from .auto import Auto
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, QSGD, GradientCompressor, TopKQSGD, payload_size
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
@@ -978,6 +978,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
                           start_compress_iter=start_compress_iter, min_compress_numel=min_compress_numel,
                           optimizer=optimizer)
     ddp_model.register_comm_hook(state, gradcomp_hook)
+    _STATES[ddp_model] = state
     return state
 
 
@@ -1034,6 +1035,10 @@ def unread_settings_message(compression: Any, env: Optional[Dict[str, str]] = No
 
 
 # ---------------------------------------------------------------- accumulation
+_STATES: "weakref.WeakKeyDictionary[Any, GradCompState]" = weakref.WeakKeyDictionary()
+"""The state :func:`register` gave each DDP model (what its accumulator's ``max_grad_norm`` checks)."""
+
+
 class GradientAccumulator:
     """N micro-batches, one compressed exchange: DDP's ``no_sync()`` plus loss scaling and tail flush.
 
@@ -1126,6 +1131,8 @@ class GradientAccumulator:
 
     def _step(self) -> None:
         if self.max_grad_norm is not None:
+            state = _STATES.get(self.model)
+            check_clippable(state.compression if state is not None else None)
             self.last_grad_norm = clip_averaged(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad()

@@ -149,19 +149,31 @@ def accumulation(kind: str, micro: int = 4, tail: int = 0, **kw: Any) -> Dict[st
     return {"rel": rel(grads[0], want), "steps": acc.optimizer_steps, "flushed": flushed}
 
 
-def accumulation_clipped(micro: int = 2, steps: int = 3, max_norm: float = 0.05) -> Dict[str, Any]:
+def accumulation_clipped(micro: int = 2, steps: int = 3, max_norm: float = 0.05, optimizer: str = "adamw"
+                         ) -> Dict[str, Any]:
     """gc_ddp.GradientAccumulator(max_grad_norm=...) against the loop written out (no_sync, clip,
-    step), TopKQSGD with momentum correction: the same parameters bit for bit and the same norms."""
+    step), TopKQSGD with AdamW (frozen, in its dense warm-up): the same parameters bit for bit and
+    the same norms. With SGD with momentum (momentum correction) the first step refuses: the
+    message is returned."""
     rank = dist.get_rank()
 
     def build():
         model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
+               else torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
         gc_ddp.register(model, compression=make_compression("topkqsgd", ratio=0.25, seed=5), optimizer=opt)
         return model, opt
 
     model, opt = build()
     acc = gc_ddp.GradientAccumulator(model, opt, steps=micro, max_grad_norm=max_norm)
+    if optimizer == "sgd":
+        try:
+            for i in range(micro):
+                with acc.accumulate():
+                    acc.backward(loss_of(model, *batch(rank, i)))
+        except ValueError as err:
+            return {"refused": str(err)}
+        return {"refused": None}
     norms = []
     for step in range(steps):
         for i in range(micro):

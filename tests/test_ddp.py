@@ -57,6 +57,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "frozen": {"fn": "frozen"},
     "clipped-warmup": {"fn": "clipped_warmup"},
     "acc-clipped": {"fn": "accumulation_clipped"},
+    "acc-clipped-sgd": {"fn": "accumulation_clipped", "optimizer": "sgd"},
     "exempt": {"fn": "exempt"},
 }
 
@@ -376,7 +377,10 @@ def test_clipping_under_frozen_adam(battery):
 
 def test_accumulator_clips_the_averaged_gradients(battery):
     """gc_ddp.GradientAccumulator(max_grad_norm=...) is the loop written out (no_sync, clip, step):
-    the same parameters bit for bit, the same norms; the norm is large enough that clipping acts."""
+    the same parameters bit for bit, the same norms; the norm is large enough that clipping acts.
+    Under momentum correction it refuses (see hvd_gradcomp.accumulate.check_clippable)."""
     for r in battery["acc-clipped"]:
         assert r["identical"], r
         assert r["norms"] == r["ref_norms"] and min(r["norms"]) > 0.05, r
+    for r in battery["acc-clipped-sgd"]:   # momentum correction: refused, pointing at clip=
+        assert r["refused"] and "clip=" in r["refused"] and "feedback 'momentum'" in r["refused"], r

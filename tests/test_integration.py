@@ -74,8 +74,11 @@ def _checkpoint_scenarios(tmp_path_factory):
 
 
 def _clipped_scenarios(_):
-    return {f"{kind}{'-stock' if stock else ''}": {"fn": "accumulation_clipped", "kind": kind, "stock": stock}
-            for kind in ("none", "topkqsgd") for stock in (False, True)}
+    # SGD with momentum uncompressed; TopKQSGD with AdamW (frozen: dense warm-up, clipped as usual)
+    # and, refused, with SGD with momentum (momentum correction)
+    return {f"{kind}-{opt}{'-stock' if stock else ''}": {"fn": "accumulation_clipped", "kind": kind, "stock": stock,
+                                                          "optimizer": opt}
+            for kind, opt in (("none", "sgd"), ("topkqsgd", "adamw"), ("topkqsgd", "sgd")) for stock in (False, True)}
 
 
 def _bfloat16_scenarios(_):
@@ -221,7 +224,7 @@ def test_failing_rank_ends_job(backend, mode):
     assert "rank 1 going down" in res["output"]
 
 
-@pytest.mark.parametrize("case", ["none", "none-stock", "topkqsgd", "topkqsgd-stock"])
+@pytest.mark.parametrize("case", ["none-sgd", "none-sgd-stock", "topkqsgd-adamw", "topkqsgd-adamw-stock"])
 def test_accumulator_clips_the_averaged_gradients(backend, case):
     """GradientAccumulator(max_grad_norm=...) is Horovod's clipping pattern (synchronize, clip,
     step) written out: the same parameters bit for bit and the same norms, on every rank; the
@@ -229,6 +232,14 @@ def test_accumulator_clips_the_averaged_gradients(backend, case):
     for r in battery(backend, "clipped")[case]:
         assert r["identical"] and r["ranks_equal"], r
         assert r["norms"] == r["ref_norms"] and min(r["norms"]) > 0.05, r
+
+
+@pytest.mark.parametrize("case", ["topkqsgd-sgd", "topkqsgd-sgd-stock"])
+def test_accumulator_refuses_to_clip_momentum_corrected_averages(backend, case):
+    """Under momentum correction each sent coordinate carries its accumulated velocity (a norm far
+    above a gradient's): max_grad_norm refuses at the first step and points at clip=."""
+    for r in battery(backend, "clipped")[case]:
+        assert r["refused"] and "clip=" in r["refused"] and "feedback 'momentum'" in r["refused"], r
 
 
 @pytest.mark.parametrize("case", ["topkqsgd", "topkqsgd-stock", "auto", "auto-stock"])

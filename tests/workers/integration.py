@@ -211,21 +211,32 @@ def bytes_per_step(kind: str, **kw: Any) -> Dict[str, Any]:
 
 
 def accumulation_clipped(stock: bool = False, kind: str = "topkqsgd", n: int = 2, steps: int = 3,
-                         max_norm: float = 0.05) -> Dict[str, Any]:
+                         max_norm: float = 0.05, optimizer: str = "sgd") -> Dict[str, Any]:
     """GradientAccumulator(max_grad_norm=...) against the same loop written out (synchronize,
-    clip_grad_norm_, step): parameters and norms must be identical, and equal on every rank."""
+    clip_grad_norm_, step): parameters and norms must be identical, and equal on every rank. Where
+    clipping the averages would be wrong (TopKQSGD with momentum correction) the first step
+    refuses: the message is returned."""
     wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
 
     def build():
         model = make_model()
         comp = make_compressor(kind, ratio=0.25, seed=5) if kind != "none" else None
-        opt = wrap(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
-                   named_parameters=model.named_parameters(), compression=comp or hvd.Compression.none,
+        base = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
+                else torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        opt = wrap(base, named_parameters=model.named_parameters(), compression=comp or hvd.Compression.none,
                    backward_passes_per_step=n)
         return model, opt
 
     model, opt = build()
     acc = gc.GradientAccumulator(opt, steps=n, max_grad_norm=max_norm)
+    if kind != "none" and optimizer == "sgd":
+        try:
+            for i in range(n):
+                x, y = batch(hvd.rank(), i)
+                acc.backward(F.cross_entropy(model(x), y))
+        except ValueError as err:
+            return {"refused": str(err)}
+        return {"refused": None}
     norms = []
     for step in range(steps):
         for i in range(n):
