@@ -26,7 +26,7 @@ micro-batches it saw, exactly as a full window uses the mean over N.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -70,12 +70,6 @@ def check_clippable(compression: Any) -> None:
             "of the steps it was held back, whose norm is far above a gradient's, so clipping would shrink every "
             "step far more than meant. Bound each rank's gradient before it is compressed instead, with the "
             "compressor's clip= (e.g. TopKQSGD(ratio=0.01, bits=8, clip=1.0)), and drop max_grad_norm.")
-
-
-def clip_averaged(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` of the averaged gradients (the same on every rank, so every rank clips
-    alike); returns the total norm before clipping, as a tensor (no host sync)."""
-    return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
 
 
 class GradientAccumulator:
@@ -149,8 +143,8 @@ class GradientAccumulator:
         else:
             self.optimizer.synchronize()   # inside Horovod's optimizer the policy is chosen by now
             check_clippable(_compressor(self.optimizer))
-            self.last_grad_norm = clip_averaged((p for g in self.optimizer.param_groups for p in g["params"]),
-                                                self.max_grad_norm)
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for g in self.optimizer.param_groups for p in g["params"]], self.max_grad_norm)
             with self.optimizer.skip_synchronize():
                 self.optimizer.step()
         self.optimizer.zero_grad()

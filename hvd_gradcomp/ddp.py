@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from . import feedback as fb
 from . import kernels, settings, wire
-from .accumulate import check_clippable, check_max_grad_norm, clip_averaged
+from .accumulate import check_clippable, check_max_grad_norm
 from .auto import Auto
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, QSGD, GradientCompressor, TopKQSGD, payload_size
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
@@ -1133,7 +1133,7 @@ class GradientAccumulator:
         if self.max_grad_norm is not None:
             state = _STATES.get(self.model)
             check_clippable(state.compression if state is not None else None)
-            self.last_grad_norm = clip_averaged(self.model.parameters(), self.max_grad_norm)
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.pending = 0

@@ -264,6 +264,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         return fused
 
     def _finish_fused(self, fused: List[Tuple[List[torch.Tensor], Pending]]) -> None:
+        ours = isinstance(self.compression, GradientCompressor)
         for ps, pending in fused:
             road = self._half if pending.extra.get("half") else self._dense
             flat = torch.empty(sum(p.numel() for p in ps), dtype=pending.dtype, device=ps[0].device)
@@ -273,7 +274,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 n = p.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
-                if isinstance(self.compression, GradientCompressor):
+                if ours:   # the policy sees the average before the user's code between synchronize() and step()
                     self.compression.dense_average(self._parameter_names[p], p.grad)
 
     def _record(self, name: str, raw_bytes: int, sent_bytes: int) -> None:
@@ -353,7 +354,7 @@ def _check_compression(compression: Any) -> None:
     ...
     ValueError: compression must be an hvd_gradcomp compressor (e.g. TopKQSGD(ratio=0.01, bits=8), QSGD(bits=8)), hvd_gradcomp.Auto(), a Horovod compressor (hvd.Compression.none / fp16) or None, got 'topk' (str); names such as 'topk' are for hvdgc-launch --compression (HVDGC_COMPRESSION): hvd_gradcomp.config.from_env().make_compressor() builds one from them
     """
-    if compression is None or isinstance(compression, GradientCompressor) or hasattr(compression, "make_exchange") \
+    if compression is None or isinstance(compression, (GradientCompressor, Auto)) \
             or (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
         return
     hint = ""
