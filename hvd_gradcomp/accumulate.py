@@ -60,11 +60,9 @@ def check_clippable(compression: Any) -> None:
     """
     from .auto import Auto
 
-    key = getattr(getattr(compression, "feedback", None), "key", None)
-    sparse = getattr(compression, "ratio", None) is not None        # TopK, TopKQSGD
-    if isinstance(compression, Auto) or (sparse and key in ("classic", "momentum")):
+    if isinstance(compression, Auto) or getattr(compression, "carries_held_back", False):
         what = "Auto()'s sparse road (classic error feedback)" if isinstance(compression, Auto) else \
-            f"{compression!r} with feedback '{key}'"
+            f"{compression!r} with feedback '{compression.feedback.key}'"
         raise ValueError(
             f"max_grad_norm cannot clip the averaged gradients of {what}: each sent coordinate carries the update "
             "of the steps it was held back, whose norm is far above a gradient's, so clipping would shrink every "

@@ -92,6 +92,11 @@ MAX_EXPANSION = 1 << 16
 # The smallest top-k ratio that matched uncompressed held-out loss on every task of the study
 # (docs/STUDY.md); a smaller one is cautioned about at start-up (TopK._caution).
 MEASURED_RATIO = 0.01
+# For this many exchange steps a compressor whose average carries held-back updates (see
+# GradientCompressor.carries_held_back) checks that the optimizer steps on the average as it was
+# handed over (GradientCompressor._check_handed), on this many sent values per tensor.
+HANDED_CHECK_STEPS = 100
+HANDED_SAMPLE = 16
 
 
 @dataclass
@@ -195,6 +200,10 @@ class GradientCompressor:
         self._attached: Any = None
         self._binding: Optional[Tuple[Any, Dict[Any, str]]] = None   # see bind_groups
         self._rebind_hook: Any = None
+        self._handed_hook: Any = None
+        self._handed: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]] = {}   # see _remember_handed
+        self._handed_checks = HANDED_CHECK_STEPS
+        self.scaled_after_exchange = 0     # checked steps whose average the user's code had scaled
         self.stats = ByteStats()
         self._steps: Dict[str, int] = {}
         self._owner: Optional[weakref.ref] = None
@@ -296,10 +305,79 @@ class GradientCompressor:
         register = getattr(optimizer, "register_load_state_dict_post_hook", None)
         self._rebind_hook = None if register is None else register(rebind)
 
+        def check(opt: Any, args: Any, kwargs: Any) -> None:
+            comp = me()
+            if comp is not None and comp._handed and comp._binding is not None and comp._binding[0] is opt:
+                comp._check_handed()
+
+        if self._handed_hook is not None:
+            self._handed_hook.remove()
+        register = getattr(optimizer, "register_step_post_hook", None)
+        self._handed_hook = None if register is None else register(check)
+
     def __getstate__(self) -> Dict[str, Any]:
-        # The load_state_dict hook (see bind_groups) stays with the optimizer it was registered on:
-        # a pickled or deep-copied compressor does not carry it (its handle refers to a local function).
-        return {**self.__dict__, "_rebind_hook": None}
+        # The optimizer hooks (see bind_groups) stay with the optimizer they were registered on:
+        # a pickled or deep-copied compressor does not carry them (their handles refer to local functions).
+        return {**self.__dict__, "_rebind_hook": None, "_handed_hook": None, "_handed": {}}
+
+    @property
+    def carries_held_back(self) -> bool:
+        """Whether each sent value of the average carries the updates of the steps it was held
+        back (a sparse compressor under error feedback on gradients or DGC's momentum correction):
+        its norm is then far above a gradient's, and ``clip_grad_norm_`` on the average shrinks
+        every step far more than meant. False here; see :meth:`TopK.carries_held_back`."""
+        return False
+
+    def _remember_handed(self, name: str, flat: torch.Tensor, support: Optional[torch.Tensor]) -> None:
+        """Keep a few nonzero values of the average handed to the optimizer (at sent indices), so
+        that :meth:`_check_handed` can tell whether the user's code scaled it before the step.
+        Only for the first :data:`HANDED_CHECK_STEPS` steps: clipping code runs every step."""
+        idx = support if support is not None else flat.nonzero().view(-1)
+        idx = idx[:4 * HANDED_SAMPLE]
+        vals = flat[idx]
+        keep = vals != 0
+        self._handed[name] = (self._round, idx[keep][:HANDED_SAMPLE], vals[keep][:HANDED_SAMPLE].clone())
+
+    def _check_handed(self) -> None:
+        """After the optimizer's step: was the average this compressor handed over scaled on the
+        way (by one factor, on every tensor, as ``clip_grad_norm_`` does)? Then say once that it
+        should not be (see :meth:`carries_held_back`), and what to use instead. A power-of-two
+        factor is a loss scaler's ``unscale_`` (exact in floating point) and is left alone; a
+        change other than one scaling (code adding to the gradients) is not this mistake.
+
+        Why a warning and not an error: the step has been taken, and a clipping threshold that
+        binds only now and then (a safety net) does little harm; the study's CNN with momentum
+        SGD and ``clip_grad_norm_(1.0)`` on every step ended at ~4x uncompressed's held-out loss."""
+        handed, self._handed = self._handed, {}
+        self._handed_checks -= 1
+        if self._binding is None:
+            return
+        ratios = []
+        for p, name in self._binding[1].items():
+            got = handed.get(name)
+            if got is None or got[0] < self._round - 1 or got[1].numel() == 0 or p.grad is None \
+                    or p.grad.layout is not torch.strided:   # a sparse gradient was not compressed
+                continue
+            now = p.grad.detach().reshape(-1)[got[1].to(p.grad.device)]
+            ratios.append((now.to(torch.float32) / got[2].to(now.device, torch.float32)).cpu())
+        if not ratios:
+            return
+        r = torch.cat(ratios)
+        lo, hi = float(r.min()), float(r.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi - lo > 1e-3 * hi:
+            return   # not one scaling of the whole average: something else changed it
+        factor = (lo + hi) / 2
+        if abs(factor - 1.0) <= 1e-3 or (lo == hi and math.frexp(factor)[0] == 0.5):
+            return   # untouched, or a loss scaler's unscale_
+        self.scaled_after_exchange += 1
+        if self.scaled_after_exchange == 1:
+            warnings.warn(
+                f"hvd_gradcomp: the averaged gradients {self!r} handed to the optimizer were scaled by {factor:.3g} "
+                f"before its step (clip_grad_norm_?). Under feedback '{self.feedback.key}' each sent value carries the "
+                "updates of the steps it was held back, so its norm is far above a gradient's and clipping it shrinks "
+                "every step far more than meant (momentum SGD with clip_grad_norm_(1.0): ~4x uncompressed's held-out "
+                f"loss; README, 'Clipping and TopK'). Bound each rank's gradient before it is compressed instead: "
+                f"{type(self).__name__}(..., clip=1.0), and do not clip the averages.", RuntimeWarning, stacklevel=2)
 
     def _bind_policy(self) -> None:
         if self._binding is None:
@@ -546,6 +624,8 @@ class GradientCompressor:
             self.feedback.received(name, flat)
         if flat.data_ptr() != avg.data_ptr():
             avg.copy_(flat.view_as(avg))
+        if self._handed_checks > 0 and self._handed_hook is not None and self.carries_held_back:
+            self._remember_handed(name, flat, support)
 
     def compress_chunks(self, name: str, grad: torch.Tensor, bounds: List[int]) -> List[torch.Tensor]:
         """One payload per chunk ``grad[bounds[i]:bounds[i+1]]`` (flattened), with the feedback
@@ -857,6 +937,17 @@ class TopK(GradientCompressor):
             ratio = getattr(ratio, "ratio", None) or ratio(0)
         self.ratio = ratio
         self.min_k = min_k
+
+    @property
+    def carries_held_back(self) -> bool:
+        """True under ``classic`` error feedback and ``momentum`` correction (what they hand the
+        optimizer is each sent coordinate's held-back sum); ``frozen`` and ``update`` move the
+        parameters themselves.
+
+        >>> TopK().carries_held_back, TopK().set_feedback("frozen").carries_held_back
+        (True, False)
+        """
+        return self.feedback.key in ("classic", "momentum")
 
     def selected(self, numel: int, ratio: Optional[float] = None) -> int:
         """How many of a ``numel``-element tensor's entries are sent at ``ratio`` (default: the target

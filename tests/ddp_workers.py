@@ -307,6 +307,33 @@ def clipped_warmup(steps: int = 9, scale: float = 0.5) -> Dict[str, Any]:
             "plain_warned": plain_warned, "scaled_warned": scaled_warned, "grad_seen": seen, "moved": moved}
 
 
+def scaled_averages(steps: int = 6) -> Dict[str, Any]:
+    """Momentum SGD under TopKQSGD(25%, 8) (momentum correction) in the DDP hook, the gradients
+    before opt.step(): left alone, clipped (clip_grad_norm_), or scaled by a power of two (a loss
+    scaler's unscale_). Per variant: the RuntimeWarnings about scaled averages and the count."""
+    rank = dist.get_rank()
+    out: Dict[str, Any] = {}
+    for label in ("none", "clip", "unscale"):
+        model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        comp = gc.TopKQSGD(ratio=0.25, bits=8, seed=1)
+        gc_ddp.register(model, compression=comp, optimizer=opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                opt.zero_grad()
+                loss_of(model, *batch(rank, step)).backward()
+                if label == "clip":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                elif label == "unscale":
+                    for p in model.parameters():
+                        p.grad.mul_(0.5)
+                opt.step()
+        out[label] = {"warned": [str(w.message) for w in caught if "scaled by" in str(w.message)],
+                      "count": comp.scaled_after_exchange, "feedback": comp.feedback.key}
+    return out
+
+
 def ddp_options(kind: str, **kw: Any) -> Dict[str, Any]:
     """find_unused_parameters, frozen parameters and static_graph, 3 steps each, vs uncompressed."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -602,7 +629,7 @@ def die(after: int) -> Dict[str, Any]:
 SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
              "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup,
-             "accumulation_clipped": accumulation_clipped}
+             "accumulation_clipped": accumulation_clipped, "scaled_averages": scaled_averages}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

@@ -57,6 +57,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "frozen": {"fn": "frozen"},
     "clipped-warmup": {"fn": "clipped_warmup"},
     "acc-clipped": {"fn": "accumulation_clipped"},
+    "scaled-averages": {"fn": "scaled_averages"},
     "acc-clipped-sgd": {"fn": "accumulation_clipped", "optimizer": "sgd"},
     "exempt": {"fn": "exempt"},
 }
@@ -373,6 +374,16 @@ def test_clipping_under_frozen_adam(battery):
         assert r["rel"] < 1e-2, f"frozen denominators differ by {r['rel']:.3g} (a v of the scaled gradients: 0.5)"
         assert r["plain_warned"] == [] and len(r["scaled_warned"]) == 1 and "clip=" in r["scaled_warned"][0]
         assert r["grad_seen"] == 0.0 and r["moved"] > 0.0, r
+
+
+def test_clipping_momentum_corrected_averages_is_said(battery):
+    """clip_grad_norm_ before opt.step() on momentum-corrected sparse averages (each sent value
+    carries its held-back updates): said once, with the fix (clip=); a power-of-two scaling (a loss
+    scaler's unscale_) is not."""
+    for r in battery["scaled-averages"]:
+        assert all(v["feedback"] == "momentum" for v in r.values()), r
+        assert r["none"]["warned"] == [] and r["unscale"]["warned"] == [] and r["unscale"]["count"] == 0, r
+        assert len(r["clip"]["warned"]) == 1 and r["clip"]["count"] == 6 and "clip=" in r["clip"]["warned"][0], r
 
 
 def test_accumulator_clips_the_averaged_gradients(battery):

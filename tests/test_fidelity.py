@@ -451,3 +451,60 @@ def test_frozen_variance_sparsity_warmup_follows_the_dense_warmup():
     assert [own.ratio_at(s) for s in (0, 2, 3)] == [0.25, 0.01, 0.01]
     with pytest.raises(ValueError, match="sparsity_warmup must be an int >= 0"):
         gc.FrozenVariance(sparsity_warmup=-1)
+
+
+# ------------------------------------------------------------------ averages scaled before the step
+def _handed_once(comp, p, opt, edit):
+    """One exchange as the optimizers run it: the average handed over (received), the user's
+    ``edit`` of p.grad, the optimizer's step."""
+    avg = torch.zeros(p.numel())
+    support = torch.arange(0, p.numel(), 7)
+    avg[support] = torch.linspace(0.5, 2.0, support.numel())
+    comp.received("w", avg, support)
+    p.grad = avg.view_as(p).clone()
+    edit(p.grad)
+    opt.step()
+
+
+@pytest.mark.parametrize("edit,warned", [(lambda g: None, False), (lambda g: g.mul_(0.3), True),
+                                         (lambda g: g.mul_(0.125), False), (lambda g: g.add_(1.0), False),
+                                         (lambda g: g.view(-1)[:10].mul_(0.3), False)],
+                         ids=["untouched", "clipped", "unscaled", "added", "partly-scaled"])
+def test_averages_scaled_before_the_step_are_said_once(edit, warned):
+    """One factor on the whole average (clip_grad_norm_) is said, once, naming the fix; a power of
+    two (a loss scaler's unscale_) and other edits are not. Checked for HANDED_CHECK_STEPS steps."""
+    from hvd_gradcomp import compressors
+    p = torch.nn.Parameter(torch.zeros(30, 20))
+    opt = torch.optim.SGD([p], lr=0.1)          # plain SGD: classic error feedback
+    comp = TopKQSGD(ratio=0.1)
+    comp.attach(opt, {p: "w"})
+    assert comp.carries_held_back
+    with pytest.warns(RuntimeWarning, match=r"scaled by 0\.3 .*clip=1\.0") if warned else _no_warning():
+        for _ in range(3):
+            _handed_once(comp, p, opt, edit)
+    assert comp.scaled_after_exchange == (3 if warned else 0)
+    for _ in range(compressors.HANDED_CHECK_STEPS):
+        _handed_once(comp, p, opt, edit)
+    assert comp.scaled_after_exchange == (compressors.HANDED_CHECK_STEPS if warned else 0)
+
+
+def _no_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def quiet():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            yield
+    return quiet()
+
+
+def test_policies_that_move_the_parameters_are_not_watched():
+    p = torch.nn.Parameter(torch.zeros(30, 20))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    for policy in ("frozen", "update"):
+        comp = TopKQSGD(ratio=0.1, feedback=policy)
+        comp.attach(opt, {p: "w"})
+        assert not comp.carries_held_back
+    assert not QSGD(bits=8).carries_held_back

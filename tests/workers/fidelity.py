@@ -104,3 +104,41 @@ def clipped_warmup(wrapper: str, steps: int = 8, scale: float = 0.5) -> Dict[str
     scaled, scaled_warned = run(scale)
     return {"names": sorted(plain), "rel": max(float(((scaled[n] - plain[n]) / plain[n]).abs().max()) for n in plain),
             "plain_warned": plain_warned, "scaled_warned": scaled_warned}
+
+
+def scaled_averages(wrapper: str, steps: int = 6) -> Dict[str, Any]:
+    """Momentum SGD under TopKQSGD(25%, 8) (momentum correction) in Horovod's pattern, with the
+    user's code between synchronize() and step() doing: nothing, clip_grad_norm_ (one factor on
+    every gradient), a loss scaler's unscale_ (a power of two), both, or an addition (not a
+    scaling). Per variant: the RuntimeWarnings about scaled averages and the compressor's count."""
+    import warnings
+
+    edits = {
+        "none": lambda ps: None,
+        "clip": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.01),
+        "unscale": lambda ps: [p.grad.mul_(0.25) for p in ps],
+        "unscale+clip": lambda ps: ([p.grad.mul_(0.25) for p in ps], torch.nn.utils.clip_grad_norm_(ps, 0.01)),
+        "add": lambda ps: [p.grad.add_(p.detach(), alpha=1e-2) for p in ps]}
+    out: Dict[str, Any] = {}
+    for label, edit in edits.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+        comp = gc.TopKQSGD(ratio=0.25, bits=8, seed=1)
+        kw = dict(named_parameters=model.named_parameters(), compression=comp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = gc.DistributedOptimizer(opt, **kw) if wrapper == "gc" else hvd.DistributedOptimizer(opt, **kw)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                x, y = _data(10_000 * hvd.rank() + step, 32)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.synchronize()
+                edit(list(model.parameters()))
+                with opt.skip_synchronize():
+                    opt.step()
+        out[label] = {"warned": [str(w.message) for w in caught if "scaled by" in str(w.message)],
+                      "count": comp.scaled_after_exchange, "feedback": comp.feedback.key,
+                      "identical": all(all_ranks_equal(p.detach()) for p in model.parameters())}
+    return out
