@@ -390,7 +390,8 @@ class Feedback:
     ``sparsity_warmup``: over a tensor's first this many compressed exchanges, a TopK-type
     compressor whose ``ratio`` has no schedule of its own sends a share falling geometrically
     from 25% to its ratio (DGC's sparsity warm-up, see
-    :class:`hvd_gradcomp.compressors.SparsityWarmup`); 0: none.
+    :class:`hvd_gradcomp.compressors.SparsityWarmup`; at ratios below 1% over more exchanges, at
+    the same pace: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`); 0: none.
     """
 
     key = "none"
@@ -590,7 +591,8 @@ class _RoundUndo:
 
 SPARSITY_WARMUP = 100
 """The default sparsity warm-up of the optimizer-aware policies (DGC's: the share sent falls
-geometrically from 25% to the ratio over a tensor's first this many compressed steps).
+geometrically from 25% to the ratio over a tensor's first this many compressed steps; at ratios
+below 1% over more steps, at the same pace: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`).
 FrozenVariance: after its dense warm-up (in the simulator, docs/STUDY.md: the transformer's gap
 fell from +2.86% to +1.61%, mean of 3 seeds). MomentumCorrection: from the first step (the
 study's char-MLP: +1.89% -> +1.31%, 3 seeds)."""
@@ -634,8 +636,8 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     coordinates sent); off by default, it measured worse (docs/STUDY.md). ``sparsity_warmup``:
     DGC's sparsity warm-up, the share a TopK-type compressor sends falls geometrically from 25%
     to its ratio over each tensor's first this many compressed steps (default
-    :data:`SPARSITY_WARMUP`; 0: none; a ``ratio=SparsityWarmup(...)`` of the user's own takes
-    precedence). Chosen by ``feedback="auto"`` for ``SGD(momentum > 0)``.
+    :data:`SPARSITY_WARMUP`, more at ratios below 1%; 0: none; a ``ratio=SparsityWarmup(...)`` of
+    the user's own takes precedence). Chosen by ``feedback="auto"`` for ``SGD(momentum > 0)``.
 
     With ratio 1 (nothing dropped), training is exactly momentum SGD:
 
@@ -734,7 +736,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     def describe(self) -> str:
         m = "from the optimizer" if self.momentum is None else self.momentum
         return (f"momentum correction (DGC; momentum {m}, masking {'on' if self.masking else 'off'}, "
-                f"sparsity warm-up {self.sparsity_warmup} steps)")
+                f"sparsity warm-up {self.sparsity_warmup} steps, more below ratio 1%)")
 
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity),
