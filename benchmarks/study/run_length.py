@@ -36,11 +36,12 @@ TASKS = ("transformer", "char-mlp")
 # The compressed settings run per task (benchmarks/study/worker.py); "tq1-warm300" freezes Adam's
 # second moment after 300 steps instead of the default's 100 (or the ramp's end): only for AdamW, only in
 # the longer runs.
-TASK_SETTINGS = {"transformer": ("tq01", "tq1", "tq1-warm300"), "char-mlp": ("tq01", "tq1")}
-SETTINGS = ("none", "tq01", "tq1", "tq1-warm300")
-COLUMNS = (("tq01", "TopKQSGD(0.1%, 8)"), ("tq1", "TopKQSGD(1%, 8)"),
+TASK_SETTINGS = {"transformer": ("tq01", "tq01-spw100", "tq1", "tq1-warm300"), "char-mlp": ("tq01", "tq01-spw100", "tq1")}
+SETTINGS = ("none", "tq01", "tq01-spw100", "tq1", "tq1-warm300")
+COLUMNS = (("tq01", "TopKQSGD(0.1%, 8)"), ("tq01-spw100", "TopKQSGD(0.1%, 8), 100-step sparsity warm-up"),
+           ("tq1", "TopKQSGD(1%, 8)"),
            ("tq1-warm300", "TopKQSGD(1%, 8), v frozen after 300 steps"))
-TARGET = {"tq01": 2.0, "tq1": 1.0, "tq1-warm300": 1.0}
+TARGET = {"tq01": 2.0, "tq01-spw100": 2.0, "tq1": 1.0, "tq1-warm300": 1.0}
 RATIO, RANKS = 0.001, 2
 Runs = Dict[Tuple[str, str], List[dict]]
 

@@ -28,6 +28,10 @@ SETTINGS = {
     "topk": ("TopK 1%", lambda opt: gc.TopK(ratio=0.01)),
     "tq1": ("TopKQSGD(1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8)),
     "tq01": ("TopKQSGD(0.1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.001, bits=8)),
+    # The sparsity warm-up of 100 steps whatever the ratio (before it kept its pace below 1%): as a
+    # schedule of the user's own, which counts the same compressed steps as the policy's
+    "tq01-spw100": ("TopKQSGD(0.1%, 8), 100-step sparsity warm-up",
+                    lambda opt: gc.TopKQSGD(ratio=gc.SparsityWarmup(0.001, steps=100), bits=8)),
     "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
     "tq1-momentum": ("TopKQSGD(1%, 8), momentum correction",
                      lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback="momentum")),
@@ -41,7 +45,7 @@ SETTINGS = {
     "tq1-warm300": ("TopKQSGD(1%, 8), second moment frozen after 300 steps",
                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300))),
 }
-DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic", "tq1-fixedlr")
+DEFAULT_SETTINGS = ("none", "fp16", "qsgd8", "topk", "tq1", "tq01", "tq1-classic", "tq1-fixedlr", "tq01-spw100")
 
 
 def wrap(task: Any, compression: Any, seed: int) -> Any:
