@@ -453,6 +453,32 @@ def test_frozen_variance_sparsity_warmup_follows_the_dense_warmup():
         gc.FrozenVariance(sparsity_warmup=-1)
 
 
+@pytest.mark.parametrize("policy", ["momentum", "frozen"])
+def test_sparsity_warmup_keeps_its_pace_below_one_percent(policy):
+    """The policies' default sparsity warm-up lasts 100 steps at ratios of 1% and above; below, it
+    lasts longer and the share falls at the same pace (172 steps at 0.1%); a schedule of the user's
+    own takes precedence."""
+    from hvd_gradcomp.compressors import sparsity_warmup_steps
+    p = torch.zeros(4000, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9) if policy == "momentum" else torch.optim.AdamW([p])
+    at = {}
+    for ratio in (0.1, 0.01, 0.001, 0.0001):
+        c = TopK(ratio=ratio)
+        c.attach(opt, {p: "w"})
+        assert c.feedback.key == policy
+        at[ratio] = [c.ratio_at(s) for s in range(400)]
+    warm = {r: next(s for s, v in enumerate(shares) if v == r) for r, shares in at.items()}
+    assert warm == {0.1: 100, 0.01: 100, 0.001: 172, 0.0001: 244}, warm
+    assert warm[0.001] == sparsity_warmup_steps(100, 0.001)
+    # the same share step for step (within the rounding up of 171.5 steps) until 1%, reached near step 100
+    assert all(a == pytest.approx(b, rel=0.01) for a, b in zip(at[0.001][:100], at[0.01][:100]))
+    assert at[0.001][100] > 0.01 > at[0.001][110]
+    for ratio in (0.01, 0.001):
+        assert all(a >= b for a, b in zip(at[ratio], at[ratio][1:]))       # never rises
+    own = TopK(ratio=gc.SparsityWarmup(0.001, steps=100), feedback=policy)
+    assert own.ratio_at(100) == 0.001
+
+
 # ------------------------------------------------------------------ averages scaled before the step
 def _handed_once(comp, p, opt, edit):
     """One exchange as the optimizers run it: the average handed over (received), the user's
