@@ -71,33 +71,40 @@ def battery(scenarios: List[Dict[str, Any]]) -> List[Any]:
     return [train(**sc) for sc in scenarios]
 
 
+def _edited_run(wrapper: str, comp: Any, make_opt: Any, edit: Any, steps: int) -> Any:
+    """Train the teacher task through ``wrapper`` with ``comp`` in Horovod's pattern, ``edit`` (the
+    user's code) run on the parameters between synchronize() and step(); (model, warnings caught)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    kw = dict(named_parameters=model.named_parameters(), compression=comp)
+    opt = make_opt(model.parameters())
+    opt = gc.DistributedOptimizer(opt, **kw) if wrapper == "gc" else hvd.DistributedOptimizer(opt, **kw)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x, y = _data(10_000 * hvd.rank() + step, 32)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            edit(list(model.parameters()))
+            with opt.skip_synchronize():
+                opt.step()
+    return model, caught
+
+
 def clipped_warmup(wrapper: str, steps: int = 8, scale: float = 0.5) -> Dict[str, Any]:
     """AdamW under TopKQSGD with FrozenVariance(warmup=6, window=4) twice: as is, and with every
     gradient scaled by ``scale`` between synchronize() and step() (what clip_grad_norm_ does,
     in Horovod's pattern). Returns the largest relative difference between the two runs' frozen
     denominators (the second moment must be that of the gradients as exchanged) and the
     warnings each run raised."""
-    import warnings
-
     def run(s: float):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
         comp = gc.TopKQSGD(ratio=0.25, bits=8, seed=1, feedback=gc.FrozenVariance(warmup=6, window=4))
-        kw = dict(named_parameters=model.named_parameters(), compression=comp)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        opt = gc.DistributedOptimizer(opt, **kw) if wrapper == "gc" else hvd.DistributedOptimizer(opt, **kw)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for step in range(steps):
-                x, y = _data(10_000 * hvd.rank() + step, 32)
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.synchronize()
-                for p in model.parameters():
-                    p.grad.mul_(s)
-                with opt.skip_synchronize():
-                    opt.step()
+        _, caught = _edited_run(wrapper, comp, lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+                                lambda ps: [p.grad.mul_(s) for p in ps], steps)
         return dict(comp.feedback.denom), [str(w.message) for w in caught if w.category is RuntimeWarning]
 
     plain, plain_warned = run(1.0)
@@ -111,8 +118,6 @@ def scaled_averages(wrapper: str, steps: int = 6) -> Dict[str, Any]:
     user's code between synchronize() and step() doing: nothing, clip_grad_norm_ (one factor on
     every gradient), a loss scaler's unscale_ (a power of two), both, or an addition (not a
     scaling). Per variant: the RuntimeWarnings about scaled averages and the compressor's count."""
-    import warnings
-
     edits = {
         "none": lambda ps: None,
         "clip": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.01),
@@ -121,23 +126,8 @@ def scaled_averages(wrapper: str, steps: int = 6) -> Dict[str, Any]:
         "add": lambda ps: [p.grad.add_(p.detach(), alpha=1e-2) for p in ps]}
     out: Dict[str, Any] = {}
     for label, edit in edits.items():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
         comp = gc.TopKQSGD(ratio=0.25, bits=8, seed=1)
-        kw = dict(named_parameters=model.named_parameters(), compression=comp)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        opt = gc.DistributedOptimizer(opt, **kw) if wrapper == "gc" else hvd.DistributedOptimizer(opt, **kw)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for step in range(steps):
-                x, y = _data(10_000 * hvd.rank() + step, 32)
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.synchronize()
-                edit(list(model.parameters()))
-                with opt.skip_synchronize():
-                    opt.step()
+        model, caught = _edited_run(wrapper, comp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), edit, steps)
         out[label] = {"warned": [str(w.message) for w in caught if "scaled by" in str(w.message)],
                       "count": comp.scaled_after_exchange, "feedback": comp.feedback.key,
                       "identical": all(all_ranks_equal(p.detach()) for p in model.parameters())}
