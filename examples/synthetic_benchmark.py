@@ -195,7 +195,8 @@ def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, 
     size = hvd.size()
     step_s, comm_s, codec_s, codec_sync_s = _across_ranks(
         [sum(st[i] for st in steps) / len(steps) for i in (0, 1, 3, 4)], "bench.times")
-    last_in_s = _last_in([st[1] for st in steps])
+    every = _every_rank([st[1] for st in steps])
+    last_in_s = float(every.min(dim=0).values.mean())
     bytes_step = sum(st[2] for st in steps) / len(steps)
     say(f"Samples/sec per rank: {mean:.1f} +-{conf:.1f}")
     say(f"Total samples/sec on {size} rank(s): {size * mean:.1f} +-{size * conf:.1f}")
@@ -217,6 +218,8 @@ def _report(args: argparse.Namespace, cfg: CompressionConfig, model: nn.Module, 
         "codec_s": codec_s, "exposed_comm_s": max(comm_s - codec_sync_s, 0.0),
         # the part of comm_s spent waiting for the last rank to enter synchronize() (load imbalance)
         "last_in_s": last_in_s, "imbalance_s": max(comm_s - last_in_s, 0.0),
+        # per rank, per timed step: which rank arrives last, and how often (issue 13)
+        "sync_s_per_rank": every.tolist(),
         "auto": comp.report() if isinstance(comp, gc.Auto) else None,
         "bytes_per_step": bytes_step, "raw_bytes_per_step": timer.raw_bytes,
         "ratio": timer.raw_bytes / bytes_step if bytes_step else 0.0,
@@ -234,13 +237,12 @@ def vars_cfg(cfg: CompressionConfig) -> Dict[str, Any]:
             "error_feedback": cfg.error_feedback, "seed": cfg.seed}
 
 
-def _last_in(sync_s: List[float]) -> float:
-    """Mean over steps of the least time any rank spent in ``synchronize()`` in that step: the
-    time of the last rank to arrive (it waits for no one), so that ``comm_s`` minus it is the
-    time the others spent waiting for that rank to finish its backward (load imbalance, not the
-    network or the codec). Every rank's per-step times are gathered once, after the timed steps."""
-    every = hvd.allgather(torch.tensor([sync_s], dtype=torch.float64), name="bench.sync_steps")
-    return float(every.min(dim=0).values.mean())
+def _every_rank(sync_s: List[float]) -> torch.Tensor:
+    """Every rank's time in ``synchronize()`` per timed step (ranks x steps), gathered once, after
+    the timed steps. The mean over steps of each step's least is the time of the last rank to
+    arrive (it waits for no one), so that ``comm_s`` minus it is the time the others spent waiting
+    for that rank to finish its backward (load imbalance, not the network or the codec)."""
+    return hvd.allgather(torch.tensor([sync_s], dtype=torch.float64), name="bench.sync_steps")
 
 
 def _across_ranks(values: List[float], name: str) -> List[float]:
