@@ -381,11 +381,11 @@ class GradientCompressor:
                     or p.grad.layout is not torch.strided:   # a sparse gradient was not compressed
                 continue
             now = p.grad.detach().reshape(-1)[got[1].to(p.grad.device)]
-            ratios.append((now.to(torch.float32) / got[2].to(now.device, torch.float32)).cpu())
+            ratios.append(now.to(torch.float32) / got[2].to(now.device, torch.float32))
         if not ratios:
             return
-        r = torch.cat(ratios)
-        lo, hi = float(r.min()), float(r.max())
+        r = torch.cat([x.to(ratios[0].device) for x in ratios])
+        lo, hi = torch.stack(r.aminmax()).tolist()   # one read to the host (a device sync on GPU)
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi - lo > 1e-3 * hi:
             return   # not one scaling of the whole average: something else changed it
         factor = (lo + hi) / 2
