@@ -226,6 +226,8 @@ class GradientCompressor:
         self._handed: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]] = {}   # see _remember_handed
         self._handed_checks = HANDED_CHECK_STEPS
         self.scaled_after_exchange = 0     # checked steps whose average the user's code had scaled
+        self._handed_mantissa: Optional[float] = None   # the first checked step's (see _check_handed)
+        self._handed_warned = False
         self.stats = ByteStats()
         self._steps: Dict[str, int] = {}
         self._owner: Optional[weakref.ref] = None
@@ -362,18 +364,43 @@ class GradientCompressor:
 
     def _check_handed(self) -> None:
         """After the optimizer's step: was the average this compressor handed over scaled on the
-        way (by one factor, on every tensor, as ``clip_grad_norm_`` does)? Then say once that it
-        should not be (see :meth:`carries_held_back`), and what to use instead. A power-of-two
-        factor is a loss scaler's ``unscale_`` (exact in floating point) and is left alone; a
-        change other than one scaling (code adding to the gradients) is not this mistake.
+        way (by one factor, on every tensor, as ``clip_grad_norm_`` does), by a factor that changes
+        from step to step? Then say once that it should not be (see :meth:`carries_held_back`), and
+        what to use instead.
+
+        Left alone: a power of two (a loss scaler's ``unscale_``, exact in floating point: factors
+        are compared by their mantissa), a constant factor (a fixed rescale of every step is a
+        different learning rate, which error feedback and momentum correction follow exactly), and
+        changes other than one scaling (code adding to the gradients).
 
         Why a warning and not an error: the step has been taken, and a clipping threshold that
         binds only now and then (a safety net) does little harm; the study's CNN with momentum
         SGD and ``clip_grad_norm_(1.0)`` on every step ended at ~4x uncompressed's held-out loss."""
         handed, self._handed = self._handed, {}
         self._handed_checks -= 1
+        factor = self._handed_factor(handed)
+        if factor is None:
+            return   # nothing to compare, or not one scaling of the whole average
+        mantissa = 0.5 if abs(factor - 1.0) <= 1e-3 else math.frexp(factor)[0]
+        if abs(mantissa - 0.5) > 1e-3:
+            self.scaled_after_exchange += 1
+        first = self._handed_mantissa = mantissa if self._handed_mantissa is None else self._handed_mantissa
+        if abs(mantissa - first) > 1e-3 * first and not self._handed_warned:
+            self._handed_warned = True
+            warnings.warn(
+                f"hvd_gradcomp: the averaged gradients {self!r} handed to the optimizer were scaled by {factor:.3g} "
+                f"before its step, by a factor that changes from step to step (clip_grad_norm_?). Under feedback "
+                f"'{self.feedback.key}' each sent value carries the updates of the steps it was held back, so its norm "
+                "is far above a gradient's and clipping it shrinks every step far more than meant (momentum SGD with "
+                "clip_grad_norm_(1.0): ~4x uncompressed's held-out loss; README, 'Clipping and TopK'). Bound each "
+                f"rank's gradient before it is compressed instead: {type(self).__name__}(..., clip=1.0), and do not "
+                "clip the averages.", RuntimeWarning, stacklevel=2)
+
+    def _handed_factor(self, handed: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]]) -> Optional[float]:
+        """The one factor by which the optimizer's ``p.grad`` differs from the kept values of the
+        averages handed over this step (``handed``); None when none were kept or the ratios differ."""
         if self._binding is None:
-            return
+            return None
         ratios = []
         for p, name in self._binding[1].items():
             got = handed.get(name)
@@ -383,23 +410,12 @@ class GradientCompressor:
             now = p.grad.detach().reshape(-1)[got[1].to(p.grad.device)]
             ratios.append(now.to(torch.float32) / got[2].to(now.device, torch.float32))
         if not ratios:
-            return
+            return None
         r = torch.cat([x.to(ratios[0].device) for x in ratios])
         lo, hi = torch.stack(r.aminmax()).tolist()   # one read to the host (a device sync on GPU)
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi - lo > 1e-3 * hi:
-            return   # not one scaling of the whole average: something else changed it
-        factor = (lo + hi) / 2
-        if abs(factor - 1.0) <= 1e-3 or (lo == hi and math.frexp(factor)[0] == 0.5):
-            return   # untouched, or a loss scaler's unscale_
-        self.scaled_after_exchange += 1
-        if self.scaled_after_exchange == 1:
-            warnings.warn(
-                f"hvd_gradcomp: the averaged gradients {self!r} handed to the optimizer were scaled by {factor:.3g} "
-                f"before its step (clip_grad_norm_?). Under feedback '{self.feedback.key}' each sent value carries the "
-                "updates of the steps it was held back, so its norm is far above a gradient's and clipping it shrinks "
-                "every step far more than meant (momentum SGD with clip_grad_norm_(1.0): ~4x uncompressed's held-out "
-                f"loss; README, 'Clipping and TopK'). Bound each rank's gradient before it is compressed instead: "
-                f"{type(self).__name__}(..., clip=1.0), and do not clip the averages.", RuntimeWarning, stacklevel=2)
+            return None
+        return (lo + hi) / 2
 
     def _bind_policy(self) -> None:
         if self._binding is None:

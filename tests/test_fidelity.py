@@ -480,38 +480,46 @@ def test_sparsity_warmup_keeps_its_pace_below_one_percent(policy):
 
 
 # ------------------------------------------------------------------ averages scaled before the step
-def _handed_once(comp, p, opt, edit):
-    """One exchange as the optimizers run it: the average handed over (received), the user's
+def _handed_once(comp, p, opt, edit, k):
+    """Exchange ``k`` as the optimizers run it: the average handed over (received), the user's
     ``edit`` of p.grad, the optimizer's step."""
     avg = torch.zeros(p.numel())
     support = torch.arange(0, p.numel(), 7)
     avg[support] = torch.linspace(0.5, 2.0, support.numel())
     comp.received("w", avg, support)
     p.grad = avg.view_as(p).clone()
-    edit(p.grad)
+    edit(p.grad, k)
     opt.step()
 
 
-@pytest.mark.parametrize("edit,warned", [(lambda g: None, False), (lambda g: g.mul_(0.3), True),
-                                         (lambda g: g.mul_(0.125), False), (lambda g: g.add_(1.0), False),
-                                         (lambda g: g.view(-1)[:10].mul_(0.3), False)],
-                         ids=["untouched", "clipped", "unscaled", "added", "partly-scaled"])
-def test_averages_scaled_before_the_step_are_said_once(edit, warned):
-    """One factor on the whole average (clip_grad_norm_) is said, once, naming the fix; a power of
-    two (a loss scaler's unscale_) and other edits are not. Checked for HANDED_CHECK_STEPS steps."""
+@pytest.mark.parametrize("edit,warned,scaled", [
+    (lambda g, k: None, False, False),
+    (lambda g, k: g.mul_(0.3 + 0.001 * k), True, True),          # clip_grad_norm_: a new factor each step
+    (lambda g, k: g.mul_(0.3), False, True),                     # a fixed rescale: another learning rate
+    (lambda g, k: g.mul_(2.0 ** -(3 + k % 2)), False, False),    # a loss scaler's unscale_, scale changing
+    (lambda g, k: g.mul_((0.3 + 0.001 * k) * 2.0 ** -(3 + k % 2)), True, True),   # unscale_, then a clip
+    (lambda g, k: g.add_(1.0), False, False),
+    (lambda g, k: g.view(-1)[:10].mul_(0.3 + 0.001 * k), False, False)],
+    ids=["untouched", "clipped", "constant", "unscaled", "unscaled-clipped", "added", "partly-scaled"])
+def test_averages_scaled_before_the_step_are_said_once(edit, warned, scaled):
+    """A factor on the whole average that changes from step to step (clip_grad_norm_) is said, once,
+    naming the fix; a constant factor, a power of two (a loss scaler's unscale_) and other edits are
+    not. ``scaled_after_exchange`` counts the steps scaled other than by a power of two. Checked
+    for HANDED_CHECK_STEPS steps."""
     from hvd_gradcomp import compressors
     p = torch.nn.Parameter(torch.zeros(30, 20))
     opt = torch.optim.SGD([p], lr=0.1)          # plain SGD: classic error feedback
     comp = TopKQSGD(ratio=0.1)
     comp.attach(opt, {p: "w"})
     assert comp.carries_held_back
-    with pytest.warns(RuntimeWarning, match=r"scaled by 0\.3 .*clip=1\.0") if warned else _no_warning():
-        for _ in range(3):
-            _handed_once(comp, p, opt, edit)
-    assert comp.scaled_after_exchange == (3 if warned else 0)
-    for _ in range(compressors.HANDED_CHECK_STEPS):
-        _handed_once(comp, p, opt, edit)
-    assert comp.scaled_after_exchange == (compressors.HANDED_CHECK_STEPS if warned else 0)
+    with pytest.warns(RuntimeWarning, match=r"scaled by 0\.\d+ before .*changes from step to step.*clip=1\.0") \
+            if warned else _no_warning():
+        for k in range(3):
+            _handed_once(comp, p, opt, edit, k)
+    assert comp.scaled_after_exchange == (3 if scaled else 0)
+    for k in range(3, 3 + compressors.HANDED_CHECK_STEPS):
+        _handed_once(comp, p, opt, edit, k)
+    assert comp.scaled_after_exchange == (compressors.HANDED_CHECK_STEPS if scaled else 0)
 
 
 def _no_warning():

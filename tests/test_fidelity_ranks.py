@@ -80,12 +80,14 @@ def test_clipping_in_the_warm_up_does_not_shrink_the_frozen_second_moment(wrappe
 def test_clipping_momentum_corrected_averages_is_said(wrapper):
     """Under momentum correction each sent value carries its held-back updates, so clip_grad_norm_
     on the averages shrinks every step (the study's CNN: ~4x uncompressed's held-out loss): said
-    once, with the fix (clip=). A loss scaler's unscale_ (a power of two) and code that adds to the
-    gradients are not that mistake and stay quiet; unscale_ followed by a clip is."""
+    once, with the fix (clip=). A loss scaler's unscale_ (a power of two), a constant factor (another
+    learning rate) and code that adds to the gradients are not that mistake and stay quiet;
+    unscale_ followed by a clip is."""
     for r in run_ranks("fidelity:scaled_averages", timeout=240, wrapper=wrapper):
         assert all(v["feedback"] == "momentum" and v["identical"] for v in r.values()), r
         for quiet in ("none", "unscale", "add"):
             assert r[quiet]["warned"] == [] and r[quiet]["count"] == 0, (quiet, r[quiet])
+        assert r["constant"]["warned"] == [] and r["constant"]["count"] == 6, r["constant"]   # counted, not said
         for loud in ("clip", "unscale+clip"):
             assert len(r[loud]["warned"]) == 1 and r[loud]["count"] == 6, (loud, r[loud])
             assert "clip=" in r[loud]["warned"][0] and "feedback 'momentum'" in r[loud]["warned"][0]

@@ -116,14 +116,15 @@ def clipped_warmup(wrapper: str, steps: int = 8, scale: float = 0.5) -> Dict[str
 def scaled_averages(wrapper: str, steps: int = 6) -> Dict[str, Any]:
     """Momentum SGD under TopKQSGD(25%, 8) (momentum correction) in Horovod's pattern, with the
     user's code between synchronize() and step() doing: nothing, clip_grad_norm_ (one factor on
-    every gradient), a loss scaler's unscale_ (a power of two), both, or an addition (not a
-    scaling). Per variant: the RuntimeWarnings about scaled averages and the compressor's count."""
+    every gradient, changing from step to step), a loss scaler's unscale_ (a power of two), both,
+    an addition (not a scaling), or a constant factor (a fixed rescale). Per variant: the RuntimeWarnings about scaled averages and the compressor's count."""
     edits = {
         "none": lambda ps: None,
         "clip": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.01),
         "unscale": lambda ps: [p.grad.mul_(0.25) for p in ps],
         "unscale+clip": lambda ps: ([p.grad.mul_(0.25) for p in ps], torch.nn.utils.clip_grad_norm_(ps, 0.01)),
-        "add": lambda ps: [p.grad.add_(p.detach(), alpha=1e-2) for p in ps]}
+        "add": lambda ps: [p.grad.add_(p.detach(), alpha=1e-2) for p in ps],
+        "constant": lambda ps: [p.grad.mul_(0.3) for p in ps]}
     out: Dict[str, Any] = {}
     for label, edit in edits.items():
         comp = gc.TopKQSGD(ratio=0.25, bits=8, seed=1)
