@@ -116,9 +116,91 @@ MAX_EXPANSION = 1 << 16
 MEASURED_RATIO = 0.01
 # For this many exchange steps a compressor whose average carries held-back updates (see
 # GradientCompressor.carries_held_back) checks that the optimizer steps on the average as it was
-# handed over (GradientCompressor._check_handed), on this many sent values per tensor.
+# handed over (HandedCheck), on this many sent values per tensor.
 HANDED_CHECK_STEPS = 100
 HANDED_SAMPLE = 16
+
+
+class HandedCheck:
+    """Whether the user's code scaled, between the exchange and the optimizer's step, the averages a
+    compressor whose sent values carry held-back updates handed over
+    (:attr:`GradientCompressor.carries_held_back`): ``clip_grad_norm_`` there shrinks every step far
+    more than meant (the study's CNN with momentum SGD and ``clip_grad_norm_(1.0)`` on every step
+    ended at ~4x uncompressed's held-out loss).
+
+    For :data:`HANDED_CHECK_STEPS` steps the compressor keeps a few nonzero values of each average
+    (:meth:`keep`); an optimizer step post-hook compares them with ``p.grad`` (:meth:`check`). One
+    factor on all of them that changes from step to step is clipping, said once with the fix
+    (``clip=``). Left alone: a power of two (a loss scaler's ``unscale_``, exact in floating point:
+    factors are compared by their mantissa), a constant factor (a fixed rescale of every step is a
+    different learning rate, which error feedback and momentum correction follow exactly), and
+    changes other than one scaling (code adding to the gradients). A warning, not an error: the step
+    has been taken, and a threshold that binds only now and then (a safety net) does little harm.
+    """
+
+    def __init__(self) -> None:
+        self.kept: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]] = {}   # name: (step, indices, values)
+        self.left = HANDED_CHECK_STEPS
+        self.scaled_steps = 0
+        self._first: Optional[float] = None   # the first checked step's mantissa
+        self._warned = False
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**self.__dict__, "kept": {}}   # this step's values only
+
+    def keep(self, name: str, flat: torch.Tensor, support: Optional[torch.Tensor], step: int) -> None:
+        """Keep up to :data:`HANDED_SAMPLE` nonzero values of the average ``flat`` handed over at
+        exchange ``step`` (at the sent indices ``support`` when given)."""
+        idx = support if support is not None else flat.nonzero().view(-1)
+        idx = idx[:4 * HANDED_SAMPLE]
+        vals = flat[idx]
+        nonzero = vals != 0
+        self.kept[name] = (step, idx[nonzero][:HANDED_SAMPLE], vals[nonzero][:HANDED_SAMPLE].clone())
+
+    def check(self, comp: "GradientCompressor") -> None:
+        """After the optimizer's step: compare what ``comp`` handed over with its parameters' ``p.grad``."""
+        kept, self.kept = self.kept, {}
+        self.left -= 1
+        factor = self._factor(kept, comp)
+        if factor is None:
+            return   # nothing to compare, or not one scaling of the whole average
+        mantissa = 0.5 if abs(factor - 1.0) <= 1e-3 else math.frexp(factor)[0]
+        if abs(mantissa - 0.5) > 1e-3:
+            self.scaled_steps += 1
+        first = self._first = mantissa if self._first is None else self._first
+        if abs(mantissa - first) > 1e-3 * first and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"hvd_gradcomp: the averaged gradients {comp!r} handed to the optimizer were scaled by {factor:.3g} "
+                f"before its step, by a factor that changes from step to step (clip_grad_norm_?). Under feedback "
+                f"'{comp.feedback.key}' each sent value carries the updates of the steps it was held back, so its norm "
+                "is far above a gradient's and clipping it shrinks every step far more than meant (momentum SGD with "
+                "clip_grad_norm_(1.0): ~4x uncompressed's held-out loss; README, 'Clipping and TopK'). Bound each "
+                f"rank's gradient before it is compressed instead: {type(comp).__name__}(..., clip=1.0), and do not "
+                "clip the averages.", RuntimeWarning, stacklevel=2)
+
+    @staticmethod
+    def _factor(kept: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]], comp: "GradientCompressor"
+                ) -> Optional[float]:
+        """The one factor by which ``p.grad`` differs from the values kept this step; None when none
+        were kept or the ratios differ."""
+        if comp._binding is None:
+            return None
+        ratios = []
+        for p, name in comp._binding[1].items():
+            got = kept.get(name)
+            if got is None or got[0] < comp.exchange_step - 1 or got[1].numel() == 0 or p.grad is None \
+                    or p.grad.layout is not torch.strided:   # a sparse gradient was not compressed
+                continue
+            now = p.grad.detach().reshape(-1)[got[1].to(p.grad.device)]
+            ratios.append(now.to(torch.float32) / got[2].to(now.device, torch.float32))
+        if not ratios:
+            return None
+        r = torch.cat([x.to(ratios[0].device) for x in ratios])
+        lo, hi = torch.stack(r.aminmax()).tolist()   # one read to the host (a device sync on GPU)
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi - lo > 1e-3 * hi:
+            return None
+        return (lo + hi) / 2
 
 
 @dataclass
@@ -223,11 +305,7 @@ class GradientCompressor:
         self._binding: Optional[Tuple[Any, Dict[Any, str]]] = None   # see bind_groups
         self._rebind_hook: Any = None
         self._handed_hook: Any = None
-        self._handed: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]] = {}   # see _remember_handed
-        self._handed_checks = HANDED_CHECK_STEPS
-        self.scaled_after_exchange = 0     # checked steps whose average the user's code had scaled
-        self._handed_mantissa: Optional[float] = None   # the first checked step's (see _check_handed)
-        self._handed_warned = False
+        self._handed = HandedCheck()
         self.stats = ByteStats()
         self._steps: Dict[str, int] = {}
         self._owner: Optional[weakref.ref] = None
@@ -331,8 +409,8 @@ class GradientCompressor:
 
         def check(opt: Any, args: Any, kwargs: Any) -> None:
             comp = me()
-            if comp is not None and comp._handed and comp._binding is not None and comp._binding[0] is opt:
-                comp._check_handed()
+            if comp is not None and comp._handed.kept and comp._binding is not None and comp._binding[0] is opt:
+                comp._handed.check(comp)
 
         if self._handed_hook is not None:
             self._handed_hook.remove()
@@ -342,7 +420,7 @@ class GradientCompressor:
     def __getstate__(self) -> Dict[str, Any]:
         # The optimizer hooks (see bind_groups) stay with the optimizer they were registered on:
         # a pickled or deep-copied compressor does not carry them (their handles refer to local functions).
-        return {**self.__dict__, "_rebind_hook": None, "_handed_hook": None, "_handed": {}}
+        return {**self.__dict__, "_rebind_hook": None, "_handed_hook": None}
 
     @property
     def carries_held_back(self) -> bool:
@@ -352,70 +430,11 @@ class GradientCompressor:
         every step far more than meant. False here; see :meth:`TopK.carries_held_back`."""
         return False
 
-    def _remember_handed(self, name: str, flat: torch.Tensor, support: Optional[torch.Tensor]) -> None:
-        """Keep a few nonzero values of the average handed to the optimizer (at sent indices), so
-        that :meth:`_check_handed` can tell whether the user's code scaled it before the step.
-        Only for the first :data:`HANDED_CHECK_STEPS` steps: clipping code runs every step."""
-        idx = support if support is not None else flat.nonzero().view(-1)
-        idx = idx[:4 * HANDED_SAMPLE]
-        vals = flat[idx]
-        keep = vals != 0
-        self._handed[name] = (self._round, idx[keep][:HANDED_SAMPLE], vals[keep][:HANDED_SAMPLE].clone())
-
-    def _check_handed(self) -> None:
-        """After the optimizer's step: was the average this compressor handed over scaled on the
-        way (by one factor, on every tensor, as ``clip_grad_norm_`` does), by a factor that changes
-        from step to step? Then say once that it should not be (see :meth:`carries_held_back`), and
-        what to use instead.
-
-        Left alone: a power of two (a loss scaler's ``unscale_``, exact in floating point: factors
-        are compared by their mantissa), a constant factor (a fixed rescale of every step is a
-        different learning rate, which error feedback and momentum correction follow exactly), and
-        changes other than one scaling (code adding to the gradients).
-
-        Why a warning and not an error: the step has been taken, and a clipping threshold that
-        binds only now and then (a safety net) does little harm; the study's CNN with momentum
-        SGD and ``clip_grad_norm_(1.0)`` on every step ended at ~4x uncompressed's held-out loss."""
-        handed, self._handed = self._handed, {}
-        self._handed_checks -= 1
-        factor = self._handed_factor(handed)
-        if factor is None:
-            return   # nothing to compare, or not one scaling of the whole average
-        mantissa = 0.5 if abs(factor - 1.0) <= 1e-3 else math.frexp(factor)[0]
-        if abs(mantissa - 0.5) > 1e-3:
-            self.scaled_after_exchange += 1
-        first = self._handed_mantissa = mantissa if self._handed_mantissa is None else self._handed_mantissa
-        if abs(mantissa - first) > 1e-3 * first and not self._handed_warned:
-            self._handed_warned = True
-            warnings.warn(
-                f"hvd_gradcomp: the averaged gradients {self!r} handed to the optimizer were scaled by {factor:.3g} "
-                f"before its step, by a factor that changes from step to step (clip_grad_norm_?). Under feedback "
-                f"'{self.feedback.key}' each sent value carries the updates of the steps it was held back, so its norm "
-                "is far above a gradient's and clipping it shrinks every step far more than meant (momentum SGD with "
-                "clip_grad_norm_(1.0): ~4x uncompressed's held-out loss; README, 'Clipping and TopK'). Bound each "
-                f"rank's gradient before it is compressed instead: {type(self).__name__}(..., clip=1.0), and do not "
-                "clip the averages.", RuntimeWarning, stacklevel=2)
-
-    def _handed_factor(self, handed: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]]) -> Optional[float]:
-        """The one factor by which the optimizer's ``p.grad`` differs from the kept values of the
-        averages handed over this step (``handed``); None when none were kept or the ratios differ."""
-        if self._binding is None:
-            return None
-        ratios = []
-        for p, name in self._binding[1].items():
-            got = handed.get(name)
-            if got is None or got[0] < self._round - 1 or got[1].numel() == 0 or p.grad is None \
-                    or p.grad.layout is not torch.strided:   # a sparse gradient was not compressed
-                continue
-            now = p.grad.detach().reshape(-1)[got[1].to(p.grad.device)]
-            ratios.append(now.to(torch.float32) / got[2].to(now.device, torch.float32))
-        if not ratios:
-            return None
-        r = torch.cat([x.to(ratios[0].device) for x in ratios])
-        lo, hi = torch.stack(r.aminmax()).tolist()   # one read to the host (a device sync on GPU)
-        if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 or hi - lo > 1e-3 * hi:
-            return None
-        return (lo + hi) / 2
+    @property
+    def scaled_after_exchange(self) -> int:
+        """Checked steps whose averages the user's code scaled, other than by a power of two,
+        between the exchange and the optimizer's step (see :class:`HandedCheck`)."""
+        return self._handed.scaled_steps
 
     def _bind_policy(self) -> None:
         if self._binding is None:
@@ -662,8 +681,8 @@ class GradientCompressor:
             self.feedback.received(name, flat)
         if flat.data_ptr() != avg.data_ptr():
             avg.copy_(flat.view_as(avg))
-        if self._handed_checks > 0 and self._handed_hook is not None and self.carries_held_back:
-            self._remember_handed(name, flat, support)
+        if self._handed.left > 0 and self._handed_hook is not None and self.carries_held_back:
+            self._handed.keep(name, flat, support, self._round)
 
     def compress_chunks(self, name: str, grad: torch.Tensor, bounds: List[int]) -> List[torch.Tensor]:
         """One payload per chunk ``grad[bounds[i]:bounds[i+1]]`` (flattened), with the feedback

@@ -318,7 +318,6 @@ class DenseContext:
     dtype: torch.dtype
 
 
-
 @dataclass
 class HalfContext:
     """decompress()'s context of a tensor sent as float16 (see :func:`_compress_half`)."""
