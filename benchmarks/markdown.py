@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 import click
 
 from .netns import LINK_MODES, TBF
-from .plan import CONVERGENCE_LABELS, CONVERGENCE_SETTINGS, MOMENTUM_CORRECTION, ROOT, SPEED_LABELS, Plan
+from .plan import CONVERGENCE_LABELS, CONVERGENCE_SETTINGS, ROOT, SPEED_LABELS, Plan
 from .plots import plot_all
 from .tables import (auto_start_line, convergence_rows, render_convergence_table, render_speed_table, speed_rows,
                      speedup_line, target_lines)
@@ -109,10 +109,7 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
         "handed to Horovod per step. Horovod rows use `hvd.DistributedOptimizer`, the others "
         "`hvd_gradcomp.DistributedOptimizer`.",
         _convergence_conditions(plan, conv),
-        f"- TopK 1% and TopKQSGD(1%, 8) with error feedback pass `{' '.join(MOMENTUM_CORRECTION)}`: DGC's "
-        "momentum correction (Lin et al., 2018): each rank applies the momentum to its own gradient before "
-        "TopK, error feedback accumulates that velocity, and the wrapped SGD has no momentum of its own "
-        "(uncompressed, this is exactly momentum SGD).",
+        _policy_line(conv),
         f"- Each row is one run with seed {plan.seed}: the spread between seeds is not measured by this command, "
         "so a gap of the size of that spread means nothing.",
     ]
@@ -129,7 +126,25 @@ def _convergence_conditions(plan: Plan, conv: Optional[Dict[str, Any]]) -> str:
             f"SGD lr {r['lr']:g} momentum {r['momentum']:g}) on {r['ranks']} ranks, at {conv['rate']}; the "
             f"held-out loss is on {_count(r.get('val_size'))} fixed windows of text not trained on. Every row uses the "
             f"same steps, seed, lr and momentum; every tensor of at least {r['min_compress_numel']:,} elements is "
-            "compressed and there is no sparsity warm-up.")
+            "compressed.")
+
+
+def _policy_line(conv: Optional[Dict[str, Any]]) -> str:
+    """What error feedback each compressed convergence row ran: the library's choice
+    (``feedback="auto"``), read from the runs' own summaries."""
+    runs = conv["results"] if conv else {}
+    said = []
+    for s in CONVERGENCE_SETTINGS:
+        r = runs.get(s.key)
+        if r is None or not r.get("feedback"):
+            continue
+        warm = f", sparsity warm-up {r['warmup_steps']} steps" if r.get("warmup_steps") else ""
+        said.append(f"{s.label}: `{r['feedback']}`{warm}")
+    if not said:
+        return "- Error feedback: no compressed convergence row ran."
+    return ("- Error feedback of the compressed rows, as the library chose it from the wrapped SGD "
+            "(`feedback=\"auto\"`, nothing set by hand; `none` where error feedback is switched off or "
+            "QSGD below 8 bits, see the README): " + "; ".join(said) + ".")
 
 
 def _width(speed: Dict[str, Any]) -> str:

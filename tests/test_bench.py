@@ -273,7 +273,7 @@ def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
 
 def test_readme_figures_are_generated_from_the_saved_results() -> None:
     """The README's speed and convergence tables are benchmarks/readme_figures.py's rendering of the
-    saved raw results (docs/bench-speed/data, docs/ddp/data.json, docs/data/study), not typed."""
+    saved raw results (docs/data/bench.json, docs/ddp/data.json, docs/data/study), not typed."""
     from benchmarks import readme_figures as rf
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = rf.render()
