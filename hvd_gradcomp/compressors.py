@@ -31,7 +31,7 @@ import warnings
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -39,7 +39,7 @@ from . import kernels, wire
 from . import feedback as fb
 from .feedback import Feedback
 from .stats import ByteStats
-from .settings import MIN_SELECTED, Checked, check_bits, check_bucket_size, check_min_k, check_ratio
+from .settings import MIN_SELECTED, Checked, check_bits, check_bucket_size, check_min_k, check_min_ratio, check_ratio
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
@@ -295,7 +295,7 @@ class GradientCompressor:
         except (re.error, TypeError) as exc:
             raise ValueError(f"exclude must be a regular expression matched against parameter names "
                              f"(e.g. r'embed|norm'), got {exclude!r}: {exc}") from None
-        self._step_now = 0
+        self._step_now, self._name_now = 0, ""  # the tensor being encoded (ratio schedules, min_ratio)
         self.feedback_choice: Union[str, Feedback] = "none" if not error_feedback else feedback
         # Until an optimizer is attached, "auto" means classic error feedback.
         self.feedback = fb.make("classic" if self.feedback_choice == "auto" else self.feedback_choice)
@@ -710,7 +710,7 @@ class GradientCompressor:
 
     def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
                      name: str, contract: bool = False, marked: fb.Marked = None) -> Tuple[torch.Tensor, Sent]:
-        self._step_now = self._steps.get(name, 0)  # for ratio schedules
+        self._step_now, self._name_now = self._steps.get(name, 0), name  # for ratio schedules and min_ratio
         enc = self._encode(flat, dtype, self._next_seed(name), contract, marked)
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
                              enc.bucket_size, self._checksummed)
@@ -967,6 +967,10 @@ class TopK(GradientCompressor):
     fewer values than that save almost no bytes, since each payload carries its header, 56 bytes
     for a matrix, and starve the tensor).
 
+    ``min_ratio``: ``{regular expression: share}``; a tensor whose name matches sends at least
+    that share (the largest of the matching ones), e.g. an output layer that trains worse than
+    the rest at a small ratio. The rest follow ``ratio`` (and its warm-up or schedule).
+
     Selection is exact (see :func:`hvd_gradcomp.kernels.topk_indices`). Values travel in the
     gradient's dtype; indices are delta coded with per-block bit widths, or as a bitmap when
     that is smaller (ratios above ~1/10). Under error feedback a float16/bfloat16 gradient's
@@ -977,6 +981,9 @@ class TopK(GradientCompressor):
     TopK(ratio=0.01, error_feedback=True)
     >>> TopK(ratio=0.001).selected(4096), TopK(ratio=0.001).selected(1_000_000), TopK(0.001, min_k=1).selected(4096)
     (32, 1000, 5)
+    >>> c = TopK(ratio=0.001, min_ratio={r"^out\.": 0.01})
+    >>> c.share("out.weight"), c.share("fc1.weight")
+    (0.01, 0.001)
     """
 
     kind = wire.KIND_TOPK
@@ -986,7 +993,7 @@ class TopK(GradientCompressor):
     def __init__(self, ratio: Ratio = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
                  exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16",
-                 min_k: int = MIN_SELECTED) -> None:
+                 min_k: int = MIN_SELECTED, min_ratio: Optional[Mapping[str, float]] = None) -> None:
         super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
         self.schedule: Optional[Callable[[int], float]] = None
         if callable(ratio):
@@ -994,6 +1001,17 @@ class TopK(GradientCompressor):
             ratio = getattr(ratio, "ratio", None) or ratio(0)
         self.ratio = ratio
         self.min_k = min_k
+        self.min_ratio = min_ratio
+
+    @property
+    def min_ratio(self) -> Dict[str, float]:
+        """Per-name floors of the share sent, ``{regular expression: share}`` (checked on assignment)."""
+        return dict(self._min_ratio)
+
+    @min_ratio.setter
+    def min_ratio(self, value: Optional[Mapping[str, float]]) -> None:
+        self._min_ratio = check_min_ratio(value)
+        self._floors = [(re.compile(p), r) for p, r in self._min_ratio.items()]
 
     @property
     def carries_held_back(self) -> bool:
@@ -1017,6 +1035,8 @@ class TopK(GradientCompressor):
 
     def _extra_repr(self) -> str:
         extra = f", min_k={self.min_k}" if self.min_k != MIN_SELECTED else ""
+        if self._min_ratio:
+            extra += f", min_ratio={self._min_ratio!r}"
         return super()._extra_repr() + extra
 
     def _caution(self) -> str:
@@ -1058,13 +1078,22 @@ class TopK(GradientCompressor):
             return SparsityWarmup(self.ratio, warm, start=max(self.ratio, SparsityWarmup.start))(step)
         return self.ratio
 
+    def share(self, name: str, step: Optional[int] = None) -> float:
+        """The share of tensor ``name`` sent at its exchange ``step`` (default: its next one):
+        :meth:`ratio_at`, raised to the largest ``min_ratio`` whose pattern matches ``name``."""
+        share = self.ratio_at(self._steps.get(name, 0) if step is None else step)
+        for pattern, floor in self._floors:
+            if floor > share and pattern.search(name):
+                share = floor
+        return share
+
     def _selects(self, name: str, numel: int) -> Optional[int]:
-        return self.selected(numel, self.ratio_at(self._steps.get(name, 0)))
+        return self.selected(numel, self.share(name))
 
     def _select(self, flat: torch.Tensor, marked: fb.Marked = None
                 ) -> Tuple[torch.Tensor, torch.Tensor, int, List[torch.Tensor]]:
         """(indices, flat at them, index mode, index sections) of the top-k."""
-        idx, vals = kernels.topk(flat, self.selected(flat.numel(), self.ratio_at(self._step_now)), marked)
+        idx, vals = kernels.topk(flat, self.selected(flat.numel(), self.share(self._name_now, self._step_now)), marked)
         mode, sections = wire.encode_indices(idx, flat.numel())
         return idx, vals, mode, sections
 
@@ -1106,8 +1135,9 @@ class TopKQSGD(_Quantiser, TopK):
     def __init__(self, ratio: Ratio = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
                  error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
                  clip: Optional[float] = None, exclude: Optional[str] = None,
-                 checksum: Optional[bool] = None, exempt: str = "fp16", min_k: int = MIN_SELECTED) -> None:
-        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt, min_k)
+                 checksum: Optional[bool] = None, exempt: str = "fp16", min_k: int = MIN_SELECTED,
+                 min_ratio: Optional[Mapping[str, float]] = None) -> None:
+        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt, min_k, min_ratio)
         self._init_quantiser(bits, bucket_size)
 
     def __repr__(self) -> str:

@@ -1,6 +1,6 @@
 """The settings the library reads, checked in one place; imports nothing (no torch, no Horovod).
 
-* Checks of ratio, bits, bucket size and ``min_k``, used by the codecs (:mod:`hvd_gradcomp.compressors`)
+* Checks of ratio, bits, bucket size, ``min_k`` and ``min_ratio``, used by the codecs (:mod:`hvd_gradcomp.compressors`)
   and by the ``HVDGC_*`` settings alike, so a value is refused with the same message
   wherever it is given. Each message starts with the setting's name.
 * The ``HVDGC_*`` variables (:data:`VARIABLES`; the table is in :mod:`hvd_gradcomp.config`),
@@ -15,6 +15,7 @@ ValueError: bits must be in 2..8, got 9: an int, 1 sign bit + level bits
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable, Dict, Mapping, Optional
 
 def _is_int(value: Any) -> bool:
@@ -51,6 +52,34 @@ def check_min_k(min_k: Any) -> int:
         raise ValueError(f"min_k must be an int >= 1 (the fewest values sent of a compressed tensor; "
                          f"default {MIN_SELECTED}), got {min_k!r}")
     return min_k
+
+
+def check_min_ratio(value: Any) -> Dict[str, float]:
+    """TopK's per-name floors of the share sent: ``{regular expression: ratio in (0, 1]}`` (None: none).
+
+    >>> check_min_ratio({"^head": 0.01})
+    {'^head': 0.01}
+    >>> check_min_ratio({"out": 0})
+    Traceback (most recent call last):
+    ValueError: min_ratio['out'] must be in (0, 1], got 0: the least share sent of tensors whose name matches
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"min_ratio must be a dict {{regular expression: share in (0, 1]}} matched against "
+                         f"parameter names (e.g. {{r'^head\\.': 0.01}}), got {value!r}")
+    out = {}
+    for pattern, ratio in value.items():
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"min_ratio keys must be regular expressions matched against parameter names, "
+                             f"got {pattern!r}: {exc}") from None
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+            raise ValueError(f"min_ratio[{pattern!r}] must be in (0, 1], got {ratio!r}: the least share sent of "
+                             "tensors whose name matches")
+        out[pattern] = float(ratio)
+    return out
 
 
 MAX_BUCKET_SIZE = (1 << 32) - 1  # the wire format stores it in 32 bits

@@ -370,6 +370,39 @@ def test_a_compressed_tensor_sends_at_least_min_k_values(make):
         assert c.min_k == MIN_SELECTED
 
 
+@pytest.mark.parametrize("make", [lambda **kw: TopK(ratio=0.001, **kw), lambda **kw: TopKQSGD(ratio=0.001, **kw)])
+@pytest.mark.parametrize("feedback", ["classic", "momentum"])
+def test_min_ratio_raises_the_share_of_the_tensors_it_names(make, feedback):
+    """``min_ratio={pattern: share}``: a tensor whose name matches sends at least that share (the
+    largest matching floor), the exact top values, through error feedback and momentum correction
+    (whose top-k candidates are marked ahead); the others keep ``ratio``; a sparsity warm-up above
+    the floor still rules while it lasts."""
+    from hvd_gradcomp import MomentumCorrection
+    policy = MomentumCorrection(momentum=0.9, sparsity_warmup=0) if feedback == "momentum" else feedback
+    c = make(feedback=policy, min_ratio={r"^out\.": 0.01, r"out\.weight$": 0.02, "never": 0.5})
+    n = 50_000
+    for name, want in (("out.weight", 1000), ("out.bias", 500), ("fc1.weight", 50), ("head.out.weight", 1000)):
+        x = distinct_values(n, torch.float32, seed=len(name))
+        payload = c.compress_named(name, x)
+        idx, vals = c.decode_parts(payload)
+        assert idx.numel() == want, name
+        assert set(idx.tolist()) == topk_set(x, want), name  # first step: the residual is zero
+    warm = type(make())(ratio=SparsityWarmup(0.001, steps=10), min_ratio={"^out": 0.01})
+    assert warm.share("out.weight", 0) == 0.25 and warm.share("out.weight", 9) == 0.01
+    assert warm.share("fc.weight", 10) == 0.001 and warm.share("out.weight", 10) == 0.01
+    assert "min_ratio={'^out': 0.01}" in repr(warm) and "min_ratio" not in repr(make())
+    c.min_ratio = None
+    assert c.share("out.weight") == 0.001 and c.min_ratio == {}
+    for bad, says in (({"(": 0.1}, "regular expressions"), ({"x": 0}, r"min_ratio\['x'\] must be in \(0, 1\]"),
+                      ({"x": 1.5}, "must be in"), ({"x": True}, "must be in"), ([0.01], "must be a dict")):
+        with pytest.raises(ValueError, match=says):
+            make(min_ratio=bad)
+        c = make(min_ratio={"^out": 0.01})
+        with pytest.raises(ValueError, match=says):
+            c.min_ratio = bad  # checked on assignment too, and left as it was
+        assert c.min_ratio == {"^out": 0.01}
+
+
 def test_topkqsgd_keeps_the_exact_top_k_and_quantises_them():
     x = torch.randn(20_000, generator=gen(7))
     c = TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=False, seed=1)
