@@ -1047,7 +1047,9 @@ class TopK(GradientCompressor):
         return (f" Note: ratio {self.ratio:g} is below {MEASURED_RATIO:g}, the smallest ratio that matched uncompressed "
                 "training on every task of hvd-gradcomp's study; below it the held-out loss ended more than 2% above "
                 "uncompressed training on some tasks, and on every task tried in 3x longer runs (docs/STUDY.md, "
-                "docs/STUDY_RUN_LENGTH.md).")
+                "docs/STUDY_RUN_LENGTH.md)." + ("" if self._min_ratio else
+                " A layer that trains worse than the rest, often the output layer, can keep a larger share: "
+                "min_ratio={name pattern: share}."))
 
     def _ratio_repr(self) -> str:
         return repr(self.schedule) if self.schedule is not None else repr(self.ratio)
