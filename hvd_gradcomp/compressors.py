@@ -969,7 +969,8 @@ class TopK(GradientCompressor):
 
     ``min_ratio``: ``{regular expression: share}``; a tensor whose name matches sends at least
     that share (the largest of the matching ones), e.g. an output layer that trains worse than
-    the rest at a small ratio. The rest follow ``ratio`` (and its warm-up or schedule).
+    the rest at a small ratio. The rest follow ``ratio`` (and its warm-up or schedule). Names are
+    those of ``model.named_parameters()`` (under DDP, of the module it wraps), as for ``exclude``.
 
     Selection is exact (see :func:`hvd_gradcomp.kernels.topk_indices`). Values travel in the
     gradient's dtype; indices are delta coded with per-block bit widths, or as a bitmap when
