@@ -179,7 +179,8 @@ def _convergence_section(plan: Plan, conv: Dict[str, Any], rows: List[Dict[str, 
                          images: Dict[str, str]) -> List[str]:
     out = ["## Convergence on real data", "", render_convergence_table(rows), "",
            "*final train loss*: mean of the last 10% of steps' training loss (averaged over ranks); "
-           "*vs uncompressed*: relative difference of the held-out loss.", ""]
+           "*vs uncompressed*: relative difference of the held-out loss; *kB sent* and *ratio*: over the whole run, "
+           "a sparsity warm-up's denser first steps included.", ""]
     for key in ("loss_vs_step", "loss_vs_time"):
         if key in images:
             out += [f"![{key.replace('_', ' ')}]({images[key]})", ""]
