@@ -613,6 +613,23 @@ def exempt(steps: int = 4) -> Dict[str, Any]:
     return out
 
 
+def min_ratio(steps: int = 3) -> Dict[str, Any]:
+    """TopKQSGD(0.1%) with ``min_ratio`` naming fc2's weight, under momentum correction: the bytes
+    each weight sent per step (fc2 at 25%, the others at min_k), and the parameters after training."""
+    rank = dist.get_rank()
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    comp = gc.TopKQSGD(ratio=0.001, bits=8, min_ratio={r"^fc2\.weight$": 0.25},
+                       feedback=gc.MomentumCorrection(sparsity_warmup=0))
+    state = gc_ddp.register(model, compression=comp, optimizer=opt)
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(model, *batch(rank, step)).backward()
+        opt.step()
+    return {"bytes": {n: b[1] // steps for n, b in comp.stats.per_tensor.items() if n.endswith(".weight")},
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()}
+
+
 def die(after: int) -> Dict[str, Any]:
     """Rank 1 exits abruptly in the middle of training; the job must end non-zero, soon."""
     rank = dist.get_rank()
@@ -629,7 +646,8 @@ def die(after: int) -> Dict[str, Any]:
 SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": accumulation, "raw_no_sync": raw_no_sync,
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
              "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup,
-             "accumulation_clipped": accumulation_clipped, "scaled_averages": scaled_averages}
+             "accumulation_clipped": accumulation_clipped, "scaled_averages": scaled_averages,
+             "min_ratio": min_ratio}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

@@ -58,6 +58,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "clipped-warmup": {"fn": "clipped_warmup"},
     "acc-clipped": {"fn": "accumulation_clipped"},
     "scaled-averages": {"fn": "scaled_averages"},
+    "min-ratio": {"fn": "min_ratio"},
     "acc-clipped-sgd": {"fn": "accumulation_clipped", "optimizer": "sgd"},
     "exempt": {"fn": "exempt"},
 }
@@ -395,3 +396,13 @@ def test_accumulator_clips_the_averaged_gradients(battery):
         assert r["norms"] == r["ref_norms"] and min(r["norms"]) > 0.05, r
     for r in battery["acc-clipped-sgd"]:   # momentum correction: refused, pointing at clip=
         assert r["refused"] and "clip=" in r["refused"] and "feedback 'momentum'" in r["refused"], r
+
+
+def test_min_ratio_raises_the_share_of_the_named_tensor(battery):
+    """``min_ratio`` under the DDP hook: the named weight (fc2, 4096 values) sends its 25% (1024
+    8-bit values with their indices), the others min_k's 32; the ranks end identical."""
+    r0, r1 = battery["min-ratio"]
+    assert r0["params"] == r1["params"]
+    named, others = r0["bytes"]["fc2.weight"], [b for n, b in r0["bytes"].items() if n != "fc2.weight"]
+    assert set(r0["bytes"]) == {"fc1.weight", "fc2.weight", "fc3.weight"}, r0["bytes"]
+    assert named > 1024 and all(b < 400 for b in others), r0["bytes"]
