@@ -710,7 +710,8 @@ class GradientCompressor:
 
     def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
                      name: str, contract: bool = False, marked: fb.Marked = None) -> Tuple[torch.Tensor, Sent]:
-        self._step_now, self._name_now = self._steps.get(name, 0), name  # for ratio schedules and min_ratio
+        # read before _next_seed counts this exchange: the share of the step being encoded
+        self._step_now, self._name_now = self._steps.get(name, 0), name
         enc = self._encode(flat, dtype, self._next_seed(name), contract, marked)
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
                              enc.bucket_size, self._checksummed)
@@ -1012,7 +1013,6 @@ class TopK(GradientCompressor):
     @min_ratio.setter
     def min_ratio(self, value: Optional[Mapping[str, float]]) -> None:
         self._min_ratio = check_min_ratio(value)
-        self._floors = [(re.compile(p), r) for p, r in self._min_ratio.items()]
 
     @property
     def carries_held_back(self) -> bool:
@@ -1085,8 +1085,8 @@ class TopK(GradientCompressor):
         """The share of tensor ``name`` sent at its exchange ``step`` (default: its next one):
         :meth:`ratio_at`, raised to the largest ``min_ratio`` whose pattern matches ``name``."""
         share = self.ratio_at(self._steps.get(name, 0) if step is None else step)
-        for pattern, floor in self._floors:
-            if floor > share and pattern.search(name):
+        for pattern, floor in self._min_ratio.items():
+            if floor > share and re.search(pattern, name):
                 share = floor
         return share
 

@@ -75,10 +75,11 @@ def check_min_ratio(value: Any) -> Dict[str, float]:
         except (re.error, TypeError) as exc:
             raise ValueError(f"min_ratio keys must be regular expressions matched against parameter names, "
                              f"got {pattern!r}: {exc}") from None
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
+        try:
+            out[pattern] = check_ratio(ratio)   # the one range of a share
+        except ValueError:
             raise ValueError(f"min_ratio[{pattern!r}] must be in (0, 1], got {ratio!r}: the least share sent of "
-                             "tensors whose name matches")
-        out[pattern] = float(ratio)
+                             "tensors whose name matches") from None
     return out
 
 
