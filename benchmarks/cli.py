@@ -56,6 +56,9 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
 @click.option("--params", type=float, default=None, callback=_positive, help="synthetic model size [default: 25e6]")
 @click.option("--iters", type=int, default=None, callback=_positive, help="timed iterations per setting [default: 10]")
 @click.option("--warmup", type=click.IntRange(min=0), default=None, help="warm-up iterations [default: 3]")
+@click.option("--rounds", type=int, default=None, callback=_positive,
+              help="speed rounds: every row timed once per round in turn, the fastest kept; rows of steps "
+                   "over 1 s only once [default: 3; 1 with --quick or --iters]")
 @click.option("--steps", type=int, default=None, callback=_positive, help="convergence steps [default: 400]")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-speed", is_flag=True, help="only the convergence comparison")
@@ -74,8 +77,8 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
 @click.option("--render-only", is_flag=True,
               help="rewrite BENCHMARKS.md and the plots from DOCS_DIR/data/bench.json without running anything")
 def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int], warmup: Optional[int],
-         steps: Optional[int], seed: int, skip_speed: bool, skip_convergence: bool, docs_dir: Optional[str],
-         job_timeout: float, compile_mode: str, two_hosts: bool, skip_ddp: bool, only_ddp: bool, dry_run: bool,
+         rounds: Optional[int], steps: Optional[int], seed: int, skip_speed: bool, skip_convergence: bool,
+         docs_dir: Optional[str], job_timeout: float, compile_mode: str, two_hosts: bool, skip_ddp: bool, only_ddp: bool, dry_run: bool,
          render_only: bool) -> None:
     """Entry point of ``python -m benchmarks`` (``make bench``)."""
     if skip_speed and skip_convergence:
@@ -84,7 +87,7 @@ def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Opti
         raise click.UsageError("--skip-ddp and --only-ddp together leave nothing to run")
     try:
         plan = build_plan(quick, rates, params, iters, warmup, steps, seed, skip_speed, skip_convergence, docs_dir,
-                          job_timeout, compile_mode, two_hosts)
+                          job_timeout, compile_mode, two_hosts, rounds)
     except click.BadParameter as exc:
         raise click.UsageError(f"--rates: {exc.message}") from None
     ddp = None if skip_ddp else ddp_half.build_ddp_plan(plan, quick, skip_speed, skip_convergence)
@@ -104,7 +107,7 @@ def execute(plan: Plan, command: str, ddp: Optional[ddp_half.DdpPlan] = None) ->
     from launchers.progress import progress
 
     start = time.perf_counter()
-    total = len(plan.rates) * len(plan.speed) + len(plan.convergence) + (ddp.jobs if ddp else 0)
+    total = len(plan.rates) * len(plan.speed) * plan.rounds + len(plan.convergence) + (ddp.jobs if ddp else 0)
     with progress(total=total, unit="run", desc="benchmark") as bar:
         say = bar.write
         speed = run_speed(plan, say, bar) if plan.speed else {}
@@ -139,6 +142,7 @@ def render_saved(plan: Plan, only_ddp: bool = False) -> None:
     for key in ("params", "warmup", "iters", "batch_size", "steps", "seed", "compile_mode", "rates"):
         setattr(plan, key, saved[key])
     plan.min_seconds = saved.get("min_seconds", 0.0)
+    plan.rounds = saved.get("rounds", 1)
     write_report(plan, data, data["command"], data["elapsed_s"])
 
 

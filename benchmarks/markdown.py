@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 import click
 
 from .netns import LINK_MODES, TBF
-from .plan import CONVERGENCE_LABELS, CONVERGENCE_SETTINGS, ROOT, SPEED_LABELS, Plan
+from .plan import CONVERGENCE_LABELS, CONVERGENCE_SETTINGS, REPEAT_BELOW_S, ROOT, SPEED_LABELS, Plan
 from .plots import plot_all
 from .tables import (auto_start_line, convergence_rows, render_convergence_table, render_speed_table, speed_rows,
                      speedup_line, target_lines)
@@ -101,7 +101,7 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
         + (f" --min-seconds {plan.min_seconds:g}`: at least {plan.iters} timed steps and about {plan.min_seconds:g} s "
            "of them (the faster rows get more steps, so that their ratios rest on as many samples), "
            if plan.min_seconds else "`: ")
-        + f"{_width(speed)} Linear layers, one fixed random batch. "
+        + f"{_width(speed)} Linear layers, one fixed random batch. " + _rounds_clause(plan) +
         "Step time is the mean over timed steps and ranks; *in synchronize()* is the time the optimizer "
         "waited for exchanges to finish and decoded them (exposed communication); *waiting for the last rank* "
         "is the part of it spent before the last rank arrived (the mean over ranks minus, per step, the least "
@@ -113,6 +113,23 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
         f"- Each row is one run with seed {plan.seed}: the spread between seeds is not measured by this command, "
         "so a gap of the size of that spread means nothing.",
     ]
+
+
+def _rounds_clause(plan: Plan) -> str:
+    """How the rows were timed against the host's drift (see :data:`~benchmarks.plan.FULL_ROUNDS`)."""
+    if plan.rounds <= 1:
+        return "Each row was timed once. "
+    return (f"Rows were timed in {plan.rounds} rounds, every setting once per round in turn (rows whose step "
+            f"was over {REPEAT_BELOW_S:g} s only in the first), and each row shows its fastest round: this "
+            "host's speed drifts by more than the differences compared below, and rounds in turn give every "
+            "row the same chances; every round's step time is listed under each table. ")
+
+
+def _rounds_line(rows: List[Dict[str, Any]], results: Dict[str, Any]) -> Optional[str]:
+    """Every round's step time per row (only rows timed more than once)."""
+    said = [f"{r['label']} {' / '.join(f'{1e3 * t:.0f}' for t in results[r['key']]['round_step_s'])}"
+            for r in rows if len(results[r["key"]].get("round_step_s", [])) > 1]
+    return f"- Step time in each round (ms): {'; '.join(said)}." if said else None
 
 
 def _convergence_conditions(plan: Plan, conv: Optional[Dict[str, Any]]) -> str:
@@ -165,6 +182,8 @@ def _speed_section(plan: Plan, speed: Dict[str, Any], images: Dict[str, str]) ->
         title = f"{rate}, {LINK_MODES[mode]}" if mode != "unthrottled" else f"{rate} requested, ran unthrottled"
         rows = speed_rows(block["results"], plan.speed)
         out += [f"### {title}", "", render_speed_table(rows), ""]
+        rounds = _rounds_line(rows, block["results"])
+        out += [rounds] if rounds else []
         line = speedup_line(rate, rows)
         out += [line] if line else []
         out += [f"- Auto's decisions: {r['auto']}" for r in rows if r.get("auto")]

@@ -15,7 +15,8 @@ from launchers.jobs import rank_env, run_job, tail
 from launchers.two_hosts import horovodrun_across, two_hosts
 
 from .netns import in_netns, rate_limited_netns
-from .plan import BIND_CORES, CPU_ALLOCATOR, ROOT, Plan, Setting, horovodrun, speed_program, train_program
+from .plan import (BIND_CORES, CPU_ALLOCATOR, ROOT, Plan, Setting, fastest, horovodrun, repeats, speed_path,
+                   speed_program, train_program)
 
 
 class JobFailed(RuntimeError):
@@ -48,25 +49,37 @@ def speed_link(plan: Plan, rate: str, say: Any) -> Iterator[Tuple[Any, str]]:
 
 
 def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
-    """Every speed setting at every rate: {rate: {"throttled": bool, "mode": str, "results": {key: json}}}."""
+    """Every speed setting at every rate, in ``plan.rounds`` rounds (every setting once per round, in
+    turn; later rounds only the rows :func:`~benchmarks.plan.repeats` names), each row's fastest round
+    kept: {rate: {"throttled": bool, "mode": str, "results": {key: json}, "failures": {key: text}}}."""
     out: Dict[str, Any] = {}
     for rate in plan.rates:
         with speed_link(plan, rate, say) as (wrap, mode):
-            results, failures = {}, {}
-            for setting in plan.speed:
-                bar.set_description(f"speed {rate} {setting.label}")
-                path = plan.runs_dir / "speed" / f"{rate}-{setting.key}.json"
-                argv = wrap(speed_program(plan, setting, path))
-                try:
-                    run_logged(argv, plan, path.with_suffix(".log"))
-                    results[setting.key] = json.loads(path.read_text())
-                    say(_speed_line(rate, setting, results[setting.key]))
-                except JobFailed as exc:
-                    failures[setting.key] = str(exc)
-                    say(f"{rate} {setting.label}: FAILED {exc}")
-                bar.update(1)
+            rounds: Dict[str, List[Dict[str, Any]]] = {}
+            failures: Dict[str, str] = {}
+            for n in range(plan.rounds):
+                for setting in plan.speed:
+                    if n == 0 or (setting.key not in failures and repeats(rounds.get(setting.key, [None])[0])):
+                        _time_row(plan, rate, setting, n, wrap, rounds, failures, say)
+                    bar.update(1)
+            results = {key: fastest(runs) for key, runs in rounds.items()}
             out[rate] = {"throttled": mode != "unthrottled", "mode": mode, "results": results, "failures": failures}
     return out
+
+
+def _time_row(plan: Plan, rate: str, setting: Setting, round_no: int, wrap: Any,
+              rounds: Dict[str, List[Dict[str, Any]]], failures: Dict[str, str], say: Any) -> None:
+    """One round of one speed row: its JSON appended to ``rounds[key]``, or its failure recorded."""
+    path = speed_path(plan, rate, setting, round_no)
+    tag = f" (round {round_no + 1}/{plan.rounds})" if plan.rounds > 1 else ""
+    try:
+        run_logged(wrap(speed_program(plan, setting, path)), plan, path.with_suffix(".log"))
+        result = json.loads(path.read_text())
+        rounds.setdefault(setting.key, []).append(result)
+        say(_speed_line(rate, setting, result) + tag)
+    except JobFailed as exc:
+        failures[setting.key] = f"round {round_no + 1}: {exc}" if round_no else str(exc)
+        say(f"{rate} {setting.label}{tag}: FAILED {exc}")
 
 
 def _speed_line(rate: str, setting: Setting, r: Dict[str, Any]) -> str:

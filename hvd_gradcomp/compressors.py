@@ -963,7 +963,7 @@ class QSGD(_Quantiser, GradientCompressor):
 
 
 class TopK(GradientCompressor):
-    """TopK sparsification: send the k = max(min_k, ceil(ratio * n)) entries of largest magnitude
+    r"""TopK sparsification: send the k = max(min_k, ceil(ratio * n)) entries of largest magnitude
     (all n when n <= min_k; ``min_k`` defaults to :data:`~hvd_gradcomp.settings.MIN_SELECTED`, 32:
     fewer values than that save almost no bytes, since each payload carries its header, 56 bytes
     for a matrix, and starve the tensor).

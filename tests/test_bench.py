@@ -6,6 +6,8 @@ examples it runs are tested for real in test_examples.py.
 """
 from __future__ import annotations
 
+import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -279,3 +281,46 @@ def test_readme_figures_are_generated_from_the_saved_results() -> None:
     block = rf.render()
     assert block in readme, "run python benchmarks/readme_figures.py --write"
     assert "| 1gbit | TopKQSGD(1%, 8) |" in block and "PowerSGD rank 1" in block and "| transformer |" in block
+
+
+def test_speed_rows_are_timed_in_rounds_and_the_fastest_kept(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds in turn: round 1 times every row, later rounds only the short ones that did not fail;
+    each row reports its fastest round and lists every round's time (on the page too)."""
+    times = {"horovod": [2.0], "topk": [0.30, 0.22, 0.26], "auto": [0.25, 0.31, 0.24]}
+    order = []
+
+    def fake_run(argv, plan, log_path):
+        key = next(k for k in ("horovod", "topk", "auto", "fp16") if f"-{k}" in log_path.name)
+        order.append(key)
+        if key == "fp16":
+            raise runner.JobFailed("exited 1")
+        step = times[key][sum(1 for k in order if k == key) - 1]
+        log_path.with_suffix(".json").write_text(json.dumps({**_speed_result(step, step / 10, 1e6, 100.0), "comm_share": 0.1}))
+        return 1.0
+
+    monkeypatch.setattr(runner, "run_logged", fake_run)
+    monkeypatch.setattr(runner, "speed_link", lambda plan, rate, say: nullcontext((lambda p: p, "loopback")))
+    plan = _plan(tmp_path, rates=["1gbit"], runs_dir=tmp_path / "runs",
+                 speed=[s for s in bplan.SPEED_SETTINGS if s.key in ("horovod", "fp16", "topk", "auto")])
+    (tmp_path / "runs" / "speed").mkdir(parents=True)
+    assert plan.rounds == bplan.FULL_ROUNDS == 3
+
+    class Bar:
+        updates = 0
+
+        def update(self, n: int) -> None:
+            Bar.updates += n
+
+    out = runner.run_speed(plan, lambda line: None, Bar())["1gbit"]
+    assert order == ["horovod", "fp16", "topk", "auto", "topk", "auto", "topk", "auto"]
+    assert Bar.updates == 12   # every (round, row), timed or not: the bar's total
+    res = out["results"]
+    assert res["topk"]["step_s"] == 0.22 and res["topk"]["round_step_s"] == [0.30, 0.22, 0.26]
+    assert res["auto"]["step_s"] == 0.24 and res["horovod"]["round_step_s"] == [2.0]
+    assert set(out["failures"]) == {"fp16"} and "fp16" not in res
+    assert (tmp_path / "runs" / "speed" / "1gbit-topk-round3.json").exists()
+    rows = tables.speed_rows(res, plan.speed)
+    assert markdown._rounds_line(rows, res) == "- Step time in each round (ms): TopK 1% 300 / 220 / 260; Auto 250 / 310 / 240."
+    assert "in 3 rounds" in markdown._rounds_clause(plan)
+    assert bplan.build_plan(True, None, None, None, None, None, 0, False, False, None, 300, "auto").rounds == 1
