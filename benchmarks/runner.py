@@ -60,6 +60,7 @@ def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
             for n in range(plan.rounds):
                 for setting in plan.speed:
                     if n == 0 or (setting.key not in failures and repeats(rounds.get(setting.key, [None])[0])):
+                        bar.set_description(f"speed {rate} {setting.label}, round {n + 1}/{plan.rounds}")
                         _time_row(plan, rate, setting, n, wrap, rounds, failures, say)
                     bar.update(1)
             results = {key: fastest(runs) for key, runs in rounds.items()}

@@ -312,6 +312,9 @@ def test_speed_rows_are_timed_in_rounds_and_the_fastest_kept(tmp_path: Path,
         def update(self, n: int) -> None:
             Bar.updates += n
 
+        def set_description(self, text: str) -> None:
+            assert "round" in text
+
     out = runner.run_speed(plan, lambda line: None, Bar())["1gbit"]
     assert order == ["horovod", "fp16", "topk", "auto", "topk", "auto", "topk", "auto"]
     assert Bar.updates == 12   # every (round, row), timed or not: the bar's total

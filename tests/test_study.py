@@ -93,6 +93,24 @@ def test_outside_check_page_is_generated_from_the_saved_results() -> None:
     assert outside_check.DEFAULT_PAGE.read_text() == outside_check.render_page(results, steps)
 
 
+def test_small_mlp_check_section_is_replaced_or_appended(tmp_path: Path) -> None:
+    """``--section``: the table goes under its own heading, replacing that section when the page has
+    it and leaving the rest of the page as it was; unknown ``--variants`` are refused by name."""
+    from benchmarks.study import small_mlp_check as smc
+    page = tmp_path / "p.md"
+    page.write_text("# Small-MLP check\n\nintro\n\n| old table |\n")
+    smc.write_page(str(page), "Where", ["--variants", "ratio10"], 100, 2, ["| t1 |"])
+    smc.write_page(str(page), "Other", ["--x"], 50, 3, ["| t2 |"])
+    smc.write_page(str(page), "Where", ["--variants", "min-k128"], 200, 2, ["| t3 |"])
+    text = page.read_text()
+    assert text.startswith("# Small-MLP check\n\nintro\n\n| old table |\n\n## Where\n")
+    assert "| t1 |" not in text and text.count("## Where") == 1 and "--variants min-k128` (200 steps, seeds 0..1)" in text
+    assert text.index("## Where") < text.index("| t3 |") < text.index("## Other") < text.index("| t2 |")
+    res = launch([sys.executable, str(ROOT / "benchmarks/study/small_mlp_check.py"), "--variants", "ratio10,nope"],
+                 60, rank_env())
+    assert res.returncode == 2 and "unknown --variants nope" in res.output, res.output
+
+
 def test_small_mlp_check_writes_its_page(tmp_path: Path) -> None:
     """benchmarks/study/small_mlp_check.py on 2 ranks, 60 steps, 2 seeds, one optimizer, two policies:
     it runs to the end (the ranks' parameters are checked identical inside) and its page has one
