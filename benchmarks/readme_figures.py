@@ -37,8 +37,11 @@ def horovod_section(bench: Dict[str, Any]) -> List[str]:
     bound = ", each bound to its own core (`--bind-cores`)" if bench.get("machine", {}).get("bind_cores") else ""
     if bench.get("machine", {}).get("cpu_allocator"):
         bound += " and keeping the memory it frees (`MALLOC_MMAP_MAX_=0`)"
-    lines = [f"Horovod, 2 ranks{bound}, 25M parameters, from `{bench['command']}` "
-             "([docs/BENCHMARKS.md](docs/BENCHMARKS.md)):", "",
+    rounds = int(bench.get("plan", {}).get("rounds", 1))
+    fastest, each = (f", each row its fastest of {rounds} rounds timed in turn", ", with every round's time") \
+        if rounds > 1 else ("", "")
+    lines = [f"Horovod, 2 ranks{bound}, 25M parameters{fastest}, from `{bench['command']}` "
+             f"([docs/BENCHMARKS.md](docs/BENCHMARKS.md){each}):", "",
              "| rate | setting | step time | in synchronize() (of it, waiting for the last rank) | MB per step per rank "
              "| vs uncompressed |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
