@@ -18,6 +18,7 @@ file (``--section TITLE``: as that section of the page).
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
@@ -105,7 +106,7 @@ def write_page(path: str, section: Optional[str], argv: List[str], steps: int, s
     """The table, with the command that made it, as the whole page, or (``section``) as the page's
     section of that title: replaced when there, else appended."""
     command = "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python benchmarks/study/small_mlp_check.py " + \
-        " ".join(argv)
+        shlex.join(argv)
     table = "\n".join(lines) + "\n"
     if section is None:
         with open(path, "w") as f:
