@@ -1126,13 +1126,15 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         # issue 9: with AdamW over 1200 steps, freezing after 300 steps (a quarter of the run, 1-bit
         # Adam's advice) ended closest to uncompressed (docs/STUDY_RUN_LENGTH.md); the run's length
         # is not known here, so the user is told once rather than the default guessed. On a small MLP
-        # classifying to near-zero loss "update" matched where this did not (docs/SMALL_MLP_CHECK.md);
-        # on the study's transformer and CNN it was the other way round, so the hint, not a switch
+        # classifying to near-zero loss at a constant rate "update" matched where this did not, and with
+        # the rate decayed both matched (docs/SMALL_MLP_CHECK.md); on the study's transformer and CNN
+        # "update" trailed, so the hint, not a switch
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor (more while the learning "
                 f"rate still rises, at most {self._longest_warmup}), each rank's momentum through error feedback "
                 f"(1-bit Adam style); for a run much longer than {4 * self.warmup} steps, freeze later: "
                 "feedback=FrozenVariance(warmup=a quarter of the run's steps) (docs/STUDY_RUN_LENGTH.md); if the "
-                "compressed run still trails uncompressed training, try feedback='update' (docs/SMALL_MLP_CHECK.md)")
+                "compressed run still trails uncompressed training at a learning rate kept constant to the end, try "
+                "feedback='update' (docs/SMALL_MLP_CHECK.md)")
 
     def state_dict(self) -> Dict[str, Any]:
         # The warm-up's window (running average, Adam's last v) and the rates seen are saved too, so

@@ -101,10 +101,10 @@ def test_small_mlp_check_section_is_replaced_or_appended(tmp_path: Path) -> None
     page.write_text("# Small-MLP check\n\nintro\n\n| old table |\n")
     smc.write_page(str(page), "Where", ["--variants", "ratio10"], 100, 2, ["| t1 |"])
     smc.write_page(str(page), "Other", ["--section", "Other one"], 50, 3, ["| t2 |"])
-    smc.write_page(str(page), "Where", ["--variants", "min-k128"], 200, 2, ["| t3 |"])
+    smc.write_page(str(page), "Where", ["--variants", "min-k128"], 200, 2, ["| t3 |"], cosine=True)
     text = page.read_text()
     assert text.startswith("# Small-MLP check\n\nintro\n\n| old table |\n\n## Where\n")
-    assert "| t1 |" not in text and text.count("## Where") == 1 and "--variants min-k128` (200 steps, seeds 0..1)" in text
+    assert "| t1 |" not in text and text.count("## Where") == 1 and "--variants min-k128` (200 steps, seeds 0..1, the learning rate decayed" in text
     assert text.index("## Where") < text.index("| t3 |") < text.index("## Other") < text.index("| t2 |")
     assert "small_mlp_check.py --section 'Other one'` (50 steps" in text   # the command as one would paste it
     res = launch([sys.executable, str(ROOT / "benchmarks/study/small_mlp_check.py"), "--variants", "ratio10,nope"],
