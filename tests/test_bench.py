@@ -296,7 +296,8 @@ def test_speed_rows_are_timed_in_rounds_and_the_fastest_kept(tmp_path: Path,
         if key == "fp16":
             raise runner.JobFailed("exited 1")
         step = times[key][sum(1 for k in order if k == key) - 1]
-        log_path.with_suffix(".json").write_text(json.dumps({**_speed_result(step, step / 10, 1e6, 100.0), "comm_share": 0.1}))
+        result = {**_speed_result(step, step / 10, 1e6, 100.0), "comm_share": 0.1}
+        log_path.with_suffix(".json").write_text(json.dumps(result))
         return 1.0
 
     monkeypatch.setattr(runner, "run_logged", fake_run)
@@ -324,6 +325,7 @@ def test_speed_rows_are_timed_in_rounds_and_the_fastest_kept(tmp_path: Path,
     assert set(out["failures"]) == {"fp16"} and "fp16" not in res
     assert (tmp_path / "runs" / "speed" / "1gbit-topk-round3.json").exists()
     rows = tables.speed_rows(res, plan.speed)
-    assert markdown._rounds_line(rows, res) == "- Step time in each round (ms): TopK 1% 300 / 220 / 260; Auto 250 / 310 / 240."
+    assert markdown._rounds_line(rows, res) == \
+        "- Step time in each round (ms): TopK 1% 300 / 220 / 260; Auto 250 / 310 / 240."
     assert "in 3 rounds" in markdown._rounds_clause(plan)
     assert bplan.build_plan(True, None, None, None, None, None, 0, False, False, None, 300, "auto").rounds == 1

@@ -470,7 +470,8 @@ def test_frozen_variance_says_when_to_freeze_later():
     said = FrozenVariance(warmup=50).describe()
     assert "frozen after 50 dense steps per tensor" in said and "much longer than 200 steps" in said
     assert "docs/STUDY_RUN_LENGTH.md" in said
-    assert "constant to the end, try feedback='update' (docs/SMALL_MLP_CHECK.md)" in said   # where frozen trailed (issue 9)
+    # where frozen trailed (issue 9): at a rate kept constant to the end
+    assert "constant to the end, try feedback='update' (docs/SMALL_MLP_CHECK.md)" in said
 
 
 def test_frozen_variance_stays_dense_while_the_learning_rate_rises():

@@ -104,12 +104,20 @@ def test_small_mlp_check_section_is_replaced_or_appended(tmp_path: Path) -> None
     smc.write_page(str(page), "Where", ["--variants", "min-k128"], 200, 2, ["| t3 |"], cosine=True)
     text = page.read_text()
     assert text.startswith("# Small-MLP check\n\nintro\n\n| old table |\n\n## Where\n")
-    assert "| t1 |" not in text and text.count("## Where") == 1 and "--variants min-k128` (200 steps, seeds 0..1, the learning rate decayed" in text
+    assert "| t1 |" not in text and text.count("## Where") == 1
+    assert "--variants min-k128` (200 steps, seeds 0..1, the learning rate decayed" in text
     assert text.index("## Where") < text.index("| t3 |") < text.index("## Other") < text.index("| t2 |")
+    smc.write_page(str(page), None, ["--steps", "300"], 300, 3, ["| new head |"])   # the head anew, sections kept
+    again = page.read_text()
+    assert "| old table |" not in again and "| new head |" in again and "300 steps, constant learning rate" in again
+    assert again[again.index("\n## Where"):] == text[text.index("\n## Where"):]
     assert "small_mlp_check.py --section 'Other one'` (50 steps" in text   # the command as one would paste it
     res = launch([sys.executable, str(ROOT / "benchmarks/study/small_mlp_check.py"), "--variants", "ratio10,nope"],
                  60, rank_env())
     assert res.returncode == 2 and "unknown --variants nope" in res.output, res.output
+    res = launch([sys.executable, str(ROOT / "benchmarks/study/small_mlp_check.py"), "--section", "X",
+                  "--page", str(tmp_path / "absent.md")], 60, rank_env())
+    assert res.returncode == 2 and "write the page first" in res.output, res.output
 
 
 def test_small_mlp_check_writes_its_page(tmp_path: Path) -> None:
