@@ -23,6 +23,7 @@ import os
 import shlex
 import statistics
 import sys
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import horovod.torch as hvd
@@ -115,7 +116,7 @@ def write_page(path: str, section: Optional[str], argv: List[str], steps: int, s
         shlex.join(argv)
     table = "\n".join(lines) + "\n"
     rate = ", the learning rate decayed to zero by `CosineAnnealingLR`" if cosine else ", constant learning rate"
-    text = open(path).read() if os.path.exists(path) else ""
+    text = Path(path).read_text() if os.path.exists(path) else ""
     if section is None:   # the page's head; its sections stay
         sections = text.find("\n## ")
         with open(path, "w") as f:
