@@ -35,7 +35,7 @@ from launchers.command import LaunchSpec, build_command
 from launchers.jobs import BIN
 
 from .netns import LINK_MODES, TBF, in_netns, netns_setup_commands, netns_teardown_command
-from .plan import ROOT, TARGET_LOSS_GAP, Plan, Setting
+from .plan import ROOT, TARGET_LOSS_GAP, Plan, Setting, speed_path
 
 BENCH_DDP = ROOT / "benchmarks" / "bench_ddp.py"
 TRAIN_DDP = ROOT / "examples" / "train_ddp.py"
@@ -144,7 +144,7 @@ def convergence_program(plan: DdpPlan, setting: Setting, seed: int, out_json: Pa
 
 
 def speed_json(plan: DdpPlan, rate: str, setting: Setting) -> Path:
-    return plan.runs_dir / "speed" / f"{rate}-{setting.key}.json"
+    return speed_path(plan.runs_dir, rate, setting)
 
 
 def convergence_json(plan: DdpPlan, setting: Setting, seed: int) -> Path:

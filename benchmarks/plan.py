@@ -185,10 +185,11 @@ def fastest(rounds: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return {**best, "round_step_s": [r["step_s"] for r in rounds]}
 
 
-def speed_path(plan: "Plan", rate: str, setting: Setting, round_no: int = 0) -> Path:
-    """Where one round of one speed row writes its JSON (the first round keeps the plain name)."""
-    return plan.runs_dir / "speed" / (f"{rate}-{setting.key}.json" if round_no == 0
-                                      else f"{rate}-{setting.key}-round{round_no + 1}.json")
+def speed_path(runs_dir: Path, rate: str, setting: Setting, round_no: int = 0) -> Path:
+    """Where one round of one speed row writes its JSON, Horovod's rows and DDP's alike (the first
+    round keeps the plain name)."""
+    return runs_dir / "speed" / (f"{rate}-{setting.key}.json" if round_no == 0
+                                 else f"{rate}-{setting.key}-round{round_no + 1}.json")
 
 
 def build_plan(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int],
@@ -222,7 +223,7 @@ def planned_commands(plan: Plan) -> List[str]:
         else:
             lines += [shlex.join(c) for c in netns_setup_commands("NS", rate)]
         for s in plan.speed:
-            program = speed_program(plan, s, speed_path(plan, rate, s))
+            program = speed_program(plan, s, speed_path(plan.runs_dir, rate, s))
             cmd = horovodrun_across(program) if plan.two_hosts else in_netns("NS", horovodrun(program))
             lines.append(shlex.join(cmd))
         if plan.rounds > 1:

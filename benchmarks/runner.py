@@ -59,7 +59,8 @@ def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
             failures: Dict[str, str] = {}
             for n in range(plan.rounds):
                 for setting in plan.speed:
-                    if n == 0 or (setting.key not in failures and repeats(rounds.get(setting.key, [None])[0])):
+                    first = rounds.get(setting.key, [None])[0]   # None: its first round failed
+                    if n == 0 or (setting.key not in failures and repeats(first)):
                         bar.set_description(f"speed {rate} {setting.label}, round {n + 1}/{plan.rounds}")
                         _time_row(plan, rate, setting, n, wrap, rounds, failures, say)
                     bar.update(1)
@@ -71,7 +72,7 @@ def run_speed(plan: Plan, say: Any, bar: Any) -> Dict[str, Any]:
 def _time_row(plan: Plan, rate: str, setting: Setting, round_no: int, wrap: Any,
               rounds: Dict[str, List[Dict[str, Any]]], failures: Dict[str, str], say: Any) -> None:
     """One round of one speed row: its JSON appended to ``rounds[key]``, or its failure recorded."""
-    path = speed_path(plan, rate, setting, round_no)
+    path = speed_path(plan.runs_dir, rate, setting, round_no)
     tag = f" (round {round_no + 1}/{plan.rounds})" if plan.rounds > 1 else ""
     try:
         run_logged(wrap(speed_program(plan, setting, path)), plan, path.with_suffix(".log"))

@@ -186,7 +186,8 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "schedule, so the gain is visible. On the char-MLP, the *output layer at 1%* row keeps that layer "
         "(`out.weight`, 65,536 values: 66 a step at 0.1%) at 1% while the rest send 0.1% "
         "(`min_ratio={r\"^out\\.\": 0.01}`, a setting of the user's; the other tasks' output layers, of 1,280 to "
-        "8,192 values, already send `min_k` = 32 values a step at 0.1%, 0.4% to 2.5% of them). fp16 and TopK 1% ran on the first seed only, "
+        "8,192 values, already send `min_k` = 32 values a step at 0.1%, 0.4% to 2.5% of them). "
+        "fp16 and TopK 1% ran on the first seed only, "
         "to fit the study in about an hour.",
         "",
         "Columns: held-out loss and accuracy are mean +- standard deviation over the seeds listed, at the last "
