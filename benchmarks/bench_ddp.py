@@ -47,7 +47,7 @@ ONE_BUCKET_MB = 1e5
 SETTINGS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8")
 # gc.Auto() in the hook: on request (--settings ...,auto). Its start runs in the warm-up: DDP's
 # first iteration, its bucket rebuild (exploration restarts), then Auto's start (exploring, the
-# decision, 2 verified steps: gc.Auto().start_steps, see docs/AUTO.md) and one step to spare.
+# decision, 1 untimed and 2 verified steps: gc.Auto().start_steps, see docs/AUTO.md) and one step to spare.
 CHOICES = SETTINGS + ("auto",)
 AUTO_WARMUP = 1 + gc.Auto().start_steps + 1
 

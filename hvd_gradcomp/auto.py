@@ -12,6 +12,9 @@ grows with the rank count) the plain allreduce does. ``Auto`` measures instead o
    steps pay one-off costs (``torch.compile`` of its kernels, again on the first calls with
    new shapes or with a residual; buffers; Horovod's first negotiation of each name): measured,
    they made the road explored first look far slower than it runs.
+   After the first road's steps the link is probed once: a road whose bytes alone would take
+   more than ``explore_within`` (1.5) x the first road's measured step is not explored (at
+   100 Mbit/s the dense road's one step of a 25M-parameter model takes 17 s).
 2. **Probe** each road's collective: timed allreduces (a tiny one for latency, ``probe_numel``
    float32 values, as many fp16 values: Horovod reduces fp16 in half precision, on CPU far
    slower than its bytes suggest) and an allgather of ``probe_numel`` bytes.
@@ -19,8 +22,9 @@ grows with the rank count) the plain allreduce does. ``Auto`` measures instead o
    the road's measured rate, with the rank count in the bytes, so the road switches past the
    crossover) picks each tensor's road. Measurements are averaged over ranks (allreduce) and
    rank 0's decisions are broadcast: every rank takes the same road for every tensor.
-4. **Verify** with the clock: the ``explore_steps`` steps after a decision are timed and
-   compared with the step times measured for each road alone while exploring (the dense
+4. **Verify** with the clock: after a decision and ``warmup_steps`` more steps (the first
+   uses of roads new to a tensor: a road not explored negotiates and allocates there), the
+   ``explore_steps`` next steps are timed and compared with the step times measured for each road alone while exploring (the dense
    road included); if one road alone was faster, every tensor takes it. After a
    re-decision the comparison is with the steps just before it, and the old decisions come
    back if they were faster. A model can be wrong; a step time is what the user waits for.
@@ -138,7 +142,12 @@ class Auto:
             step each), and steps timed after each decision to verify it.
         warmup_steps: unmeasured steps each codec road takes first while exploring: its
             one-off start-up costs (kernel compilation, buffers, Horovod's negotiation of new
-            names) stay out of its codec costs and step times.
+            names) stay out of its codec costs and step times; as many steps after each
+            decision go untimed before the steps that verify it.
+        explore_within: after the first road's exploring steps the link is probed, and a road
+            whose bytes alone, at the probed rate, would take more than this multiple of the first
+            road's measured step is not explored (it cannot be faster, and on a slow link each of
+            its steps costs seconds); ``math.inf`` explores every road.
         interval: steps between re-decisions.
         hysteresis: a tensor switches only if the new road is this fraction faster.
         probe_numel: float32 values of the bandwidth probe's allreduce.
@@ -151,7 +160,7 @@ class Auto:
 
     def __init__(self, ratio: float = 0.01, bits: int = 8, qsgd_bits: int = 8,
                  roads: Optional[Sequence[str]] = None, explore_steps: int = 2, warmup_steps: int = 1,
-                 interval: int = 200,
+                 explore_within: float = 1.5, interval: int = 200,
                  hysteresis: float = 0.1, probe_numel: int = 1 << 20, error_feedback: bool = True,
                  seed: Optional[int] = None, named_parameters: Any = None) -> None:
         # exempt="fp32": Auto's small tensors keep the dense road on every wrapper (in the DDP hook
@@ -165,6 +174,10 @@ class Auto:
                 raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
         if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
             raise ValueError(f"hysteresis must be a number in [0, 1) (a fraction), got {hysteresis!r}")
+        if isinstance(explore_within, bool) or not isinstance(explore_within, (int, float)) or not explore_within >= 1:
+            raise ValueError(f"explore_within must be a number >= 1 (a multiple of the first road's step; "
+                             f"math.inf explores every road), got {explore_within!r}")
+        self.explore_within = float(explore_within)
         self.explore_steps, self.warmup_steps, self.interval = explore_steps, warmup_steps, interval
         self.hysteresis, self.probe_numel = float(hysteresis), probe_numel
         self.step = 0                       # steps begun (the first exchange of a step starts it)
@@ -174,6 +187,10 @@ class Auto:
         self.history: List[Tuple[int, str, Optional[str], str]] = []  # (step, name, from, to)
         self.last_wait_s: Dict[str, float] = {}
         self.verdicts: List[Dict[str, Any]] = []   # each verification: the times compared, what was kept
+        # roads not explored (see _skip_slow_roads): road -> its transfer and the first road's step, ms
+        self.skipped: Dict[str, Dict[str, float]] = {}
+        self._skip_checked = False
+        self._fresh_probe: Optional[Tuple[int, Tuple[float, ...]]] = None   # (step, probes) for decide()
         self._counts: Dict[str, int] = {}
         self._step_t0: Optional[float] = None
         self._durations: Dict[str, List[float]] = {}   # step seconds: per road (exploring), "plan", "before"
@@ -239,12 +256,20 @@ class Auto:
         # the least of two samples leaves them out. fp16 and dense run once, measured: a cast
         # compiles nothing, their first-use cost (a negotiation) is small against their step, and
         # on a slow link each of their steps is the slowest of the run.
-        plan: List[Tuple[str, bool]] = []   # (road, measured) of each exploring step
-        for r in roads:
-            warm, measured = self._exploring_steps(r)
-            plan += [(r, False)] * warm + [(r, True)] * measured
-        self._setup = _Setup(mode, comm, average, roads, tuple(r for r, _ in plan), tuple(m for _, m in plan))
+        self._setup = _Setup(mode, comm, average, roads, (), ())
+        self._plan()
         self.sparse.stream = self.qsgd.stream = comm.rank  # independent noise per rank
+
+    def _plan(self) -> None:
+        """The exploring steps: each road in turn (its warm-up steps, then its measured ones),
+        less the roads skipped (:meth:`_skip_slow_roads`)."""
+        s = self._setup
+        plan: List[Tuple[str, bool]] = []   # (road, measured) of each exploring step
+        for r in s.roads:
+            if r not in self.skipped:
+                warm, measured = self._exploring_steps(r)
+                plan += [(r, False)] * warm + [(r, True)] * measured
+        s.schedule, s.measured = tuple(r for r, _ in plan), tuple(m for _, m in plan)
 
     # ------------------------------------------------------------ the schedule
     def _exploring_steps(self, road: str) -> Tuple[int, int]:
@@ -253,15 +278,16 @@ class Auto:
 
     @property
     def start_steps(self) -> int:
-        """Steps of Auto's start: exploring, the decision's step, the ``explore_steps`` timed
-        steps of the decision and the verdict's step (a benchmark that excludes Auto's start
-        from its timing warms up this many steps).
+        """Steps of Auto's start: exploring, the decision's step, ``warmup_steps`` untimed and
+        ``explore_steps`` timed steps of the decision, and the verdict's step (a benchmark that excludes Auto's start
+        from its timing warms up this many steps). With every road explored: fewer when roads
+        are skipped (``explore_within``).
 
-        >>> Auto().start_steps   # sparse, qsgd: 1 warm-up + 2 each; fp16, dense: 1; 1 + 2 + 1
-        12
+        >>> Auto().start_steps   # sparse, qsgd: 1 warm-up + 2 each; fp16, dense: 1; 1 + 1 + 2 + 1
+        13
         """
         exploring = sum(sum(self._exploring_steps(r)) for r in self.roads or OURS_ROADS)
-        return exploring + 1 + self.explore_steps + 1
+        return exploring + 1 + self.warmup_steps + self.explore_steps + 1
 
     @property
     def exploring(self) -> bool:
@@ -292,8 +318,12 @@ class Auto:
 
     def restart(self) -> None:
         """Explore again from the first road (the DDP hook, when DDP changed its buckets while
-        Auto explored): the step count and the step times start over, measurements stay."""
+        Auto explored): the step count and the step times start over, measurements stay; every
+        road is explored again, unless the first road's steps show it too slow once more."""
         self.step, self._step_t0, self._durations = 0, None, {}
+        self.skipped, self._skip_checked = {}, False
+        if self._setup is not None:
+            self._plan()
 
     def road_of(self, name: str) -> str:
         """The road ``name`` takes in the current step."""
@@ -318,15 +348,17 @@ class Auto:
 
     def _phase(self, step: int) -> Optional[str]:
         """What the duration of ``step`` measures: a road (all tensors took it while exploring),
-        ``"plan"`` (the steps after a decision), ``"before"`` (the steps before a re-decision)."""
-        e = self.explore_steps
+        ``"plan"`` (the steps after a decision and its ``warmup_steps``: on CPU the heap grows for a
+        step or two after a switch, each step faulting in fresh pages), ``"before"`` (the steps
+        before a re-decision)."""
+        w, e = self.warmup_steps, self.explore_steps
         done = step - 1 - len(self._setup.schedule)
         if done < 0:   # a road's step time, unless a warm-up step
             return self._setup.schedule[step - 1] if self._setup.measured[step - 1] else None
         r = done % self.interval
-        if 1 <= r <= e:
+        if w < r <= w + e:
             return "plan"
-        return "before" if r >= self.interval - e and r > e else None
+        return "before" if r >= self.interval - e and r > w + e else None
 
     def _on_new_step(self) -> None:
         """All exchanges of the previous step are done on every rank: the link is idle."""
@@ -335,7 +367,11 @@ class Auto:
         if label is not None:
             self._durations.setdefault(label, []).append(now - self._step_t0)
         self._step_t0 = now
-        e = self.explore_steps
+        first = sum(self._exploring_steps(self._setup.roads[0]))
+        if not self._skip_checked and self.step == first + 1 and len(self._setup.roads) > 1:
+            self._skip_slow_roads()
+            self._step_t0 = time.perf_counter()   # the probe is not part of the next step's time
+        verdict = self.warmup_steps + self.explore_steps + 1   # steps after a decision
         done = self.step - 1 - len(self._setup.schedule)
         if done >= 0 and done % self.interval == 0:
             roads = [r for r in self._setup.roads if r in self._durations]
@@ -345,8 +381,51 @@ class Auto:
             self._durations = {}
             self.decide()
             self._step_t0 = time.perf_counter()   # the probe is not part of the next step's time
-        elif done >= 0 and done % self.interval == e + 1 and self.interval > e + 1:
+        elif done >= 0 and done % self.interval == verdict and self.interval > verdict:
             self.verify()
+
+    def _skip_slow_roads(self) -> None:
+        """After the first road's exploring steps: probe the link, and skip the roads whose bytes
+        alone, at the probed rate, would take more than ``explore_within`` x the first road's
+        measured step (:func:`policy.transfer_seconds`, a lower bound on any step that sends
+        them). At 100 Mbit/s exploring the dense road of a 25M-parameter model costs a 17 s
+        step, fp16 9 s, QSGD three of 4 s, against 0.2 s on the sparse road: the start cost
+        more than the rest of a short run. A collective, called on every rank at the same step
+        (times averaged over ranks, rank 0's choice broadcast); the probe is kept for a
+        decision at this same step."""
+        s = self._setup
+        self._skip_checked = True
+        first, rest = s.roads[0], s.roads[1:]
+        if first not in self._durations or not self.costs:
+            return
+        probes = self._probe()
+        mean = s.comm.mean(torch.tensor([min(self._durations[first]), *probes], dtype=torch.float64),
+                           f"skip.{self.step}").tolist()
+        step_s, probes = mean[0], tuple(mean[1:])
+        self._fresh_probe = (self.step, probes)
+        link = self._link(probes)
+        transfer = {r: policy.transfer_seconds(r, s.ranks, link, [
+            (c.numel, c.itemsize, c.payload.get(r, self._least_payload(r, c.numel))) for c in self.costs.values()])
+            for r in rest}
+        skip = torch.tensor([transfer[r] > self.explore_within * step_s for r in rest], dtype=torch.int32)
+        skip = s.comm.broadcast(skip, f"skipped.{self.step}")
+        self.skipped = {r: {"transfer_ms": 1e3 * transfer[r], "first_road_ms": 1e3 * step_s}
+                        for r, flag in zip(rest, skip.tolist()) if flag}
+        self._plan()
+
+    def _least_payload(self, road: str, numel: int) -> float:
+        """A road's payload bytes for a tensor it has not sent yet, never more than it will be:
+        QSGD's exactly, a sparse payload's without its indices (dense and fp16 need none)."""
+        if road in (QSGD_AR, QSGD_AG):
+            return float(payload_size(self.qsgd, (numel,)))
+        if road == SPARSE:
+            return float(payload_size(self.sparse, (numel,), index_bytes=0))
+        return 0.0
+
+    def _link(self, probes: Tuple[float, ...]) -> Link:
+        small, large, fp16, gather = probes
+        return policy.link_from_probe(self._setup.ranks, small, large, self.probe_numel, fp16 if fp16 >= 0 else None,
+                                      gather if gather >= 0 else None)
 
     # ------------------------------------------------------------ measure
     def record(self, name: str, road: str, numel: int, itemsize: int, codec_s: float, wait_s: float,
@@ -369,7 +448,8 @@ class Auto:
         s = self._setup
         names = sorted(self.costs)
         roads = s.roads
-        probes = self._probe()
+        fresh, self._fresh_probe = self._fresh_probe, None
+        probes = fresh[1] if fresh is not None and fresh[0] == self.step else self._probe()
         meas = torch.full((len(names) * len(roads) * 2 + len(probes),), -1.0, dtype=torch.float64)
         for i, n in enumerate(names):
             for j, r in enumerate(roads):
@@ -378,9 +458,7 @@ class Auto:
                     meas[k], meas[k + 1] = self.costs[n].codec_s[r], self.costs[n].payload.get(r, 0.0)
         meas[-len(probes):] = torch.tensor(probes, dtype=torch.float64)
         meas = s.comm.mean(meas, f"meas.{self.step}")
-        small, large, fp16, gather = (float(v) for v in meas[-len(probes):])
-        self.link = policy.link_from_probe(s.ranks, small, large, self.probe_numel, fp16 if fp16 >= 0 else None,
-                                           gather if gather >= 0 else None)
+        self.link = self._link(tuple(float(v) for v in meas[-len(probes):]))
         codes = torch.zeros(len(names), dtype=torch.int32)
         for i, n in enumerate(names):
             c = TensorCosts(self.costs[n].numel, self.costs[n].itemsize)
@@ -388,6 +466,8 @@ class Auto:
                 k = 2 * (i * len(roads) + j)
                 if float(meas[k]) >= 0:
                     c.codec_s[r], c.payload[r] = float(meas[k]), float(meas[k + 1])
+            if DENSE in self.skipped and DENSE not in c.codec_s:   # no codec: known without exploring
+                c.codec_s[DENSE], c.payload[DENSE] = 0.0, float(c.numel * c.itemsize)
             choice = policy.decide(c, s.ranks, self.link, roads, self.decisions.get(n), self.hysteresis)
             codes[i] = policy.ROADS.index(choice)
         codes = s.comm.broadcast(codes, f"decide.{self.step}")
@@ -547,7 +627,9 @@ class Auto:
         ``tensors[name]``: the road, the codec milliseconds and payload bytes measured per road,
         the modelled milliseconds per road and the exposed wait of the last exchange.
         ``verdicts``: each verification (:meth:`verify`): the step, the milliseconds per step of
-        the decisions and of what they were compared with, and what was kept.
+        the decisions and of what they were compared with, and what was kept. ``skipped``: the
+        roads not explored (``explore_within``), with the milliseconds their bytes alone would
+        take per step and the first road's measured step.
         """
         s = self._setup
         ranks = s.ranks if s else 1
@@ -567,16 +649,21 @@ class Auto:
             against = ", ".join(f"{k} {ms:.0f}" for k, ms in sorted(v["against_ms"].items()))
             state += (f" (verified at step {v['step']}: decisions {v['plan_ms']:.0f} ms/step against {against}; "
                       f"kept {'the decisions' if v['kept'] == 'plan' else v['kept']})")
+        if self.skipped:
+            state += "; not explored: " + ", ".join(
+                f"{r} (its bytes alone {v['transfer_ms']:.0f} ms/step against {v['first_road_ms']:.0f})"
+                for r, v in self.skipped.items())
         return {"step": self.step, "ranks": ranks, "decisions": dict(self.decisions), "tensors": tensors,
-                "verdicts": list(self.verdicts),
+                "verdicts": list(self.verdicts), "skipped": {r: dict(v) for r, v in self.skipped.items()},
                 "link": None if self.link is None else {"bandwidth_Bps": self.link.bandwidth,
                                                         "latency_s": self.link.latency},
                 "switches": [list(h) for h in self.history],
                 "summary": f"step {self.step}: {state or 'no tensor yet'}; {link}"}
 
     def state_dict(self) -> Dict[str, Any]:
-        """Both compressors' residuals and random state, the step, the decisions and the measured
-        costs (residuals differ per rank: one file per rank, as for the compressors).
+        """Both compressors' residuals and random state, the step, the decisions, the measured
+        costs and the roads skipped (residuals differ per rank: one file per rank, as for the
+        compressors).
 
         >>> a = Auto(); b = Auto(); b.load_state_dict(a.state_dict()); b.step
         0
@@ -584,7 +671,8 @@ class Auto:
         return {"sparse": self.sparse.state_dict(), "qsgd": self.qsgd.state_dict(), "step": self.step,
                 "counts": dict(self._counts), "decisions": dict(self.decisions),
                 "costs": {n: {"numel": c.numel, "itemsize": c.itemsize, "payload": dict(c.payload),
-                              "codec_s": dict(c.codec_s)} for n, c in self.costs.items()}}
+                              "codec_s": dict(c.codec_s)} for n, c in self.costs.items()},
+                "skipped": {r: dict(v) for r, v in self.skipped.items()}, "skip_checked": self._skip_checked}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.sparse.load_state_dict(state["sparse"])
@@ -594,6 +682,11 @@ class Auto:
         self.costs = {n: TensorCosts(c["numel"], c["itemsize"], c["payload"], c["codec_s"])
                       for n, c in state.get("costs", {}).items()}
         self._samples = {(n, r): deque([v], maxlen=SAMPLES) for n, c in self.costs.items() for r, v in c.codec_s.items()}
+        # a checkpoint taken while exploring resumes the same exploring steps (older ones skipped none)
+        self.skipped = {r: dict(v) for r, v in state.get("skipped", {}).items()}
+        self._skip_checked = bool(state.get("skip_checked", False))
+        if self._setup is not None:
+            self._plan()
 
 
 @dataclass

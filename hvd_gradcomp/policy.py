@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Mapping, Optional
+from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 DENSE, FP16, QSGD_AR, QSGD_AG, SPARSE = "dense", "fp16", "qsgd", "qsgd-ag", "sparse"
 ROADS = (DENSE, FP16, QSGD_AR, QSGD_AG, SPARSE)
@@ -184,6 +184,19 @@ def road_seconds(road: str, ranks: int, numel: int, link: Link, codec_s: float =
     """
     return (codec_s + rounds(road, ranks) * link.latency
             + wire_bytes(road, ranks, numel, payload, itemsize) / link.bandwidth_of(road))
+
+
+def transfer_seconds(road: str, ranks: int, link: Link, sizes: Iterable[Tuple[int, int, float]]) -> float:
+    """Seconds the bytes of one step's exchanges take on ``road`` at the link's rate, codec and
+    latency left out: no step that sends them can be shorter (an exchange overlapped with
+    backward still has to end within the step). ``sizes``: (numel, itemsize, payload bytes) of
+    each tensor, the payload as :func:`wire_bytes` takes it.
+
+    >>> transfer_seconds("dense", 2, Link(1.25e7), [(1_000_000, 4, 0.0)])   # 4 MB at 100 Mbit/s
+    0.32
+    """
+    return sum(wire_bytes(road, ranks, numel, payload, itemsize) for numel, itemsize, payload in sizes) \
+        / link.bandwidth_of(road)
 
 
 @dataclass

@@ -196,15 +196,15 @@ def test_verification_falls_back_to_the_fastest_road_measured_alone(monkeypatch)
     """The model picks sparse everywhere; the clock says dense alone is faster: every tensor goes dense."""
     auto = _configured()
     alone = {"sparse": 0.3, "qsgd": 0.5, "fp16": 0.7, "dense": 0.2}
-    _run_clocked(monkeypatch, auto, lambda roads: alone[roads[0]] if roads[0] == roads[1] else 0.25, 14,
+    _run_clocked(monkeypatch, auto, lambda roads: alone[roads[0]] if roads[0] == roads[1] else 0.25, 15,
                  decide=lambda a: a.decisions.update(w="sparse", v="sparse"))
     assert auto.decisions == {"w": "dense", "v": "dense"}
     (v,) = auto.verdicts
     # 8 exploring steps (sparse, qsgd: 1 warm-up + 2 measured each; fp16, dense: 1), decision at
-    # step 9, its 2 timed steps, the verdict at step 12
-    assert v["step"] == 12 == auto.start_steps and v["kept"] == "dense" and round(v["plan_ms"]) == 300
+    # step 9, one untimed step (warmup_steps), its 2 timed steps, the verdict at step 13
+    assert v["step"] == 13 == auto.start_steps and v["kept"] == "dense" and round(v["plan_ms"]) == 300
     assert {k: round(ms) for k, ms in v["against_ms"].items()} == {r: round(1e3 * s) for r, s in alone.items()}
-    assert (12, "w", "sparse", "dense") in auto.history
+    assert (13, "w", "sparse", "dense") in auto.history
     assert "kept dense" in auto.report()["summary"]
 
 
@@ -218,7 +218,7 @@ def test_verification_keeps_faster_decisions_and_reverts_a_slower_re_decision(mo
     _run_clocked(monkeypatch, auto, lambda roads: times.get(roads, 0.3), 18,
                  decide=lambda a: a.decisions.update(next(plans, {})))
     kept = [(v["step"], v["kept"]) for v in auto.verdicts]
-    assert kept == [(12, "plan"), (17, "before")], auto.verdicts   # decisions at steps 9 and 14
+    assert kept == [(13, "plan"), (18, "before")], auto.verdicts   # decisions at steps 9 and 14
     assert auto.decisions == {"w": "sparse", "v": "fp16"}
 
 
@@ -247,7 +247,7 @@ def test_start_up_costs_of_a_road_stay_out_of_its_measured_costs(monkeypatch, ex
     monkeypatch.setattr(auto, "_probe", lambda: _LINK_PROBE)
     exploring = len(auto._setup.schedule)
     assert exploring == 2 * (1 + explore_steps) + 2   # a warm-up step more for sparse and qsgd
-    for _ in range(exploring + 2 + explore_steps):   # exploration, decision, verification
+    for _ in range(exploring + 3 + explore_steps):   # exploration, decision, an untimed step, verification
         road = auto.road_for("w")
         factor = start_up[uses[road]] if uses[road] < len(start_up) and road in ("sparse", "qsgd") else 1.0
         uses[road] += 1
@@ -274,7 +274,7 @@ def test_warm_up_steps_are_not_measured():
         assert not auto.warming_up == measured[-1]
     assert measured == list(auto._setup.measured)
     assert auto.costs["w"].codec_s == pytest.approx({"sparse": 0.002, "qsgd": 0.005, "fp16": 0.007, "dense": 0.008})
-    assert gc.Auto().start_steps == len(auto._setup.schedule) + 1 + 2 + 1 == 12
+    assert gc.Auto().start_steps == len(auto._setup.schedule) + 1 + 1 + 2 + 1 == 13
     bare = gc.Auto(warmup_steps=0, explore_steps=1)
     bare._configure("ours", "average", _FakeSet())
     assert bare._setup.schedule == ("sparse", "qsgd", "fp16", "dense") and all(bare._setup.measured)
@@ -286,3 +286,77 @@ def test_the_benchmarks_warm_up_covers_autos_start():
 
     flags = next(s for s in SPEED_SETTINGS if s.key == "auto").flags
     assert int(flags[flags.index("--warmup") + 1]) >= gc.Auto(ratio=0.01, bits=8).start_steps
+
+
+def _probe_at(bytes_per_s: float):
+    """What Auto's probe measures on a link of ``bytes_per_s`` and 0.5 ms latency (2 ranks)."""
+    return (5e-4, 5e-4 + 4 * (1 << 20) / bytes_per_s, 5e-4 + 2 * (1 << 20) / bytes_per_s, 5e-4 + (1 << 20) / bytes_per_s)
+
+
+@pytest.mark.parametrize("rate,sparse_step,skipped", [
+    (1.25e7, 0.2, {"qsgd", "fp16", "dense"}),    # 100 Mbit/s: dense 1.34 s, fp16 0.67, qsgd 0.34 of bytes
+    (1.25e8, 0.05, {"dense"}),                   # 1 Gbit/s, a fast step: only dense's 134 ms > 1.5 x 50
+    (1.25e8, 0.36, set()),                       # 1 Gbit/s, the step of the test above: explore all
+], ids=["100mbit", "1gbit-fast-step", "1gbit"])
+def test_roads_whose_bytes_alone_outlast_the_first_roads_step_are_not_explored(monkeypatch, rate, sparse_step,
+                                                                                skipped):
+    """After the sparse road's exploring steps the link is probed once; a road whose bytes alone at
+    that rate take more than 1.5 x the sparse road's measured step is skipped, and the decision
+    comes that many steps sooner, verified against the roads explored. The dense road, which has
+    no codec, stays open to the model's decisions."""
+    import hvd_gradcomp.auto as auto_mod
+
+    auto = gc.Auto()
+    auto._configure("ours", "average", _FakeSet())
+    clock, taken, probes = [0.0], [], []
+    monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
+    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(auto, "_probe", lambda: probes.append(auto.step) or _probe_at(rate))
+    steady = {**_STEADY_STEP, "sparse": sparse_step}
+    explored = [r for r in ("sparse", "qsgd", "fp16", "dense") if r not in skipped]
+    exploring = sum(3 if r in ("sparse", "qsgd") else 1 for r in explored)
+    for _ in range(exploring + 1 + 1 + 2 + 1):   # exploration, decision, untimed, 2 timed steps, verdict
+        road = auto.road_for("w")
+        taken.append(road)
+        auto.record("w", road, 1 << 22, 4, _STEADY_CODEC[road], 0.0, _PAYLOAD[road])
+        clock[0] += steady[road]
+    assert taken[:exploring] == [r for r in explored for _ in range(3 if r in ("sparse", "qsgd") else 1)]
+    assert set(auto.skipped) == skipped
+    for road, seen in auto.skipped.items():
+        wire = {"dense": 4 << 22, "fp16": 2 << 22, "qsgd": auto_mod.payload_size(auto.qsgd, (1 << 22,))}[road]
+        assert seen["transfer_ms"] == pytest.approx(1e3 * wire / rate, rel=1e-3)
+        assert seen["first_road_ms"] == pytest.approx(1e3 * sparse_step)
+    # probed after the sparse road's 3 steps (kept for a decision at the same step), then to decide
+    assert probes == ([4] if len(explored) == 1 else [4, exploring + 1]) if skipped else [exploring + 1]
+    (v,) = auto.verdicts
+    assert v["step"] == exploring + 1 + 1 + 2 + 1 <= auto.start_steps and v["kept"] in ("plan", "sparse")   # a tie
+    assert set(v["against_ms"]) == set(explored) and auto.decisions == {"w": "sparse"}
+    assert ("dense" in auto.costs["w"].codec_s) == ("dense" not in skipped)   # measured only when explored
+    assert ("not explored: " in auto.report()["summary"]) == bool(skipped)
+    # a checkpoint taken while exploring resumes the same exploring steps
+    other = gc.Auto()
+    other.load_state_dict(auto.state_dict())
+    other._configure("ours", "average", _FakeSet())
+    assert other._setup.schedule == auto._setup.schedule and other.skipped == auto.skipped
+
+
+def test_a_skipped_dense_road_stays_open_to_the_decisions(monkeypatch):
+    """Dense, skipped at a slow link, has no codec to measure: at a re-decision on a link that
+    became fast, the model sends a tensor whose codec costs more than its bytes there dense."""
+    import hvd_gradcomp.auto as auto_mod
+
+    auto = gc.Auto(interval=6)
+    auto._configure("ours", "average", _FakeSet())
+    clock, link = [0.0], [1.25e7]
+    monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
+    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(auto, "_probe", lambda: _probe_at(link[0]))
+    for step in range(1, 12):
+        if step == 8:
+            link[0] = 1.25e10   # 100 Gbit/s from here on
+        road = auto.road_for("w")
+        auto.record("w", road, 1 << 22, 4, _STEADY_CODEC[road], 0.0, _PAYLOAD[road])
+        clock[0] += {**_STEADY_STEP, "sparse": 0.2}[road]
+    assert auto.skipped.keys() == {"qsgd", "fp16", "dense"}
+    assert [h[1:] for h in auto.history] == [("w", None, "sparse"), ("w", "sparse", "dense")]   # steps 4 and 10
+    assert auto.history[1][0] == 10   # decided on the model alone: dense was never measured before
