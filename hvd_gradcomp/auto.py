@@ -68,6 +68,8 @@ from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE, Link, TensorCosts
 OURS_ROADS = (SPARSE, QSGD_AR, FP16, DENSE)   # exploration order: the dense road last, so the
 STOCK_ROADS = (SPARSE, QSGD_AG, FP16, DENSE)  # residuals are flushed when exploration ends
 SAMPLES = 5
+PROBE_SECONDS = 0.05   # about what each of the probe's large collectives takes on a slow link
+PILOT_NUMEL = 1 << 16  # float32 values of the allreduce that sizes the first probe
 
 
 def _hvd():
@@ -150,7 +152,8 @@ class Auto:
             its steps costs seconds); ``math.inf`` explores every road.
         interval: steps between re-decisions.
         hysteresis: a tensor switches only if the new road is this fraction faster.
-        probe_numel: float32 values of the bandwidth probe's allreduce.
+        probe_numel: float32 values of the bandwidth probe's allreduce (fewer on a slow link:
+            as many as it sends in about 50 ms).
         error_feedback, seed: as for the compressors.
         named_parameters: for stock Horovod, as the compressors' (see :meth:`bind`).
 
@@ -191,6 +194,7 @@ class Auto:
         self.skipped: Dict[str, Dict[str, float]] = {}
         self._skip_checked = False
         self._fresh_probe: Optional[Tuple[int, Tuple[float, ...]]] = None   # (step, probes) for decide()
+        self._probed_numel = probe_numel   # values of the last probe's large collectives (_probe_size)
         self._counts: Dict[str, int] = {}
         self._step_t0: Optional[float] = None
         self._durations: Dict[str, List[float]] = {}   # step seconds: per road (exploring), "plan", "before"
@@ -403,7 +407,7 @@ class Auto:
                            f"skip.{self.step}").tolist()
         step_s, probes = mean[0], tuple(mean[1:])
         self._fresh_probe = (self.step, probes)
-        link = self._link(probes)
+        link = self.link = self._link(probes)
         transfer = {r: policy.transfer_seconds(r, s.ranks, link, [
             (c.numel, c.itemsize, c.payload.get(r, self._least_payload(r, c.numel))) for c in self.costs.values()])
             for r in rest}
@@ -424,7 +428,7 @@ class Auto:
 
     def _link(self, probes: Tuple[float, ...]) -> Link:
         small, large, fp16, gather = probes
-        return policy.link_from_probe(self._setup.ranks, small, large, self.probe_numel, fp16 if fp16 >= 0 else None,
+        return policy.link_from_probe(self._setup.ranks, small, large, self._probed_numel, fp16 if fp16 >= 0 else None,
                                       gather if gather >= 0 else None)
 
     # ------------------------------------------------------------ measure
@@ -479,9 +483,9 @@ class Auto:
         return dict(self.decisions)
 
     def _probe(self) -> Tuple[float, float, float, float]:
-        """Seconds of a 1-value and of a ``probe_numel``-value float32 allreduce, of a
-        ``probe_numel``-value fp16 allreduce and of an allgather of ``probe_numel`` bytes per rank
-        (least of 3 / 2 / 2 / 2; -1 for a road not allowed)."""
+        """Seconds of a 1-value and of an n-value float32 allreduce, of an n-value fp16 allreduce
+        and of an allgather of n bytes per rank (least of 3 / 2 / 2 / 2; -1 for a road not
+        allowed), n from :meth:`_probe_size` (kept in ``_probed_numel``)."""
         comm = self._setup.comm
         roads = set(self._setup.roads)
         device = getattr(comm, "device", torch.device("cpu"))
@@ -496,11 +500,26 @@ class Auto:
             return best
 
         small = timed(comm.allreduce, 1, torch.float32, "s", 3)
-        large = timed(comm.allreduce, self.probe_numel, torch.float32, "l")
-        fp16 = timed(comm.allreduce, self.probe_numel, torch.float16, "h") if FP16 in roads else -1.0
-        gather = (timed(comm.allgather, self.probe_numel, torch.uint8, "g")
-                  if roads & {SPARSE, QSGD_AR, QSGD_AG} else -1.0)
+        n = self._probed_numel = self._probe_size(lambda numel: timed(comm.allreduce, numel, torch.float32, "p", 1))
+        large = timed(comm.allreduce, n, torch.float32, "l")
+        fp16 = timed(comm.allreduce, n, torch.float16, "h") if FP16 in roads else -1.0
+        gather = timed(comm.allgather, n, torch.uint8, "g") if roads & {SPARSE, QSGD_AR, QSGD_AG} else -1.0
         return small, large, fp16, gather
+
+    def _probe_size(self, pilot: Any) -> int:
+        """Values of the probe's large collectives: ``probe_numel``, or as many as the link sends
+        in about ``PROBE_SECONDS`` where it is slower (at 100 Mbit/s the full probe took 2 s, at
+        every re-decision). The rate is the last decision's link, else a ``PILOT_NUMEL``-value
+        allreduce timed by ``pilot`` (the time averaged over ranks: every rank gets the same size,
+        as its collectives need)."""
+        if self.link is not None:
+            rate = self.link.bandwidth
+        else:
+            seconds = float(self._setup.comm.mean(torch.tensor([pilot(PILOT_NUMEL)], dtype=torch.float64),
+                                                  f"pilot.{self.step}")[0])
+            rate = policy.wire_bytes(DENSE, self._setup.ranks, PILOT_NUMEL) / max(seconds, 1e-9)
+        wanted = rate * PROBE_SECONDS / max(policy.wire_bytes(DENSE, self._setup.ranks, 1), 1.0)
+        return int(min(self.probe_numel, max(PILOT_NUMEL, wanted)))
 
     def verify(self) -> None:
         """Compare the timed steps after the last decision with what it is verified against (each

@@ -360,3 +360,24 @@ def test_a_skipped_dense_road_stays_open_to_the_decisions(monkeypatch):
     assert auto.skipped.keys() == {"qsgd", "fp16", "dense"}
     assert [h[1:] for h in auto.history] == [("w", None, "sparse"), ("w", "sparse", "dense")]   # steps 4 and 10
     assert auto.history[1][0] == 10   # decided on the model alone: dense was never measured before
+
+
+def test_the_probe_is_sized_to_the_link(monkeypatch):
+    """The probe's large collectives carry ``probe_numel`` values, or as many as the link sends in
+    about 50 ms where it is slower: at 100 Mbit/s the full probe took 2 s, again at every
+    re-decision. Sized from the last decision's link, else from a timed pilot allreduce."""
+    import hvd_gradcomp.auto as auto_mod
+    from hvd_gradcomp.policy import Link
+
+    monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
+    auto = _configured()
+    pilots = []
+
+    def pilot(numel):
+        pilots.append(numel)
+        return 4 * numel / 1.25e7   # 100 Mbit/s
+    assert auto._probe_size(pilot) == pytest.approx(1.25e7 * 0.05 / 4, rel=1e-6) and pilots == [1 << 16]
+    auto.link = Link(1.25e9)   # 10 Gbit/s: the full probe, no pilot
+    assert auto._probe_size(pilot) == 1 << 20 == auto.probe_numel and len(pilots) == 1
+    auto.link = Link(1e5)      # never below the pilot's size
+    assert auto._probe_size(pilot) == 1 << 16
