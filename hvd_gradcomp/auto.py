@@ -24,8 +24,9 @@ grows with the rank count) the plain allreduce does. ``Auto`` measures instead o
    rank 0's decisions are broadcast: every rank takes the same road for every tensor.
 4. **Verify** with the clock: after a decision and ``warmup_steps`` more steps (the first
    uses of roads new to a tensor: a road not explored negotiates and allocates there), the
-   ``explore_steps`` next steps are timed and compared with the step times measured for each road alone while exploring (the dense
-   road included); if one road alone was faster, every tensor takes it. After a
+   ``explore_steps`` next steps are timed and compared with the step times measured for each
+   road alone while exploring (the dense road included); if one road alone was faster, every
+   tensor takes it. After a
    re-decision the comparison is with the steps just before it, and the old decisions come
    back if they were faster. A model can be wrong; a step time is what the user waits for.
 5. **Re-decide** every ``interval`` steps (re-probe, codec costs of the roads in use
@@ -283,9 +284,9 @@ class Auto:
     @property
     def start_steps(self) -> int:
         """Steps of Auto's start: exploring, the decision's step, ``warmup_steps`` untimed and
-        ``explore_steps`` timed steps of the decision, and the verdict's step (a benchmark that excludes Auto's start
-        from its timing warms up this many steps). With every road explored: fewer when roads
-        are skipped (``explore_within``).
+        ``explore_steps`` timed steps of the decision, and the verdict's step (a benchmark that
+        excludes Auto's start from its timing warms up this many steps). With every road
+        explored: fewer when roads are skipped (``explore_within``).
 
         >>> Auto().start_steps   # sparse, qsgd: 1 warm-up + 2 each; fp16, dense: 1; 1 + 1 + 2 + 1
         13

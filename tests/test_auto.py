@@ -290,7 +290,8 @@ def test_the_benchmarks_warm_up_covers_autos_start():
 
 def _probe_at(bytes_per_s: float):
     """What Auto's probe measures on a link of ``bytes_per_s`` and 0.5 ms latency (2 ranks)."""
-    return (5e-4, 5e-4 + 4 * (1 << 20) / bytes_per_s, 5e-4 + 2 * (1 << 20) / bytes_per_s, 5e-4 + (1 << 20) / bytes_per_s)
+    mb = (1 << 20) / bytes_per_s
+    return (5e-4, 5e-4 + 4 * mb, 5e-4 + 2 * mb, 5e-4 + mb)
 
 
 @pytest.mark.parametrize("rate,sparse_step,skipped", [
