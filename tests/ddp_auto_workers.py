@@ -99,7 +99,7 @@ def auto_switches(steps: int = 12) -> Dict[str, Any]:
 
 def auto_measured(steps: int = 14) -> Dict[str, Any]:
     """Auto as users run it (its own probes and decisions, default roads, 1 measured exploring
-    step per road after sparse's and qsgd's warm-up step): decisions the same on every rank, in
+    step per road after the warm-up steps: sparse's 2, the first road's, qsgd's 1): decisions the same on every rank, in
     the report and the byte counts."""
     rank = dist.get_rank()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)

@@ -196,15 +196,15 @@ def test_verification_falls_back_to_the_fastest_road_measured_alone(monkeypatch)
     """The model picks sparse everywhere; the clock says dense alone is faster: every tensor goes dense."""
     auto = _configured()
     alone = {"sparse": 0.3, "qsgd": 0.5, "fp16": 0.7, "dense": 0.2}
-    _run_clocked(monkeypatch, auto, lambda roads: alone[roads[0]] if roads[0] == roads[1] else 0.25, 15,
+    _run_clocked(monkeypatch, auto, lambda roads: alone[roads[0]] if roads[0] == roads[1] else 0.25, 16,
                  decide=lambda a: a.decisions.update(w="sparse", v="sparse"))
     assert auto.decisions == {"w": "dense", "v": "dense"}
     (v,) = auto.verdicts
-    # 8 exploring steps (sparse, qsgd: 1 warm-up + 2 measured each; fp16, dense: 1), decision at
-    # step 9, one untimed step (warmup_steps), its 2 timed steps, the verdict at step 13
-    assert v["step"] == 13 == auto.start_steps and v["kept"] == "dense" and round(v["plan_ms"]) == 300
+    # 9 exploring steps (sparse, the first road: 2 warm-up + 2 measured; qsgd: 1 + 2; fp16, dense:
+    # 1), decision at step 10, one untimed step (warmup_steps), its 2 timed steps, the verdict at 14
+    assert v["step"] == 14 == auto.start_steps and v["kept"] == "dense" and round(v["plan_ms"]) == 300
     assert {k: round(ms) for k, ms in v["against_ms"].items()} == {r: round(1e3 * s) for r, s in alone.items()}
-    assert (13, "w", "sparse", "dense") in auto.history
+    assert (14, "w", "sparse", "dense") in auto.history
     assert "kept dense" in auto.report()["summary"]
 
 
@@ -215,10 +215,10 @@ def test_verification_keeps_faster_decisions_and_reverts_a_slower_re_decision(mo
     auto._configure("ours", "average", _FakeSet())
     plans = iter([{"w": "sparse", "v": "fp16"}, {"w": "qsgd", "v": "qsgd"}])
     times = {("sparse", "fp16"): 0.1, ("qsgd", "qsgd"): 0.5}
-    _run_clocked(monkeypatch, auto, lambda roads: times.get(roads, 0.3), 18,
+    _run_clocked(monkeypatch, auto, lambda roads: times.get(roads, 0.3), 19,
                  decide=lambda a: a.decisions.update(next(plans, {})))
     kept = [(v["step"], v["kept"]) for v in auto.verdicts]
-    assert kept == [(13, "plan"), (18, "before")], auto.verdicts   # decisions at steps 9 and 14
+    assert kept == [(14, "plan"), (19, "before")], auto.verdicts   # decisions at steps 10 and 15
     assert auto.decisions == {"w": "sparse", "v": "fp16"}
 
 
@@ -246,7 +246,7 @@ def test_start_up_costs_of_a_road_stay_out_of_its_measured_costs(monkeypatch, ex
     monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(auto, "_probe", lambda: _LINK_PROBE)
     exploring = len(auto._setup.schedule)
-    assert exploring == 2 * (1 + explore_steps) + 2   # a warm-up step more for sparse and qsgd
+    assert exploring == 2 * (1 + explore_steps) + 3   # warm-up steps for sparse (2, the first road) and qsgd
     for _ in range(exploring + 3 + explore_steps):   # exploration, decision, an untimed step, verification
         road = auto.road_for("w")
         factor = start_up[uses[road]] if uses[road] < len(start_up) and road in ("sparse", "qsgd") else 1.0
@@ -264,17 +264,17 @@ def test_warm_up_steps_are_not_measured():
     """``warmup_steps=0`` measures from the first step (the former schedule); by default each codec
     road's first exploring step is not measured (no codec sample, no device sync on GPU)."""
     auto = _configured()
-    assert auto._setup.schedule == ("sparse",) * 3 + ("qsgd",) * 3 + ("fp16", "dense")
-    assert auto._setup.measured == (False, True, True) * 2 + (True, True)
+    assert auto._setup.schedule == ("sparse",) * 4 + ("qsgd",) * 3 + ("fp16", "dense")
+    assert auto._setup.measured == (False, False, True, True) + (False, True, True) + (True, True)
     measured = []
-    for _ in range(8):
+    for _ in range(9):
         auto.step += 1
         measured.append(auto.measuring)
         auto.record("w", auto.road_of("w"), 1000, 4, 0.001 * auto.step, 0.0, 100)
         assert not auto.warming_up == measured[-1]
     assert measured == list(auto._setup.measured)
-    assert auto.costs["w"].codec_s == pytest.approx({"sparse": 0.002, "qsgd": 0.005, "fp16": 0.007, "dense": 0.008})
-    assert gc.Auto().start_steps == len(auto._setup.schedule) + 1 + 1 + 2 + 1 == 13
+    assert auto.costs["w"].codec_s == pytest.approx({"sparse": 0.003, "qsgd": 0.006, "fp16": 0.008, "dense": 0.009})
+    assert gc.Auto().start_steps == len(auto._setup.schedule) + 1 + 1 + 2 + 1 == 14
     bare = gc.Auto(warmup_steps=0, explore_steps=1)
     bare._configure("ours", "average", _FakeSet())
     assert bare._setup.schedule == ("sparse", "qsgd", "fp16", "dense") and all(bare._setup.measured)
@@ -315,20 +315,20 @@ def test_roads_whose_bytes_alone_outlast_the_first_roads_step_are_not_explored(m
     monkeypatch.setattr(auto, "_probe", lambda: probes.append(auto.step) or _probe_at(rate))
     steady = {**_STEADY_STEP, "sparse": sparse_step}
     explored = [r for r in ("sparse", "qsgd", "fp16", "dense") if r not in skipped]
-    exploring = sum(3 if r in ("sparse", "qsgd") else 1 for r in explored)
+    exploring = sum({"sparse": 4, "qsgd": 3}.get(r, 1) for r in explored)   # sparse, the first road: 2 warm-ups
     for _ in range(exploring + 1 + 1 + 2 + 1):   # exploration, decision, untimed, 2 timed steps, verdict
         road = auto.road_for("w")
         taken.append(road)
         auto.record("w", road, 1 << 22, 4, _STEADY_CODEC[road], 0.0, _PAYLOAD[road])
         clock[0] += steady[road]
-    assert taken[:exploring] == [r for r in explored for _ in range(3 if r in ("sparse", "qsgd") else 1)]
+    assert taken[:exploring] == [r for r in explored for _ in range({"sparse": 4, "qsgd": 3}.get(r, 1))]
     assert set(auto.skipped) == skipped
     for road, seen in auto.skipped.items():
         wire = {"dense": 4 << 22, "fp16": 2 << 22, "qsgd": auto_mod.payload_size(auto.qsgd, (1 << 22,))}[road]
         assert seen["transfer_ms"] == pytest.approx(1e3 * wire / rate, rel=1e-3)
         assert seen["first_road_ms"] == pytest.approx(1e3 * sparse_step)
-    # probed after the sparse road's 3 steps (kept for a decision at the same step), then to decide
-    assert probes == ([4] if len(explored) == 1 else [4, exploring + 1]) if skipped else [exploring + 1]
+    # probed after the sparse road's 4 steps (kept for a decision at the same step), then to decide
+    assert probes == ([5] if len(explored) == 1 else [5, exploring + 1]) if skipped else [exploring + 1]
     (v,) = auto.verdicts
     assert v["step"] == exploring + 1 + 1 + 2 + 1 <= auto.start_steps and v["kept"] in ("plan", "sparse")   # a tie
     assert set(v["against_ms"]) == set(explored) and auto.decisions == {"w": "sparse"}
@@ -352,15 +352,15 @@ def test_a_skipped_dense_road_stays_open_to_the_decisions(monkeypatch):
     monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
     monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(auto, "_probe", lambda: _probe_at(link[0]))
-    for step in range(1, 12):
-        if step == 8:
+    for step in range(1, 13):
+        if step == 9:
             link[0] = 1.25e10   # 100 Gbit/s from here on
         road = auto.road_for("w")
         auto.record("w", road, 1 << 22, 4, _STEADY_CODEC[road], 0.0, _PAYLOAD[road])
         clock[0] += {**_STEADY_STEP, "sparse": 0.2}[road]
     assert auto.skipped.keys() == {"qsgd", "fp16", "dense"}
-    assert [h[1:] for h in auto.history] == [("w", None, "sparse"), ("w", "sparse", "dense")]   # steps 4 and 10
-    assert auto.history[1][0] == 10   # decided on the model alone: dense was never measured before
+    assert [h[1:] for h in auto.history] == [("w", None, "sparse"), ("w", "sparse", "dense")]   # steps 5 and 11
+    assert auto.history[1][0] == 11   # decided on the model alone: dense was never measured before
 
 
 def test_the_probe_is_sized_to_the_link(monkeypatch):
@@ -382,3 +382,19 @@ def test_the_probe_is_sized_to_the_link(monkeypatch):
     assert auto._probe_size(pilot) == 1 << 20 == auto.probe_numel and len(pilots) == 1
     auto.link = Link(1e5)      # never below the pilot's size
     assert auto._probe_size(pilot) == 1 << 16
+    small = gc.Auto(probe_numel=1 << 12)   # a probe no larger than the pilot is taken as set, unsized
+    small._configure("ours", "average", _FakeSet())
+    assert small._probe_size(pilot) == 1 << 12 and len(pilots) == 1
+
+
+@pytest.mark.parametrize("dense_alone,kept", [(0.28, "plan"), (0.26, "dense")])
+def test_verification_keeps_decisions_a_road_alone_beats_by_less_than_the_hysteresis(monkeypatch, dense_alone, kept):
+    """The decisions (0.3 s a step) stand against a road alone up to ``hysteresis`` (10%) faster,
+    as a tensor switches road only past it: two timed steps differ by a few percent run to run."""
+    auto = _configured()
+    alone = {"sparse": 0.4, "qsgd": 0.5, "fp16": 0.7, "dense": dense_alone}
+    _run_clocked(monkeypatch, auto, lambda roads: alone[roads[0]] if roads[0] == roads[1] else 0.3, 16,
+                 decide=lambda a: a.decisions.update(w="sparse", v="dense"))
+    (v,) = auto.verdicts
+    assert v["kept"] == kept and auto.decisions == ({"w": "sparse", "v": "dense"} if kept == "plan" else
+                                                    {"w": "dense", "v": "dense"})
