@@ -280,8 +280,8 @@ class Auto:
     def _exploring_steps(self, road: str, first: bool = False) -> Tuple[int, int]:
         """(warm-up, measured) steps ``road`` takes while exploring (see :meth:`configure`). The
         ``first`` road explored also pays the training's own start (the optimizer's state, the
-        heap growing to its size: in the benchmark's fixed rows the third step still took
-        218-478 ms against 186-220 from the fourth on), so it warms up one step more."""
+        heap growing to its size: in the benchmark's fixed rows the third step is still slower
+        than the next ones, docs/AUTO.md), so it warms up one step more."""
         warm, measured = (0, 1) if road in (FP16, DENSE) else (self.warmup_steps, self.explore_steps)
         return warm + (1 if first and self.warmup_steps else 0), measured
 
