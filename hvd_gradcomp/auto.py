@@ -193,7 +193,6 @@ class Auto:
         self.verdicts: List[Dict[str, Any]] = []   # each verification: the times compared, what was kept
         # roads not explored (see _skip_slow_roads): road -> its transfer and the first road's step, ms
         self.skipped: Dict[str, Dict[str, float]] = {}
-        self._skip_checked = False
         self._fresh_probe: Optional[Tuple[int, Tuple[float, ...]]] = None   # (step, probes) for decide()
         self._probed_numel = probe_numel   # values of the last probe's large collectives (_probe_size)
         self._counts: Dict[str, int] = {}
@@ -266,15 +265,19 @@ class Auto:
         self.sparse.stream = self.qsgd.stream = comm.rank  # independent noise per rank
 
     def _plan(self) -> None:
-        """The exploring steps: each road in turn (its warm-up steps, then its measured ones),
-        less the roads skipped (:meth:`_skip_slow_roads`)."""
-        s = self._setup
-        plan: List[Tuple[str, bool]] = []   # (road, measured) of each exploring step
-        for r in s.roads:
-            if r not in self.skipped:
-                warm, measured = self._exploring_steps(r, first=r == s.roads[0])
+        """The exploring steps of the roads not skipped (:meth:`_skip_slow_roads`)."""
+        plan = self._exploring_plan(self._setup.roads, self.skipped)
+        self._setup.schedule, self._setup.measured = tuple(r for r, _ in plan), tuple(m for _, m in plan)
+
+    def _exploring_plan(self, roads: Sequence[str], skipped: Any = ()) -> List[Tuple[str, bool]]:
+        """(road, measured) of each exploring step: each road in turn, its warm-up steps then its
+        measured ones, less the ``skipped`` roads."""
+        plan: List[Tuple[str, bool]] = []
+        for r in roads:
+            if r not in skipped:
+                warm, measured = self._exploring_steps(r, first=r == roads[0])
                 plan += [(r, False)] * warm + [(r, True)] * measured
-        s.schedule, s.measured = tuple(r for r, _ in plan), tuple(m for _, m in plan)
+        return plan
 
     # ------------------------------------------------------------ the schedule
     def _exploring_steps(self, road: str, first: bool = False) -> Tuple[int, int]:
@@ -295,8 +298,7 @@ class Auto:
         >>> Auto().start_steps   # sparse 2 warm-up + 2, qsgd 1 + 2; fp16, dense: 1; 1 + 1 + 2 + 1
         14
         """
-        roads = self.roads or OURS_ROADS
-        exploring = sum(sum(self._exploring_steps(r, first=r == roads[0])) for r in roads)
+        exploring = len(self._exploring_plan(self.roads or OURS_ROADS))
         return exploring + 1 + self.warmup_steps + self.explore_steps + 1
 
     @property
@@ -331,7 +333,7 @@ class Auto:
         Auto explored): the step count and the step times start over, measurements stay; every
         road is explored again, unless the first road's steps show it too slow once more."""
         self.step, self._step_t0, self._durations = 0, None, {}
-        self.skipped, self._skip_checked = {}, False
+        self.skipped = {}
         if self._setup is not None:
             self._plan()
 
@@ -378,7 +380,7 @@ class Auto:
             self._durations.setdefault(label, []).append(now - self._step_t0)
         self._step_t0 = now
         first = sum(self._exploring_steps(self._setup.roads[0], first=True))
-        if not self._skip_checked and self.step == first + 1 and len(self._setup.roads) > 1:
+        if self.step == first + 1 and len(self._setup.roads) > 1:   # once per exploration
             self._skip_slow_roads()
             self._step_t0 = time.perf_counter()   # the probe is not part of the next step's time
         verdict = self.warmup_steps + self.explore_steps + 1   # steps after a decision
@@ -404,7 +406,6 @@ class Auto:
         (times averaged over ranks, rank 0's choice broadcast); the probe is kept for a
         decision at this same step."""
         s = self._setup
-        self._skip_checked = True
         first, rest = s.roads[0], s.roads[1:]
         if first not in self._durations or not self.costs:
             return
@@ -704,7 +705,7 @@ class Auto:
                 "counts": dict(self._counts), "decisions": dict(self.decisions),
                 "costs": {n: {"numel": c.numel, "itemsize": c.itemsize, "payload": dict(c.payload),
                               "codec_s": dict(c.codec_s)} for n, c in self.costs.items()},
-                "skipped": {r: dict(v) for r, v in self.skipped.items()}, "skip_checked": self._skip_checked}
+                "skipped": {r: dict(v) for r, v in self.skipped.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.sparse.load_state_dict(state["sparse"])
@@ -716,7 +717,6 @@ class Auto:
         self._samples = {(n, r): deque([v], maxlen=SAMPLES) for n, c in self.costs.items() for r, v in c.codec_s.items()}
         # a checkpoint taken while exploring resumes the same exploring steps (older ones skipped none)
         self.skipped = {r: dict(v) for r, v in state.get("skipped", {}).items()}
-        self._skip_checked = bool(state.get("skip_checked", False))
         if self._setup is not None:
             self._plan()
 
