@@ -664,6 +664,14 @@ class GradientCompressor:
         norm = float(grad.float().norm())
         return grad if norm <= self.clip else grad * (self.clip / norm)
 
+    def dense_local(self, name: str, grad: torch.Tensor) -> None:
+        """``grad``: this rank's own gradient of ``name``, a tensor large enough to compress, where it
+        goes uncompressed this step, before the exchange; for the policy (its dense steps, see
+        :meth:`hvd_gradcomp.feedback.Feedback.dense_local`). Called by the roads; tensors ``exclude``
+        matches never reach the policy (they are never compressed)."""
+        if not self._excluded(name):
+            self.feedback.dense_local(name, grad)
+
     def dense_average(self, name: str, avg: torch.Tensor) -> None:
         """``avg``: the average of ``name`` where it went uncompressed (small, excluded, or a dense step
         of its feedback policy), before the user's code between the exchange and the optimizer step

@@ -463,6 +463,7 @@ def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: 
     """The parameters of a compressed bucket that go uncompressed: one allreduce, and one of
     the float16 ones (:func:`_start_half`); returns (futures, copy-back). ``finite``: whether
     this rank's bucket is all finite."""
+    _dense_locals(state, buffer, plan.dense)
     half = tuple(s for s in plan.dense if _sends_half(state, s, buffer.dtype))
     full = tuple(s for s in plan.dense if s not in half)
     futs, backs = [], []
@@ -484,6 +485,16 @@ def _start_dense(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: 
         _dense_averages(state, buffer, plan.dense)
 
     return futs, copy_back
+
+
+def _dense_locals(state: GradCompState, buffer: torch.Tensor, segments: Iterable[_Segment]) -> None:
+    """Hand this rank's own gradients of the segments that go uncompressed to the feedback policy,
+    before their allreduce overwrites them (see
+    :meth:`hvd_gradcomp.compressors.GradientCompressor.dense_local`)."""
+    with state._lock:
+        for s in segments:
+            if s.numel >= state.min_compress_numel:   # the policy's dense steps, not the small tensors
+                state.compression.dense_local(s.name, s.view(buffer))
 
 
 def _dense_averages(state: GradCompState, buffer: torch.Tensor, segments: Iterable[_Segment]) -> None:
@@ -520,6 +531,8 @@ def _dense_bucket(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step:
     """A bucket with nothing to compress this step: one allreduce, or those of
     :func:`_start_dense` when some of it travels as float16."""
     if not any(_sends_half(state, s, buffer.dtype) for s in plan.dense):
+        _dense_locals(state, buffer, plan.dense)
+
         def deliver(f: Future) -> torch.Tensor:
             _dense_averages(state, buffer, plan.dense)
             return f.value()

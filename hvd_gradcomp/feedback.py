@@ -441,6 +441,10 @@ class Feedback:
         exchange delivered it, before the user's code between the exchange and the optimizer step
         (gradient clipping) sees it. Called by every road; most policies ignore it."""
 
+    def dense_local(self, name: str, grad: torch.Tensor) -> None:
+        """``grad``: this rank's own gradient of a tensor that goes uncompressed this step (:meth:`dense`,
+        or small), before the exchange. Called by every road; most policies ignore it."""
+
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
              optimizer: Any = None) -> None:
         """The optimizer's param group of tensor ``name`` (read live: schedulers change it), the
@@ -872,6 +876,19 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       which at step 100 still mostly remembers the first, largest gradients). The
       floor keeps coordinates that had (almost) no gradient during the warm-up (rare tokens'
       embedding rows, dead units) from taking ``lr/eps``-sized steps later.
+    * At a constant learning rate, frozen, ``v`` keeps its shape but follows the gradients' scale,
+      as Adam's own would: each rank keeps the ``b2``-average of its gradient's mean square from
+      its first step on (the warm-up's included), and divides by ``denom * sqrt(s_t / s_freeze)``.
+      Why: where gradients keep shrinking (a classifier driving its loss towards zero), a ``v``
+      frozen for good makes every later step shorter than Adam's; at a constant rate that left
+      TopKQSGD(1%, 8) far above uncompressed training on a small MLP (docs/SMALL_MLP_CHECK.md,
+      "Before the frozen v followed the gradients' scale at a constant rate"). Only while the rate
+      stays what it was at the tensor's first step: with the rate decayed by a schedule, the same
+      small MLP ended further from uncompressed training with the scale followed than with ``v``
+      frozen for good (a decaying rate shortens the late steps anyway), so from the first change of
+      rate the scale reached is kept, and under a schedule that changes the rate from the first
+      step (cosine, linear, OneCycleLR) nothing changes. Each rank scales only what it sends, so
+      the average every rank applies stays the same on all.
     * With ``v`` frozen, Adam is linear in the gradient: each rank keeps its own momentum
       ``u = b1*u + (1-b1)*g`` (started from Adam's, so the switch is seamless) and sends the
       update direction ``u / denom`` through error feedback, like DGC's momentum correction
@@ -907,7 +924,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
     key = "frozen"
     moves_parameters = True
-    _round_stores = ("velocity", "steps")  # frozen at the freeze, before _remember: never None
+    _round_stores = ("velocity", "steps", "scale")  # velocity, steps: set at the freeze, before _remember
 
     def __init__(self, warmup: int = 100, floor: float = 0.1, sparsity_warmup: int = SPARSITY_WARMUP,
                  window: Optional[int] = 50, max_warmup: int = 1000) -> None:
@@ -937,6 +954,12 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.velocity: Dict[str, torch.Tensor] = {}
         self.denom: Dict[str, torch.Tensor] = {}
         self.steps: Dict[str, int] = {}
+        # This rank's b2-average of its gradient's mean square (0-dim tensors, on the gradient's
+        # device: no host sync), and its value when v was frozen: see _follow_scale.
+        self.scale: Dict[str, torch.Tensor] = {}
+        self.scale_at_freeze: Dict[str, torch.Tensor] = {}
+        # The rate while the scale is followed (the tensor's first step's); None once it changed.
+        self._scale_rate: Dict[str, Optional[float]] = {}
         self._undo = None  # see _RoundUndo
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
@@ -993,6 +1016,42 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             recent, n = self._recent.get(name, (torch.zeros_like(squared), 0))
             self._recent[name] = (recent.lerp_(squared, 1.0 / self.window), n + 1)
         self._last_v[name] = (t, v)
+
+    def dense_local(self, name: str, grad: torch.Tensor) -> None:
+        """A warm-up step's own gradient: its scale is followed from the first step (see :meth:`_follow_scale`)."""
+        if name in self._bound and name not in self.denom and self.dense(name):
+            self._follow_scale(name, grad)
+
+    def _follow_scale(self, name: str, grad: torch.Tensor) -> None:
+        """Average this rank's gradient mean square over steps as Adam averages squared gradients
+        (weight ``1 - b2``, started at the first value), while the learning rate stays the first
+        step's (see the class docstring). A non-finite gradient (a step the loss scaler skips)
+        leaves the average as it was."""
+        group = self._bound[name][1]
+        lr = float(group["lr"])
+        rate = self._scale_rate.setdefault(name, lr)
+        if rate is None or lr != rate:
+            self._scale_rate[name] = None
+            return
+        b2 = float(group["betas"][1])
+        ms = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square() / max(grad.numel(), 1)
+        old = self.scale.get(name)
+        if old is None:
+            new = torch.where(torch.isfinite(ms), ms, torch.zeros_like(ms))
+        else:
+            new = torch.lerp(old, ms.to(old.device), 1.0 - b2)
+            new = torch.where(torch.isfinite(new), new, old)
+        self._replace("scale", name, new)
+
+    def _scale_factor(self, name: str) -> Optional[torch.Tensor]:
+        """``sqrt(s_freeze / s_t)``: how much longer this rank's step is than with ``v`` frozen for good
+        (1 where either average is zero: a tensor without gradient); None while the scale has not
+        moved since the freeze (always, under a schedule that changes the rate from the first step)."""
+        now, then = self.scale.get(name), self.scale_at_freeze.get(name)
+        if now is None or then is None or now is then:
+            return None
+        ok = (now > 0) & (then > 0)
+        return torch.where(ok, then / torch.where(ok, now, torch.ones_like(now)), torch.ones_like(now)).sqrt()
 
     def dense_average(self, name: str, avg: torch.Tensor) -> None:
         """Keep the squared norm of a warm-up step's average as exchanged (see :meth:`_unscale`)."""
@@ -1065,6 +1124,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.denom[name] = root.clamp(min=self.floor * float(root.mean())).add_(group["eps"])
         self.velocity[name] = state["exp_avg"].detach().to(root.dtype).reshape(-1).clone()
         self.steps[name] = t
+        if name in self.scale:  # else (a road that did not show the warm-up's gradients): from now on
+            self.scale_at_freeze[name] = self.scale[name]
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         if name not in self._bound:
@@ -1077,6 +1138,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             self._check_scale(name, grad)
             param, _, optimizer = self._bound[name]
             optimizer.state[param]["exp_avg"].zero_()  # from now on it moves nothing but weight decay
+        if name not in self.scale_at_freeze and name in self.scale:
+            self.scale_at_freeze[name] = self.scale[name]   # a road that did not show the warm-up
+        self._follow_scale(name, grad)
         b1 = self._bound[name][1]["betas"][0]
         old = self.velocity[name]
         # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
@@ -1086,6 +1150,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         # What goes out is the update direction u / denom, not u: top-k then picks the coordinates
         # that would move most, and the residual is kept in the units of movement.
         acc, res = self.residuals.buffer(name, u), self.residuals.residual(name, self._lr(name))
+        factor = self._scale_factor(name)
+        if factor is not None:
+            u = u * factor.to(u.dtype)
         return torch.div(u, self.denom[name], out=acc) if res is None else \
             torch.addcdiv(res, u, self.denom[name], out=acc)
 
@@ -1125,16 +1192,14 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     def describe(self) -> str:
         # issue 9: with AdamW over 1200 steps, freezing after 300 steps (a quarter of the run, 1-bit
         # Adam's advice) ended closest to uncompressed (docs/STUDY_RUN_LENGTH.md); the run's length
-        # is not known here, so the user is told once rather than the default guessed. On a small MLP
-        # classifying to near-zero loss at a constant rate "update" matched where this did not, and with
-        # the rate decayed both matched (docs/SMALL_MLP_CHECK.md); on the study's transformer and CNN
-        # "update" trailed, so the hint, not a switch
+        # is not known here, so the user is told once rather than the default guessed. At a constant
+        # rate the frozen v follows the gradients' scale (docs/SMALL_MLP_CHECK.md: before it did, a small
+        # MLP ended far above uncompressed training there, and "update" was the advice)
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor (more while the learning "
                 f"rate still rises, at most {self._longest_warmup}), each rank's momentum through error feedback "
-                f"(1-bit Adam style); for a run much longer than {4 * self.warmup} steps, freeze later: "
-                "feedback=FrozenVariance(warmup=a quarter of the run's steps) (docs/STUDY_RUN_LENGTH.md); if the "
-                "compressed run still trails uncompressed training at a learning rate kept constant to the end, try "
-                "feedback='update' (docs/SMALL_MLP_CHECK.md)")
+                "(1-bit Adam style), the frozen v following the gradients' scale while the learning rate stays "
+                f"constant (docs/SMALL_MLP_CHECK.md); for a run much longer than {4 * self.warmup} steps, freeze "
+                "later: feedback=FrozenVariance(warmup=a quarter of the run's steps) (docs/STUDY_RUN_LENGTH.md)")
 
     def state_dict(self) -> Dict[str, Any]:
         # The warm-up's window (running average, Adam's last v) and the rates seen are saved too, so
@@ -1148,7 +1213,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "last_v": {n: (t, v.clone()) for n, (t, v) in self._last_v.items()},
                 "lr_seen": dict(self._lr_seen),
                 "delivered": {n: (t, x.clone()) for n, (t, x) in self._delivered.items()},
-                "rescaled": _clone_tensors(self._rescaled), "clipping_seen": self.clipping_seen}
+                "rescaled": _clone_tensors(self._rescaled), "clipping_seen": self.clipping_seen,
+                "scale": _clone_tensors(self.scale), "scale_at_freeze": _clone_tensors(self.scale_at_freeze),
+                "scale_rate": dict(self._scale_rate)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -1165,6 +1232,12 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._delivered = {n: (int(t), x.clone()) for n, (t, x) in state.get("delivered", {}).items()}
         self._rescaled = _clone_tensors(state.get("rescaled", {}))
         self.clipping_seen = bool(state.get("clipping_seen", False))
+        # Checkpoints from before the scale was followed: followed from the next step on.
+        self.scale = _clone_tensors(state.get("scale", {}))
+        # the same tensor when the scale has not moved since the freeze (see _scale_factor)
+        self.scale_at_freeze = {n: self.scale[n] if n in self.scale and torch.equal(t, self.scale[n]) else t.detach().clone()
+                                for n, t in state.get("scale_at_freeze", {}).items()}
+        self._scale_rate = {n: None if r is None else float(r) for n, r in state.get("scale_rate", {}).items()}
         self.sparsity_warmup = int(state.get("sparsity_warmup", self.sparsity_warmup))
         if self._undo is not None:
             self._undo.clear()

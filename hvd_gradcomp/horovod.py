@@ -288,6 +288,8 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
         compressor.attach(call.optimizer, call.names, call.process_set.rank())
         if not compressor.compresses(call.name, tensor.numel()):
             # Small, excluded or dense this step: Horovod's own allreduce takes it (as float16 if exempt).
+            if tensor.numel() >= compressors.DEFAULT_MIN_COMPRESS_NUMEL:   # the policy's dense step
+                compressor.dense_local(call.name, tensor)
             small = tensor.numel() < compressors.DEFAULT_MIN_COMPRESS_NUMEL
             if compressor.sends_half(call.name, tensor.dtype, small):
                 return _compress_half(compressor, call, tensor)

@@ -245,9 +245,12 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         """One allreduce per dtype for all small tensors: fewer, larger messages. Those the
         compressor sends as float16 (:meth:`GradientCompressor.sends_half`) form their own."""
         groups: Dict[str, List[torch.Tensor]] = {}
+        ours = isinstance(self.compression, GradientCompressor)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if ours and p.numel() >= self.min_compress_numel:   # dense this step: its policy may follow
+                self.compression.dense_local(self._parameter_names[p], p.grad)   # this rank's gradient
             half = self._half is not None and self.compression.sends_half(
                 self._parameter_names[p], p.grad.dtype, p.numel() < self.min_compress_numel)
             groups.setdefault(_HALF if half else str(p.grad.dtype).replace("torch.", ""), []).append(p)

@@ -14,7 +14,7 @@ import traceback
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -471,8 +471,9 @@ def momentum(steps: int = 5) -> Dict[str, Any]:
 
 def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
     """AdamW through the hook with feedback='frozen' at ratio 1 (nothing dropped): exact AdamW for the
-    dense warm-up, then AdamW with v frozen, written out here from the locally averaged gradients
-    (compressed weights) and plain AdamW (the small tensors, always dense)."""
+    dense warm-up, then AdamW with v frozen, written out here from each rank's gradients (its
+    momentum, its step lengthened by sqrt(s_freeze / s_t) from its own gradients' mean square; the
+    compressed weights) and plain AdamW (the small tensors, always dense)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = dict(lr=1e-2, weight_decay=0.1)
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
@@ -495,22 +496,33 @@ def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
     eps, lr, wd = adamw.param_groups[0]["eps"], opts["lr"], opts["weight_decay"]
     big = [p for p in ref.parameters() if p.numel() >= gc_ddp.DEFAULT_MIN_COMPRESS_NUMEL]
     frozen_state: Dict[torch.Tensor, Any] = {}
+    scale: Dict[Tuple[torch.Tensor, int], torch.Tensor] = {}   # (parameter, rank): mean-square average
     for t in range(1, steps + 1):
-        ref.zero_grad()
+        local = []
         for r in range(world):
+            ref.zero_grad()
             loss_of(ref, *batch(r, t - 1)).backward()
+            local.append({p: p.grad.clone() for p in ref.parameters()})
         for p in ref.parameters():
-            p.grad /= world
+            p.grad = sum(g[p] for g in local) / world
+            if t > warmup and any(p is b for b in big) and p not in frozen_state:   # frozen before this step
+                st = adamw.state[p]
+                root = (st["exp_avg_sq"] / (1 - b2 ** warmup)).sqrt()
+                frozen_state[p] = [root.clamp(min=0.1 * root.mean().item()) + eps,
+                                   [st["exp_avg"].clone() for _ in range(world)],
+                                   [scale[p, r] for r in range(world)]]
+            for r in range(world):
+                ms = local[r][p].pow(2).mean()
+                scale[p, r] = ms if (p, r) not in scale else torch.lerp(scale[p, r], ms, 1 - b2)
         if t > warmup:
             for p in big:
-                if p not in frozen_state:
-                    st = adamw.state[p]
-                    root = (st["exp_avg_sq"] / (1 - b2 ** warmup)).sqrt()
-                    frozen_state[p] = [root.clamp(min=0.1 * root.mean().item()) + eps, st["exp_avg"].clone()]
-                denom, m = frozen_state[p]
-                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                denom, us, at_freeze = frozen_state[p]
+                sent = 0
+                for r in range(world):
+                    us[r].mul_(b1).add_(local[r][p], alpha=1 - b1)
+                    sent = sent + us[r] / denom * (at_freeze[r] / scale[p, r]).sqrt()
                 with torch.no_grad():
-                    p.mul_(1 - lr * wd).sub_(lr / (1 - b1 ** t) * m / denom)
+                    p.mul_(1 - lr * wd).sub_(lr / (1 - b1 ** t) * sent / world)
                 p.grad = None   # AdamW steps only the small tensors from here on
         adamw.step()
     want = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])

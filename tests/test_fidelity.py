@@ -117,17 +117,27 @@ def test_update_feedback_without_an_optimizer_says_how_to_use_it():
 
 
 # ------------------------------------------------------------------ Adam with v frozen
-def frozen_reference(w, grads, opts, warmup, floor=0.1):
-    """Adam for ``warmup`` steps, then v frozen (floored) and m = b1*m + (1-b1)*g: written out."""
+def frozen_reference(w, grads, opts, warmup, floor=0.1, gamma=None):
+    """Adam for ``warmup`` steps, then v frozen (floored) and m = b1*m + (1-b1)*g, each step
+    lengthened by sqrt(s_freeze / s_t), s the b2-average of the gradient's mean square from the
+    first step on: written out. ``gamma``: the rate multiplied by it after every step
+    (ExponentialLR), and then the scale is not followed (it changes from the first step)."""
     p = w.clone().requires_grad_()
     adam = torch.optim.AdamW([p], **opts)
+    sched = torch.optim.lr_scheduler.ExponentialLR(adam, gamma) if gamma else None
     b1, b2 = adam.param_groups[0]["betas"]
     lr, eps, wd = opts["lr"], adam.param_groups[0]["eps"], adam.param_groups[0]["weight_decay"]
-    denom = m = None
+    denom = m = s = s_freeze = None
     for t, g in enumerate(grads, start=1):
+        ms = g.pow(2).mean()
+        s = ms if s is None or gamma else b2 * s + (1 - b2) * ms
+        lr = adam.param_groups[0]["lr"]
         if t <= warmup:
             p.grad = g.clone()
             adam.step()
+            if sched is not None:
+                sched.step()
+            s_freeze = s
             continue
         if denom is None:
             st = adam.state[p]
@@ -137,7 +147,9 @@ def frozen_reference(w, grads, opts, warmup, floor=0.1):
         m = b1 * m + (1 - b1) * g
         with torch.no_grad():
             p.mul_(1 - lr * wd)
-            p.sub_(lr / (1 - b1 ** t) * m / denom)
+            p.sub_(lr / (1 - b1 ** t) * m / denom * (1.0 if gamma else (s_freeze / s).sqrt()))
+            if sched is not None:
+                sched.step()
     return p.detach()
 
 
@@ -156,6 +168,7 @@ def test_frozen_variance_at_ratio_one_is_adam_then_frozen_adam(opts):
     for step, g in enumerate(grads):
         if step < 4:
             assert not c.compresses("w", p.numel())   # dense warm-up: the plain allreduce takes it
+            c.dense_local("w", g)                     # as every road shows it this rank's gradient
             p.grad = g.clone()
         else:
             assert c.compresses("w", p.numel())
@@ -163,6 +176,66 @@ def test_frozen_variance_at_ratio_one_is_adam_then_frozen_adam(opts):
             assert torch.count_nonzero(p.grad) == 0   # the wrapped optimizer only decays
         opt.step()
     torch.testing.assert_close(p.detach(), frozen_reference(w, grads, opts, 4), rtol=0, atol=1e-6)
+
+
+def test_frozen_variance_under_a_schedule_keeps_v_frozen_for_good():
+    """A rate that changes from the first step (a schedule): the gradients' scale is not followed
+    (with the rate decayed, following it ended further from uncompressed training), so the
+    compressed steps are Adam's with v frozen, exactly as before the scale was followed."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 30)
+    grads = [torch.randn(40, 30, generator=gen(s)) * (1 + s % 3) for s in range(12)]
+    opts = dict(lr=1e-2, weight_decay=0.1)
+    p = w.clone().requires_grad_()
+    opt = torch.optim.AdamW([p], **opts)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+    c = TopK(ratio=1.0, feedback=gc.FrozenVariance(warmup=4))
+    c.attach(opt, {p: "w"})
+    for step, g in enumerate(grads):
+        if step < 4:
+            c.dense_local("w", g)
+            p.grad = g.clone()
+        else:
+            p.grad = exchange([c], "w", [g]).view_as(p)
+            assert c.feedback._scale_factor("w") is None
+        opt.step()
+        sched.step()
+    torch.testing.assert_close(p.detach(), frozen_reference(w, grads, opts, 4, gamma=0.9), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("follow", [True, False], ids=["warm-up-shown", "from-the-first-compressed-step"])
+def test_frozen_variance_steps_stay_adam_sized_while_the_gradients_shrink(follow):
+    """Gradients 100x smaller after the warm-up (a classifier nearing zero loss): Adam's steps stay
+    their size, and so do those with v frozen once the averages have followed the new scale. With
+    v frozen for good they would be 100x shorter, as they are when the warm-up's gradients were not
+    shown (``dense_local``, which every road calls): the scale is then followed only from the first
+    compressed step, after the drop."""
+    p, q = torch.zeros(4000).requires_grad_(), torch.zeros(4000).requires_grad_()
+    opt, adam = (torch.optim.Adam([x], lr=1e-3, betas=(0.9, 0.95)) for x in (p, q))
+    c = TopK(ratio=1.0, feedback=gc.FrozenVariance(warmup=5, window=None))
+    c.attach(opt, {p: "w"})
+    moved, moved_adam = [], []
+    for step in range(300):
+        g = torch.randn(4000, generator=gen(step)) * (1.0 if step < 5 else 0.01)
+        q_before, q.grad = q.detach().clone(), g.clone()
+        adam.step()
+        moved_adam.append(float((q.detach() - q_before).norm()))
+        before = p.detach().clone()
+        if step < 5:
+            assert not c.compresses("w", p.numel())
+            if follow:
+                c.dense_local("w", g)
+            p.grad = g.clone()
+        else:
+            p.grad = exchange([c], "w", [g]).view_as(p)
+        opt.step()
+        moved.append(float((p.detach() - before).norm()))
+    ratio = moved[-1] / moved[4]      # the last step against the warm-up's last
+    adam_ratio = moved_adam[-1] / moved_adam[4]
+    if follow:
+        assert 2 / 3 < ratio / adam_ratio < 1.5, (ratio, adam_ratio)
+    else:
+        assert ratio < 0.05 * adam_ratio, (ratio, adam_ratio)   # ~0.01: v frozen for good
 
 
 def test_frozen_variance_floors_coordinates_without_gradient_in_the_warm_up():

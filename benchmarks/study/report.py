@@ -13,6 +13,9 @@ TASK_TEXT = {
     "transformer": "4-layer decoder-only character transformer (d=64, 4 heads, context 32) on the standard "
                    "library's sources; AdamW lr 3e-3, weight decay 0.1, 10% linear warm-up then cosine decay; "
                    "`hvd_gradcomp.DistributedOptimizer`",
+    "transformer-const": "the transformer task at a constant learning rate (AdamW lr 3e-3, weight decay 0.1, no "
+                         "warm-up, no decay): a rate decaying to zero no longer hides error feedback's lag and a "
+                         "frozen second moment; `hvd_gradcomp.DistributedOptimizer`",
     "cnn-sgd": "CNN (2 conv + 2 linear) on scikit-learn's digits; SGD lr 0.05, momentum 0.9, 5% warm-up then "
                "cosine; stock `hvd.DistributedOptimizer`",
     "cnn-adam": "the same CNN with Adam lr 2e-3, 5% warm-up then cosine; stock `hvd.DistributedOptimizer`",
@@ -285,6 +288,21 @@ def choice_section(docs: Path) -> List[str]:
         "scheduler changes it (EF-SGD's formulation, which accumulates `lr * g`): the held-back movement is "
         "kept whole. The column *residual not following the rate* of the targets table is the same default "
         "policy without it (`follow_lr = False`).",
+        "* **At a constant rate, the frozen second moment follows the gradients' scale.** Every task above "
+        "except *transformer-const* decays its rate to zero; a small MLP trained at a constant rate "
+        "(docs/SMALL_MLP_CHECK.md) showed what the decay had hidden: where gradients keep shrinking (a "
+        "classifier driving its loss towards zero) a v frozen for good makes each later step shorter than "
+        "Adam's, and TopKQSGD(1%, 8) ended far above uncompressed training there (the page's section on the "
+        "frozen v before this change). While the rate stays constant, each rank now keeps the b2-average of "
+        "its own gradient's mean square from its first step on and divides what it sends by "
+        "sqrt(s_t / s_freeze) more (`FrozenVariance`): one number per tensor, so v keeps its frozen shape "
+        "and no byte is added; each rank scales only what it sends, so the average every rank applies stays "
+        "identical. Under a schedule that changes the rate from the first step nothing changed (v stays "
+        "frozen for good, the runs of the other Adam tasks above stand): with the rate decayed, following "
+        "the scale ended further from uncompressed training on that MLP (a trial of the page's `--cosine` "
+        "command with the scale always followed, before this rule). "
+        "*transformer-const* is the study's transformer at a constant rate: there TopKQSGD(1%, 8) still "
+        "trails uncompressed training, error feedback's lag no longer hidden by a decaying rate.",
         "",
     ]
     if sim.exists():

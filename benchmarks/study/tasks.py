@@ -3,6 +3,8 @@ learning-rate schedule people use for it, and the DistributedOptimizer it is tra
 
 * ``transformer``: a 4-layer decoder-only character transformer on the standard library's
   sources, AdamW with linear warm-up and cosine decay (``hvd_gradcomp.DistributedOptimizer``);
+  ``transformer-const`` the same at a constant learning rate (no schedule: error feedback's
+  lag and a frozen second moment are not hidden by a rate decaying to zero);
 * ``cnn-sgd`` / ``cnn-adam``: a small CNN on scikit-learn's digits with momentum SGD / Adam
   (stock ``hvd.DistributedOptimizer``);
 * ``char-mlp``: the model and data of ``examples/train.py`` (momentum SGD, cosine decay,
@@ -19,7 +21,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -100,7 +102,8 @@ class Task:
     wrapper: str                 # "gc" (hvd_gradcomp.DistributedOptimizer) or "hvd" (stock)
     steps: int
     accumulate: int
-    warmup: float                # share of the steps with linear lr warm-up (then cosine decay to 0)
+    warmup: Optional[float]      # share of the steps with linear lr warm-up (then cosine decay to 0);
+                                 # None: a constant rate
     batch: Callable[[], Tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     val: Tuple[torch.Tensor, torch.Tensor]
@@ -118,12 +121,16 @@ def evaluate(task: Task) -> Tuple[float, float]:
     return loss, acc
 
 
-def lr_factor(step: int, steps: int, warmup: float) -> float:
-    """Linear warm-up over ``warmup * steps``, then cosine decay to 0.
+def lr_factor(step: int, steps: int, warmup: Optional[float]) -> float:
+    """Linear warm-up over ``warmup * steps``, then cosine decay to 0; ``warmup=None``: constant.
 
     >>> [round(lr_factor(s, 100, 0.1), 3) for s in (0, 9, 10, 55, 100)]
     [0.1, 1.0, 1.0, 0.5, 0.0]
+    >>> lr_factor(99, 100, None)
+    1.0
     """
+    if warmup is None:
+        return 1.0
     wu = int(warmup * steps)
     if step < wu:
         return (step + 1) / wu
@@ -143,7 +150,7 @@ def make_task(name: str, seed: int, rank: int) -> Task:
     """The task ``name`` with model initialised from ``seed``; data order from (seed, rank)."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    if name == "transformer":
+    if name in ("transformer", "transformer-const"):
         ctx = 32
         train, val = datasets.load_text(400_000)
         vs = torch.randint(0, len(val) - ctx - 1, (512,), generator=torch.Generator().manual_seed(1))
@@ -154,7 +161,7 @@ def make_task(name: str, seed: int, rank: int) -> Task:
             s = torch.randint(0, len(train) - ctx - 1, (16,), generator=g)
             return train[s[:, None] + offs], train[s[:, None] + offs + 1]
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-        return Task(name, model, opt, "gc", 400, 1, 0.1, batch, _seq_loss,
+        return Task(name, model, opt, "gc", 400, 1, 0.1 if name == "transformer" else None, batch, _seq_loss,
                     (val[vs[:, None] + offs], val[vs[:, None] + offs + 1]))
     if name in ("cnn-sgd", "cnn-adam"):
         xtr, ytr, xte, yte = datasets.load_digits_split(seed=0)
@@ -191,4 +198,4 @@ def make_task(name: str, seed: int, rank: int) -> Task:
     raise ValueError(f"unknown task {name!r}")
 
 
-TASKS = ("transformer", "cnn-sgd", "cnn-adam", "char-mlp", "teacher-mlp")
+TASKS = ("transformer", "cnn-sgd", "cnn-adam", "char-mlp", "teacher-mlp", "transformer-const")
