@@ -1018,8 +1018,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._last_v[name] = (t, v)
 
     def dense_local(self, name: str, grad: torch.Tensor) -> None:
-        """A warm-up step's own gradient: its scale is followed from the first step (see :meth:`_follow_scale`)."""
-        if name in self._bound and name not in self.denom and self.dense(name):
+        """A warm-up step's own gradient (a tensor not frozen yet goes dense: :meth:`dense`): its scale is
+        followed from the first step (see :meth:`_follow_scale`)."""
+        if name in self._bound and name not in self.denom:
             self._follow_scale(name, grad)
 
     def _follow_scale(self, name: str, grad: torch.Tensor) -> None:
@@ -1124,8 +1125,6 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.denom[name] = root.clamp(min=self.floor * float(root.mean())).add_(group["eps"])
         self.velocity[name] = state["exp_avg"].detach().to(root.dtype).reshape(-1).clone()
         self.steps[name] = t
-        if name in self.scale:  # else (a road that did not show the warm-up's gradients): from now on
-            self.scale_at_freeze[name] = self.scale[name]
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         if name not in self._bound:
@@ -1139,7 +1138,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             param, _, optimizer = self._bound[name]
             optimizer.state[param]["exp_avg"].zero_()  # from now on it moves nothing but weight decay
         if name not in self.scale_at_freeze and name in self.scale:
-            self.scale_at_freeze[name] = self.scale[name]   # a road that did not show the warm-up
+            # the scale at the freeze: the warm-up's (none when the road did not show the warm-up's
+            # gradients: then the first compressed step's, taken at the next one)
+            self.scale_at_freeze[name] = self.scale[name]
         self._follow_scale(name, grad)
         b1 = self._bound[name][1]["betas"][0]
         old = self.velocity[name]
