@@ -165,7 +165,8 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
         kill_after: float = 10.0) -> int:
     """Run argv (no shell) with ``env`` added and ``unset`` removed; forward SIGINT/SIGTERM.
 
-    Returns the job's exit code (128+N when it died of signal N). argv runs under
+    Returns the job's exit code (128+N when it died of signal N, or exited 0 after this process
+    passed it signal N). argv runs under
     :mod:`launchers.guard`, which passes those signals on, kills every process of the job on
     the third, and is told by the kernel when this process dies, whatever kills it (even
     SIGKILL, which no handler sees): it then ends every process of the job, those in other
@@ -216,6 +217,10 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = code if code >= 0 else 128 - code
+    if received and code == 0:
+        # The job ended on our Ctrl-C/SIGTERM but its launcher (horovodrun) said 0 now and then: an
+        # interrupted job must not look finished to `hvdgc-launch ... && next-step`.
+        code = 128 + received[0]
     if watch:
         watch.stop()
         code = code or (1 if watch.lost else 0)
