@@ -46,7 +46,7 @@ def _mean_sd(xs: List[float]) -> Tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def _last_quarter_change(runs: List[dict]) -> float:
+def last_quarter_change(runs: List[dict]) -> float:
     """Relative change of the seed-mean held-out loss over the last quarter of the steps (%)."""
     curves = [{e["step"]: e["val_loss"] for e in r["evals"]} for r in runs]
     steps = sorted(set.intersection(*(set(c) for c in curves)))
@@ -208,7 +208,7 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         if base:
             r0 = base[0]
             lines += [f"{r0['steps']} optimizer steps. Uncompressed held-out loss changed by "
-                      f"{_last_quarter_change(base):.2f}% over the last quarter of the run (seed mean).", ""]
+                      f"{last_quarter_change(base):.2f}% over the last quarter of the run (seed mean).", ""]
         lines += table(task, runs) + ["", f"![held-out loss, {task}](img/study_{task}.png)", ""]
         plot(task, runs, docs / "img" / f"study_{task}.png")
     lines += choice_section(docs)
