@@ -44,6 +44,9 @@ SETTINGS = {
                   lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.MomentumCorrection(sparsity_warmup=0))),
     # The residual kept at the rate it was computed (before it followed the learning rate)
     "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", loop.fixed_rate_topkqsgd),
+    # Nothing dropped (every value sent, the residual stays zero): with Adam and AdamW what is left of a
+    # gap is the frozen second moment's (run_length.py's longer runs at a constant rate)
+    "tk1": ("TopK(ratio=1): v frozen, nothing dropped", lambda opt: gc.TopK(ratio=1.0)),
     # Adam's second moment frozen 3x later than the default (100 steps): run_length.py's longer runs
     "tq1-warm300": ("TopKQSGD(1%, 8), second moment frozen after 300 steps",
                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300))),
