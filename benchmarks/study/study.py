@@ -33,7 +33,7 @@ from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
 # at ratio 0.1% (min_ratio=: the other tasks' output layers are at min_k's floor already).
 TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4", "tq1-nospw", "tq01-out1"),
                  "transformer": DEFAULT_SETTINGS + ("tq1-update",),
-                 "transformer-const": ("none", "tq1", "tq01", "tq1-update"),
+                 "transformer-const": ("none", "tq1", "tq01", "tq1-update", "tq5", "tk1"),
                  "cnn-adam": DEFAULT_SETTINGS + ("tq1-update",), "cnn-sgd": DEFAULT_SETTINGS + ("tq1-nospw",)}
 # Run on the first seed only, to fit the study in about an hour: fp16 matched uncompressed to 4
 # digits in every earlier run, and TopK 1% matched TopKQSGD(1%, 8).

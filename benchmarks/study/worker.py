@@ -28,6 +28,8 @@ SETTINGS = {
     "topk": ("TopK 1%", lambda opt: gc.TopK(ratio=0.01)),
     "tq1": ("TopKQSGD(1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8)),
     "tq01": ("TopKQSGD(0.1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.001, bits=8)),
+    # 5x the bytes of TopKQSGD(1%, 8): how far a larger share closes a gap
+    "tq5": ("TopKQSGD(5%, 8)", lambda opt: gc.TopKQSGD(ratio=0.05, bits=8)),
     # The sparsity warm-up of 100 steps whatever the ratio (before it kept its pace below 1%): as a
     # schedule of the user's own, which counts the same compressed steps as the policy's
     "tq01-spw100": ("TopKQSGD(0.1%, 8), 100-step sparsity warm-up",
