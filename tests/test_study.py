@@ -3,6 +3,7 @@ report.py reads, under Horovod and under DDP, and the page is generated from the
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,20 +50,37 @@ def test_run_length_page_sets_each_gap_beside_the_longer_runs() -> None:
     against the uncompressed run of the same seed and length."""
     from benchmarks.study import run_length
 
+    def run(seed: int, steps: int, loss: float) -> dict:
+        # 2% above the final loss at three quarters of the run: the page's "change over the last quarter"
+        evals = [{"step": 0, "val_loss": loss + 1.0}, {"step": 3 * steps // 4, "val_loss": loss * 1.02},
+                 {"step": steps, "val_loss": loss}]
+        return {"seed": seed, "steps": steps, "val_loss": loss, "evals": evals}
+
     def runs(steps: int, base: float, comp: float) -> dict:
-        return {(t, s): [{"seed": seed, "steps": steps, "val_loss": (base if s == "none" else comp) + 0.1 * seed}
-                         for seed in (0, 1)] for t in run_length.TASKS for s in run_length.SETTINGS}
+        return {(t, s): [run(seed, steps, (base if s == "none" else comp) + 0.1 * seed) for seed in (0, 1)]
+                for t in run_length.TASKS for s in run_length.SETTINGS}
 
     page = run_length.page(runs(400, 2.0, 2.1), runs(1200, 1.5, 1.8), [0, 1], "python benchmarks/study/run_length.py")
-    rows = [ln for ln in page.splitlines() if ln.startswith("| transformer")]
+    rows = [ln for ln in page.splitlines() if ln.startswith("| transformer |")]
     # losses 2.0/2.1 (seeds 0, 1) against 2.1/2.2: +5% and +4.76%; spread stdev 0.0707 / mean 2.05
-    assert rows[0] == "| transformer | 400 | 0.8 | 2.0500 | +-3.45% | +4.88% | +4.88% | +4.88% | +4.88% |"
-    assert rows[1] == "| transformer | 1200 | 2.4 | 1.5500 | +-4.56% | +19.38% | +19.38% | +19.38% | +19.38% |"
+    assert rows[0] == "| transformer | 400 | 0.8 | 2.0500 | 2.00% | +-3.45% | " + " | ".join(["+4.88%"] * 5) + " |"
+    assert rows[1] == "| transformer | 1200 | 2.4 | 1.5500 | 2.00% | +-4.56% | " + " | ".join(["+19.38%"] * 5) + " |"
     assert "- transformer, TopKQSGD(1%, 8): +4.88% (400 steps) -> +19.38% (1200 steps): above the 1% target" in page
+    assert "| transformer-const | 1200 | 2.4 | 1.5500 | 2.00% |" in page
     partial = run_length.page(runs(400, 2.0, 2.0), {k: v for k, v in runs(1200, 1.5, 1.5).items() if k[1] != "tq1"},
                               [0, 1], "c")
-    assert "| transformer | 1200 | 2.4 | 1.5500 | +-4.56% | +0.00% | +0.00% | - | +0.00% |" in partial
+    assert "| transformer | 1200 | 2.4 | 1.5500 | 2.00% | +-4.56% | +0.00% | +0.00% | - | +0.00% | +0.00% |" in partial
     assert "`python benchmarks/study/run_length.py`" in page
+
+
+def test_run_length_refuses_an_unknown_task(tmp_path: Path) -> None:
+    """run_length.py --tasks names the task it does not know and the ones it does, and trains nothing."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/study/run_length.py"), "--tasks", "transformer,nope",
+                          "--out", str(tmp_path / "runs"), "--doc", str(tmp_path / "page.md")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--tasks: unknown nope (known: transformer, char-mlp, transformer-const)" in res.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "page.md").exists()
 
 
 def test_outside_check_trains_both_wrappers_and_tables_the_gaps(tmp_path: Path) -> None:

@@ -302,7 +302,11 @@ def choice_section(docs: Path) -> List[str]:
         "the scale ended further from uncompressed training on that MLP (a trial of the page's `--cosine` "
         "command with the scale always followed, before this rule). "
         "*transformer-const* is the study's transformer at a constant rate: there TopKQSGD(1%, 8) still "
-        "trails uncompressed training, error feedback's lag no longer hidden by a decaying rate.",
+        "trails uncompressed training. Its rows locate the gap: with nothing dropped (*TopK(ratio=1)*: v "
+        "frozen, following the scale, every value sent) the gap is within the 1% target, so most of it comes "
+        "with dropping values, and five times the bytes (*TopKQSGD(5%, 8)*) close only a part of it; three times "
+        "the steps do not close it either (docs/STUDY_RUN_LENGTH.md). What error feedback holds back moves "
+        "the parameters late, at full rate, where a decaying rate would have shortened it.",
         "",
     ]
     if sim.exists():
