@@ -47,6 +47,7 @@ rank with the bad values leaves its residuals untouched and nobody hangs.
 """
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
 import atexit
+import re
 import copy
 import threading
 import time
@@ -215,6 +216,9 @@ class GradCompState:
         # names whose received() waits for the optimizer step, with their average kept apart (None: left in p.grad)
         self._at_step: Dict[str, Optional[torch.Tensor]] = {}
         self._kept: Dict[str, torch.Tensor] = {}   # one buffer per name, reused every step
+        # compressed segments whose average this step's exchange wrote, by name (see _give_unused)
+        self._exchanged: Dict[str, Tuple[torch.Tensor, "_Segment"]] = {}
+        self._unused_said = False
         self.auto: Optional["_AutoRoads"] = None
         if isinstance(compression, (GradientCompressor, Auto)):
             if compression in _CLAIMED:
@@ -232,8 +236,10 @@ class GradCompState:
                 compression.stream = self.rank  # independent rounding noise on every rank
                 _choose_feedback(compression, optimizer, self._names, self.rank)
                 if compression.feedback.moves_parameters:  # "frozen": applied at the optimizer step
-                    self._by_name = {n: p for p, n in self._names.items()}
                     self._step_hook = optimizer.register_step_pre_hook(self._apply_at_step)
+            self._by_name = {n: p for p, n in self._names.items()}
+            if optimizer is not None:
+                self._unused_hook = optimizer.register_step_pre_hook(self._give_unused)
             ranks = dist.get_process_group_ranks(self.process_group)
             self._second = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group))
             _KEEP_ALIVE.extend([self.process_group, self._second])
@@ -351,6 +357,41 @@ class GradCompState:
             kept = self._kept[name] = avg.clone() if kept is None or kept.shape != avg.shape else kept.copy_(avg)
             avg.zero_()
         self._at_step[name] = kept
+
+    def _exchanged_average(self, seg: "_Segment", buffer: torch.Tensor) -> None:
+        """Note that the exchange wrote ``seg``'s average into ``buffer`` (see :meth:`_give_unused`);
+        only where the feedback policy keeps state that the optimizer must stay in step with."""
+        feedback = self.compression.feedback
+        if feedback.key != "none" and not feedback.moves_parameters:
+            self._exchanged[seg.name] = (buffer, seg)
+
+    def _give_unused(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: a compressed parameter that DDP left without a gradient (unused by
+        every rank in this step's forward, with ``find_unused_parameters=True``) gets its exchange's
+        average as its gradient, as the Horovod road gives one to every parameter.
+
+        Why: the hook ran its error-feedback policy on the zeros DDP put in the bucket (the residual
+        and DGC's velocity moved on, what they owed was sent and averaged), and momentum correction
+        rewrote the average for SGD's momentum buffer. Skipped by the optimizer, that movement was
+        lost and SGD's momentum fell out of step with the correction: momentum SGD through
+        TopKQSGD(1%, 8) diverged on a model with a layer used every other step. Only a gradient
+        left ``None``: a zero gradient kept by ``zero_grad(set_to_none=False)`` cannot be told
+        from the user's own, and is left alone."""
+        with self._lock:
+            done, self._exchanged = self._exchanged, {}
+        for name, (buffer, seg) in done.items():
+            p = self._by_name[name]
+            if p.grad is not None:
+                continue
+            p.grad = seg.view(buffer).view(seg.shape).clone()
+            if not self._unused_said and self.rank == 0:
+                self._unused_said = True
+                warnings.warn(
+                    f"hvd_gradcomp DDP hook: parameter {name!r} got no gradient from DDP in this step (unused by "
+                    "every rank's forward); its compressed exchange still carried what error feedback owed it, "
+                    "so that average is set as its gradient and the optimizer steps it, as on the Horovod road "
+                    f"(said once). To keep such a parameter out of compression: exclude=r'^{re.escape(name)}$'.",
+                    RuntimeWarning, stacklevel=3)   # the user's opt.step(), past torch's step wrapper
 
     def _apply_at_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: the deferred :meth:`_received` calls, on the averages kept
@@ -615,6 +656,7 @@ def _allgather(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: in
                 sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
                 # momentum correction: what SGD should see
                 state._received(s.name, s.view(buffer), sparse_support(parts))
+                state._exchanged_average(s, buffer)
 
         return work.get_future(), decode
 
@@ -708,6 +750,7 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
                     s.view(buffer)[bd[r]:bd[r + 1]].copy_(chunk)
             for s in plan.compressed:
                 state._received(s.name, s.view(buffer))
+                state._exchanged_average(s, buffer)
 
         return work.get_future(), decode
 

@@ -469,6 +469,55 @@ def momentum(steps: int = 5) -> Dict[str, Any]:
             "rel_classic": rel(sparse_classic, ref), "velocities": len(st_mc.compression.feedback.velocity)}
 
 
+class _Branchy(nn.Module):
+    """A layer (``spare``, compressed) used on some steps only; ``zeroed``: used every step but times 0
+    where it would be skipped (every gradient of it exactly zero there, the rest of the model unchanged)."""
+
+    def __init__(self, zeroed: bool) -> None:
+        super().__init__()
+        self.zeroed = zeroed
+        # no bias: a skipped dense parameter is plain DDP (no gradient, not stepped) in both runs alike
+        self.fc1, self.spare, self.head = nn.Linear(32, 64), nn.Linear(64, 64, bias=False), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        if use:
+            h = h + self.spare(h)
+        elif self.zeroed:
+            h = h + 0.0 * self.spare(h)
+        return self.head(h)
+
+
+def intermittent(steps: int = 8, bind: bool = True) -> Dict[str, Any]:
+    """Momentum SGD through TopKQSGD(5%) (momentum correction) with a layer that every rank skips on odd
+    steps (find_unused_parameters=True: DDP leaves its gradient None there), against the same layer used
+    but multiplied by 0 on those steps (its gradient zero, delivered). The hook's exchange ran on both;
+    with the optimizer bound, the skipped layer gets the exchange's average as its gradient (as on the
+    Horovod road), so both runs must end bit-identical."""
+    rank = dist.get_rank()
+
+    def run(zeroed: bool) -> Tuple[torch.Tensor, Any, List[str]]:
+        torch.manual_seed(0)
+        model = DDP(_Branchy(zeroed), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = gc_ddp.register(model, compression=gc.TopKQSGD(ratio=0.05, seed=3), optimizer=opt if bind else None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                opt.zero_grad()
+                x, y = batch(rank, step)
+                loss_of_use = nn.functional.cross_entropy(model(x, step % 2 == 0), y)
+                loss_of_use.backward()
+                opt.step()
+        said = [str(w.message) for w in caught if "got no gradient from DDP" in str(w.message)]
+        return torch.cat([q.detach().reshape(-1) for q in model.parameters()]), state, said
+
+    skipped, st, said = run(False)
+    zeroed, _, _ = run(True)
+    return {"policy": st.compression.feedback.key, "max_diff": float((skipped - zeroed).abs().max()),
+            "finite": bool(torch.isfinite(skipped).all()), "said": said, "params": skipped.tolist()}
+
+
 def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
     """AdamW through the hook with feedback='frozen' at ratio 1 (nothing dropped): exact AdamW for the
     dense warm-up, then AdamW with v frozen, written out here from each rank's gradients (its
@@ -659,7 +708,7 @@ SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": acc
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
              "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup,
              "accumulation_clipped": accumulation_clipped, "scaled_averages": scaled_averages,
-             "min_ratio": min_ratio}
+             "min_ratio": min_ratio, "intermittent": intermittent}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

@@ -47,6 +47,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "ckpt-topkqsgd-mc-scheduled": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "bind": True,
                                    "schedule": True},
     "momentum": {"fn": "momentum"},
+    "intermittent": {"fn": "intermittent"},
     "options-none": {"fn": "ddp_options", "kind": "none"},
     "options-topk-all": {"fn": "ddp_options", "kind": "topk", "ratio": 1.0, "exempt": "fp32"},
     "options-qsgd8": {"fn": "ddp_options", "kind": "qsgd", "bits": 8},
@@ -193,6 +194,18 @@ def test_optimizer_chooses_momentum_correction_and_it_is_exact_at_ratio_one(batt
     # compressed (5%): both near the reference (measured 0.008, 0.007); which is closer is the study's question
     assert 0 < r0["rel_mc"] < 0.05 and 0 < r0["rel_classic"] < 0.05 and r0["rel_mc"] != r0["rel_classic"], r0
     assert (r0["rel_mc"], r0["rel_exact"]) == (r1["rel_mc"], r1["rel_exact"])
+
+
+def test_a_layer_skipped_on_some_steps_is_stepped_with_its_exchange(battery):
+    """A layer that every rank leaves out of the forward on odd steps (DDP: no gradient) trains exactly as
+    the same layer used times 0 there: the exchange that ran for it reaches SGD, whose momentum stays in
+    step with DGC's correction (before, such a model diverged under momentum SGD), on both ranks alike."""
+    r0, r1 = battery["intermittent"]
+    assert r0["policy"] == "momentum"
+    assert r0["finite"] and r0["max_diff"] == 0.0, r0["max_diff"]
+    assert r0["params"] == r1["params"]
+    assert len(r0["said"]) == 1 and "'spare.weight'" in r0["said"][0] and "exclude=" in r0["said"][0]
+    assert r1["said"] == []   # said on rank 0 only
 
 
 def test_adamw_gets_frozen_variance_and_it_is_exact_at_ratio_one(battery):
