@@ -138,8 +138,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._progress()
         elif self._delay[p] == 0 and not self.sparse_as_dense:
             self._small_ready += 1
-            if self._small is None:
-                self._small = [q for q in self._delay if self._is_small(q)]
+            if self._small is None:   # this step's: requires_grad may have changed since the last
+                self._small = [q for q in self._delay if self._is_small(q) and q.requires_grad]
             if self._small_ready == len(self._small):
                 # Every small gradient is final: their fused allreduce leaves now, overlapping the
                 # rest of backward, instead of from synchronize(). (A step where one has no gradient
@@ -186,16 +186,23 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         t0 = time.perf_counter()
+        self._adopt_unfrozen()
         small = []
         for p in self._delay:
             if p in self._pending or p in self._sparse_pending:
                 continue
+            if p.grad is None and not p.requires_grad:
+                continue   # frozen since this optimizer was built: not exchanged, not stepped, as in PyTorch
             if self._is_small(p) and not (p.grad is not None and p.grad.is_sparse):
                 small.append(p)
             else:  # partial window (flush) or a parameter without gradient this step
                 self._start(p)
         small += [p for p in self._densified if p not in self._pending and p not in small]
-        fused = self._early_fused if self._early_fused is not None else self._start_fused(small)
+        if self._early_fused is None:
+            fused = self._start_fused(small)
+        else:   # launched during backward; a parameter adopted just now goes in a fused exchange of its own
+            early = {p for ps, _ in self._early_fused for p in ps}
+            fused = self._early_fused + self._start_fused([p for p in small if p not in early], tag="late")
         for pending in self._pending.values():
             if not pending.finished:
                 self._compressed.advance(pending)
@@ -220,10 +227,21 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._sparse_pending.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
-        self._early_fused, self._small_ready = None, 0
+        self._early_fused, self._small, self._small_ready = None, None, 0
         self.last_step_bytes, self._step_bytes = self._step_bytes, 0
         self.comm_wait_s += time.perf_counter() - t0
         self._synchronized = True
+
+    def _adopt_unfrozen(self) -> None:
+        """Parameters with ``requires_grad=False`` when this optimizer was built that have a gradient now
+        (a layer unfrozen to fine-tune it): hooked from now on, and exchanged by this synchronize()
+        (backward is over: their gradient is final). Without this each rank stepped them on its own
+        gradient and the ranks drifted apart, silently (stock ``hvd.DistributedOptimizer`` does that)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p not in self._delay:
+                    self._delay[p] = self.backward_passes_per_step
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hook))
 
     @staticmethod
     def _all_finite(params: List[torch.Tensor], known: Dict[torch.Tensor, Optional[torch.Tensor]]) -> bool:
@@ -241,9 +259,10 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         exact = known_ok + [torch.isfinite(g).all() for g in rest]
         return bool(torch.stack([c.to(exact[0].device) for c in exact]).all())
 
-    def _start_fused(self, params: List[torch.Tensor]) -> List[Tuple[List[torch.Tensor], Pending]]:
+    def _start_fused(self, params: List[torch.Tensor], tag: str = "") -> List[Tuple[List[torch.Tensor], Pending]]:
         """One allreduce per dtype for all small tensors: fewer, larger messages. Those the
-        compressor sends as float16 (:meth:`GradientCompressor.sends_half`) form their own."""
+        compressor sends as float16 (:meth:`GradientCompressor.sends_half`) form their own.
+        ``tag``: part of the exchanges' names, for a second fused exchange in the same step."""
         groups: Dict[str, List[torch.Tensor]] = {}
         ours = isinstance(self.compression, GradientCompressor)
         for p in params:
@@ -258,10 +277,10 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for key, ps in sorted(groups.items()):   # the same order on every rank
             raw = sum(p.numel() * p.element_size() for p in ps)
             if key == _HALF:
-                pending = self._half.start(f"fused.{key}", [(self._parameter_names[p], p.grad) for p in ps])
+                pending = self._half.start(f"fused{tag}.{key}", [(self._parameter_names[p], p.grad) for p in ps])
                 pending.extra["half"] = True
             else:
-                pending = self._dense.start(f"fused.{key}", torch.cat([p.grad.reshape(-1) for p in ps]))
+                pending = self._dense.start(f"fused{tag}.{key}", torch.cat([p.grad.reshape(-1) for p in ps]))
             self._record(pending.name, raw, pending.bytes_sent)
             fused.append((ps, pending))
         return fused
@@ -318,7 +337,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._densified.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
-        self._early_fused, self._small_ready = None, 0
+        self._early_fused, self._small, self._small_ready = None, None, 0
         self._synchronized = False
         self._should_synchronize = True
         self._join.reset()

@@ -39,6 +39,8 @@ def _scenarios(ckpt_dir: str) -> Dict[str, Dict[str, Any]]:
             # (rank 0 in synchronize, rank 1 past it), and (ours, qsgd) can start a QSGD stage on
             # one rank only. Both are left to a real hvd.elastic test; see elastic_reset.
             sc[f"elastic_reset-{w}-{k}"] = {"fn": "elastic_reset", "wrapper": w, "kind": k}
+    for k in ("topk", "none"):
+        sc[f"requires_grad_changes-{k}"] = {"fn": "requires_grad_changes", "wrapper": "ours", "kind": k}
     for k in KINDS:
         sc[f"broadcast_bytes-{k}"] = {"fn": "broadcast_bytes", "kind": k}
         sc[f"checkpoint_checks-{k}"] = {"fn": "checkpoint_checks", "kind": k, "ckpt_dir": ckpt_dir}
@@ -211,6 +213,17 @@ def test_issue11_case6_resume_at_another_world_size(backend, res, ckpt_dir):
 def test_horovod_dynamic_requires_grad(res, wrapper, kind):
     for r in res[f"dynamic_requires_grad-{wrapper}-{kind}"]:
         assert r["grads_as_expected"] and r["params_equal_across_ranks"]
+
+
+@pytest.mark.parametrize("kind", ["topk", "none"])
+def test_a_layer_unfrozen_after_wrapping_is_exchanged_and_a_frozen_one_stays(res, kind):
+    """hvd_gradcomp.DistributedOptimizer: a layer unfrozen after the optimizer was built is hooked then and
+    trains exactly as if trainable from the start (before, each rank stepped it on its own gradient and
+    the ranks drifted apart); a layer frozen mid-run stops moving, momentum SGD or not."""
+    for r in res[f"requires_grad_changes-{kind}"]:
+        assert r["late_equals_reference"] and r["late_fc1_moved"], r
+        assert r["frozen_fc1_still"], r
+        assert r["params_equal_across_ranks"], r
 
 
 @pytest.mark.parametrize("wrapper,kind", WK)

@@ -240,6 +240,45 @@ def dynamic_requires_grad(wrapper: str, kind: str, tag: str) -> Dict[str, Any]:
     return {"grads_as_expected": grads_as_expected, "params_equal_across_ranks": all_ranks_equal(params)}
 
 
+def requires_grad_changes(wrapper: str, kind: str, tag: str, at: int = 2, steps: int = 5) -> Dict[str, Any]:
+    """Momentum SGD through hvd_gradcomp.DistributedOptimizer (default min_compress_numel: fc1's bias goes
+    in the fused allreduce of small tensors, its weight is compressed), classic error feedback:
+
+    * fc1 built frozen (requires_grad=False) and unfrozen at step ``at``, as when fine-tuning, against fc1
+      trainable from the start with its output detached before ``at`` (no gradient: exchanged as zeros,
+      and zero momentum moves nothing): the same parameters, bit for bit;
+    * fc1 trainable, then frozen from step ``at``: it no longer moves, momentum or not, as in PyTorch.
+    """
+    comp_of = {"topk": lambda: gc.TopK(ratio=0.05, seed=5, feedback="classic"), "none": lambda: None}[kind]
+
+    def run(sub: str, frozen_from_start: bool, detach_before: bool, freeze_at: bool) -> torch.nn.Module:
+        model = make_model()
+        if frozen_from_start:
+            model.fc1.requires_grad_(False)
+        opt = gc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      named_parameters=named(model, f"{tag}.{sub}"), compression=comp_of())
+        for step in range(steps):
+            if step == at:
+                model.fc1.requires_grad_(not freeze_at)
+            x, y = batch(hvd.rank(), step)
+            h = model.act(model.fc1(x))
+            opt.zero_grad()
+            F.cross_entropy(model.fc2(h.detach() if detach_before and step < at else h), y).backward()
+            opt.step()
+            if freeze_at and step == at - 1:
+                fc1_when_frozen = flat_params(model.fc1).clone()
+        if freeze_at:
+            model.fc1_when_frozen = fc1_when_frozen
+        return model
+
+    late, ref = run("late", True, False, False), run("ref", False, True, False)
+    froze = run("froze", False, False, True)
+    return {"late_equals_reference": torch.equal(flat_params(late), flat_params(ref)),
+            "late_fc1_moved": not torch.equal(flat_params(late.fc1), flat_params(make_model().fc1)),
+            "frozen_fc1_still": torch.equal(flat_params(froze.fc1), froze.fc1_when_frozen),
+            "params_equal_across_ranks": all(all_ranks_equal(flat_params(m)) for m in (late, ref, froze))}
+
+
 def gradient_clipping(wrapper: str, kind: str, tag: str) -> Dict[str, Any]:
     """synchronize(); clip_grad_norm_(); with skip_synchronize(): step()."""
     model = make_model()
