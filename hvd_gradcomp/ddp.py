@@ -47,8 +47,8 @@ rank with the bad values leaves its residuals untouched and nobody hangs.
 """
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
 import atexit
-import re
 import copy
+import re
 import threading
 import time
 import warnings
