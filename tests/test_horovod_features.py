@@ -41,6 +41,7 @@ def _scenarios(ckpt_dir: str) -> Dict[str, Dict[str, Any]]:
             sc[f"elastic_reset-{w}-{k}"] = {"fn": "elastic_reset", "wrapper": w, "kind": k}
     for k in ("topk", "none"):
         sc[f"requires_grad_changes-{k}"] = {"fn": "requires_grad_changes", "wrapper": "ours", "kind": k}
+    sc["small_early_after_freeze"] = {"fn": "small_early_after_freeze", "wrapper": "ours", "kind": "topkqsgd"}
     for k in KINDS:
         sc[f"broadcast_bytes-{k}"] = {"fn": "broadcast_bytes", "kind": k}
         sc[f"checkpoint_checks-{k}"] = {"fn": "checkpoint_checks", "kind": k, "ckpt_dir": ckpt_dir}
@@ -224,6 +225,15 @@ def test_a_layer_unfrozen_after_wrapping_is_exchanged_and_a_frozen_one_stays(res
         assert r["late_equals_reference"] and r["late_fc1_moved"], r
         assert r["frozen_fc1_still"], r
         assert r["params_equal_across_ranks"], r
+
+
+def test_small_tensors_leave_during_backward_after_adams_warm_up(res):
+    """The small tensors' fused allreduce leaves during backward at every step, also once Adam's dense
+    warm-up is over (its list of small tensors was kept from the first step, when every tensor went dense,
+    so after the warm-up it waited for synchronize())."""
+    for r in res["small_early_after_freeze"]:
+        assert r["early"] == [True] * 5, r["early"]
+        assert r["params_equal_across_ranks"]
 
 
 @pytest.mark.parametrize("wrapper,kind", WK)

@@ -279,6 +279,22 @@ def requires_grad_changes(wrapper: str, kind: str, tag: str, at: int = 2, steps:
             "params_equal_across_ranks": all(all_ranks_equal(flat_params(m)) for m in (late, ref, froze))}
 
 
+def small_early_after_freeze(wrapper: str, kind: str, tag: str, steps: int = 5) -> Dict[str, Any]:
+    """AdamW through TopKQSGD with FrozenVariance(warmup=2): whether the small tensors' fused allreduce
+    left during backward (before synchronize()) at each step, dense warm-up and compressed steps alike."""
+    model = make_model()
+    opt = gc.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), named_parameters=named(model, tag),
+                                  compression=gc.TopKQSGD(ratio=0.05, seed=5, feedback=gc.FrozenVariance(warmup=2)))
+    early = []
+    for step in range(steps):
+        x, y = batch(hvd.rank(), step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        early.append(opt._early_fused is not None)
+        opt.step()
+    return {"early": early, "params_equal_across_ranks": all_ranks_equal(flat_params(model))}
+
+
 def gradient_clipping(wrapper: str, kind: str, tag: str) -> Dict[str, Any]:
     """synchronize(); clip_grad_norm_(); with skip_synchronize(): step()."""
     model = make_model()
