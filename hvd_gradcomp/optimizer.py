@@ -70,6 +70,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         # A rank outside the process set trains locally, as with Horovod: no hooks, no exchange.
         self._included = process_set.included()
         self.min_compress_numel = max(min_compress_numel, process_set.size() if self._included else 1)
+        self._auto_names = named_parameters is None
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
             compression._claim(self, process_set.size() if self._included else None)
@@ -327,6 +328,30 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Torch's ``add_param_group``; on a wrapped optimizer (progressive unfreezing: a backbone added
+        after the head trained) the new parameters are named and the compressor's feedback policy is
+        bound to their group, as for the first ones (its hooks come at their first gradient, see
+        :meth:`synchronize`).
+
+        Why: the policy reads each group's rate, betas and momentum. Unbound, ``feedback="frozen"``
+        (Adam, AdamW) stopped at the new parameters' first compressed step, and DGC's momentum
+        correction ran without the group's momentum."""
+        super(self.__class__, self).add_param_group(param_group)
+        names = getattr(self, "_parameter_names", None)
+        if names is None:
+            return   # torch's __init__ adding the first groups: named next, in __init__
+        for q in self.param_groups[-1]["params"]:
+            if q not in names:
+                if not self._auto_names:
+                    raise ValueError(f"a parameter of shape {tuple(q.shape)} added to the optimizer has no name in the "
+                                     "named_parameters this DistributedOptimizer was built with: pass "
+                                     "model.named_parameters() of the whole model (it may hold parameters the "
+                                     "optimizer has not yet)")
+                names[q] = f"param.{len(names)}"   # the same on every rank adding the same groups
+        if isinstance(self.compression, GradientCompressor):
+            self.compression.bind_groups(self, names)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Torch's ``load_state_dict``, after dropping exchanges left in flight (an elastic reset

@@ -42,6 +42,7 @@ def _scenarios(ckpt_dir: str) -> Dict[str, Dict[str, Any]]:
     for k in ("topk", "none"):
         sc[f"requires_grad_changes-{k}"] = {"fn": "requires_grad_changes", "wrapper": "ours", "kind": k}
     sc["small_early_after_freeze"] = {"fn": "small_early_after_freeze", "wrapper": "ours", "kind": "topkqsgd"}
+    sc["param_group_added_later"] = {"fn": "param_group_added_later", "wrapper": "ours", "kind": "topkqsgd"}
     for k in KINDS:
         sc[f"broadcast_bytes-{k}"] = {"fn": "broadcast_bytes", "kind": k}
         sc[f"checkpoint_checks-{k}"] = {"fn": "checkpoint_checks", "kind": k, "ckpt_dir": ckpt_dir}
@@ -225,6 +226,18 @@ def test_a_layer_unfrozen_after_wrapping_is_exchanged_and_a_frozen_one_stays(res
         assert r["late_equals_reference"] and r["late_fc1_moved"], r
         assert r["frozen_fc1_still"], r
         assert r["params_equal_across_ranks"], r
+
+
+def test_a_param_group_added_after_wrapping_is_bound_to_the_policy(res):
+    """add_param_group on the wrapped optimizer (progressive unfreezing): the new parameters are exchanged,
+    DGC's correction reads the new group's momentum, "frozen" knows them (before: a RuntimeError at their
+    first compressed step); a parameter without a name is refused, naming the fix."""
+    for r in res["param_group_added_later"]:
+        assert r["sgd"]["policy"] == "momentum" and r["sgd"]["momentum_read"] == 0.5, r["sgd"]
+        assert r["adamw"]["policy"] == "frozen" and r["adamw"]["bound"], r["adamw"]
+        for o in ("sgd", "adamw"):
+            assert r[o]["fc1_moved"] and r[o]["params_equal_across_ranks"], r[o]
+        assert "no name in the named_parameters" in r["unnamed"] and "whole model" in r["unnamed"]
 
 
 def test_small_tensors_leave_during_backward_after_adams_warm_up(res):

@@ -279,6 +279,44 @@ def requires_grad_changes(wrapper: str, kind: str, tag: str, at: int = 2, steps:
             "params_equal_across_ranks": all(all_ranks_equal(flat_params(m)) for m in (late, ref, froze))}
 
 
+def param_group_added_later(wrapper: str, kind: str, tag: str, at: int = 2, steps: int = 4) -> Dict[str, Any]:
+    """Progressive unfreezing: the optimizer starts with fc2 only; at step ``at`` fc1 is unfrozen and
+    added with its own rate (``add_param_group`` on the wrapped optimizer). Momentum SGD (DGC's correction
+    must read the new group's momentum) and AdamW (``frozen`` must know the new parameters), TopKQSGD."""
+    out: Dict[str, Any] = {}
+    for opt_name in ("sgd", "adamw"):
+        model = make_model()
+        model.fc1.requires_grad_(False)
+        head = list(model.fc2.parameters())
+        base = (torch.optim.SGD(head, lr=0.1, momentum=0.9) if opt_name == "sgd" else torch.optim.AdamW(head, lr=1e-3))
+        opt = gc.DistributedOptimizer(base, named_parameters=named(model, f"{tag}.{opt_name}"),
+                                      compression=gc.TopKQSGD(ratio=0.05, seed=5))
+        fc1_before = flat_params(model.fc1).clone()
+        for step in range(steps):
+            if step == at:
+                model.fc1.requires_grad_(True)
+                opt.add_param_group({"params": list(model.fc1.parameters()),
+                                     "lr": 0.01 if opt_name == "sgd" else 3e-4, "momentum": 0.5} if opt_name == "sgd"
+                                    else {"params": list(model.fc1.parameters()), "lr": 3e-4})
+            train_step(model, opt, hvd.rank(), step)
+        fb = opt.compression.feedback
+        name = f"{tag}.{opt_name}.fc1.weight"
+        out[opt_name] = {"policy": fb.key, "fc1_moved": not torch.equal(fc1_before, flat_params(model.fc1)),
+                         "momentum_read": fb._coefficients(name)[0] if opt_name == "sgd" else None,
+                         "bound": name in getattr(fb, "_bound", {}) if opt_name == "adamw" else None,
+                         "params_equal_across_ranks": all_ranks_equal(flat_params(model))}
+        opt.remove_hooks()
+    model = make_model()
+    opt = gc.DistributedOptimizer(torch.optim.SGD(model.fc2.parameters(), lr=0.1),
+                                  named_parameters=named(model.fc2, f"{tag}.only"), compression=None)
+    try:
+        opt.add_param_group({"params": list(model.fc1.parameters())})
+        out["unnamed"] = ""
+    except ValueError as e:
+        out["unnamed"] = str(e)
+    return out
+
+
 def small_early_after_freeze(wrapper: str, kind: str, tag: str, steps: int = 5) -> Dict[str, Any]:
     """AdamW through TopKQSGD with FrozenVariance(warmup=2): whether the small tensors' fused allreduce
     left during backward (before synchronize()) at each step, dense warm-up and compressed steps alike."""
