@@ -219,6 +219,7 @@ class GradCompState:
         # compressed segments whose average this step's exchange wrote, by name (see _give_unused)
         self._exchanged: Dict[str, Tuple[torch.Tensor, "_Segment"]] = {}
         self._unused_said = False
+        self._outside_said = False   # see _outside_optimizer
         self.auto: Optional["_AutoRoads"] = None
         if isinstance(compression, (GradientCompressor, Auto)):
             if compression in _CLAIMED:
@@ -318,10 +319,27 @@ class GradCompState:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._make_plan(bucket, params)
-        now_dense = tuple(s for s in plan.compressed if not self.compression.compresses(s.name))
+        now_dense = tuple(s for s in plan.compressed if not self.compression.compresses(s.name)
+                          or self._outside_optimizer(s.name))
         if not now_dense:
             return plan
         return _Plan(tuple(s for s in plan.compressed if s not in now_dense), plan.dense + now_dense)
+
+    def _outside_optimizer(self, name: str) -> bool:
+        """Whether ``name`` goes uncompressed because the feedback policy needs the optimizer's state of it
+        and the optimizer passed to :func:`register` does not hold it (an optimizer over a part of the
+        model: DDP still averages every parameter); said once, on rank 0."""
+        feedback = getattr(self.compression, "feedback", None)
+        if feedback is None or not feedback.needs_optimizer_state(name):
+            return False
+        if not self._outside_said and self.rank == 0:
+            self._outside_said = True
+            warnings.warn(f"hvd_gradcomp DDP hook: parameter {name!r} is not in the optimizer passed to register(): "
+                          f"feedback={feedback.key!r} needs that optimizer's state to compress it, so it is averaged "
+                          "uncompressed, as are the others outside it (said once). Pass an optimizer over the whole "
+                          "model to compress them, or freeze them (requires_grad_(False)) before wrapping in DDP.",
+                          RuntimeWarning, stacklevel=2)
+        return True
 
     def _make_plan(self, bucket: dist.GradBucket, params: List[torch.Tensor]) -> _Plan:
         buffer = bucket.buffer()

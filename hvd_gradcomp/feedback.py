@@ -436,6 +436,13 @@ class Feedback:
         Must give the same answer on every rank (decide from replicated state only)."""
         return False
 
+    def needs_optimizer_state(self, name: str) -> bool:
+        """True: this policy cannot compress ``name``, which the wrapped optimizer does not hold (under
+        DDP, every parameter of the model is exchanged, also those an optimizer over a part of it does
+        not step). The DDP hook then averages it uncompressed. False for policies that need nothing of
+        the optimizer's state."""
+        return False
+
     def dense_average(self, name: str, avg: torch.Tensor) -> None:
         """``avg``: the average of a tensor that went uncompressed (:meth:`dense`, or small), as the
         exchange delivered it, before the user's code between the exchange and the optimizer step
@@ -984,6 +991,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if t < self.warmup or "exp_avg_sq" not in state or (rising and t < self._longest_warmup):
             return True
         return not bool(state["exp_avg_sq"].any())  # no gradient yet: nothing to freeze
+
+    def needs_optimizer_state(self, name: str) -> bool:
+        """Adam's state of ``name`` is what is frozen: a tensor outside the bound optimizer cannot be."""
+        return name not in self._bound
 
     @property
     def _longest_warmup(self) -> int:

@@ -518,6 +518,29 @@ def intermittent(steps: int = 8, bind: bool = True) -> Dict[str, Any]:
             "finite": bool(torch.isfinite(skipped).all()), "said": said, "params": skipped.tolist()}
 
 
+def optimizer_over_part(steps: int = 3) -> Dict[str, Any]:
+    """AdamW over fc3 and the head only, TopKQSGD(5%) ("frozen"): DDP still averages fc1 and fc2, which
+    the policy cannot compress without their Adam state; they go uncompressed (before: a RuntimeError at
+    the first exchange)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    opt = torch.optim.AdamW(list(model.module.fc3.parameters()) + list(model.module.head.parameters()), lr=1e-3)
+    state = gc_ddp.register(model, compression=gc.TopKQSGD(ratio=0.05, seed=3), optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rels = []
+        for step in range(steps):
+            opt.zero_grad()
+            model.zero_grad()
+            loss_of(model, *batch(rank, step)).backward()
+            if step == 0:   # the parameters are still the initial ones: the reference applies
+                rels.append(rel(model.module.fc1.weight.grad.reshape(-1), reference_grad(0, world)[:32 * 64]))
+            opt.step()
+    said = [str(w.message) for w in caught if "not in the optimizer passed to register()" in str(w.message)]
+    return {"policy": state.compression.feedback.key, "fc1_rel": rels[0], "said": said,
+            "params": torch.cat([q.detach().reshape(-1) for q in model.parameters()]).tolist()}
+
+
 def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
     """AdamW through the hook with feedback='frozen' at ratio 1 (nothing dropped): exact AdamW for the
     dense warm-up, then AdamW with v frozen, written out here from each rank's gradients (its
@@ -708,7 +731,7 @@ SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": acc
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
              "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup,
              "accumulation_clipped": accumulation_clipped, "scaled_averages": scaled_averages,
-             "min_ratio": min_ratio, "intermittent": intermittent}
+             "min_ratio": min_ratio, "intermittent": intermittent, "optimizer_over_part": optimizer_over_part}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

@@ -48,6 +48,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
                                    "schedule": True},
     "momentum": {"fn": "momentum"},
     "intermittent": {"fn": "intermittent"},
+    "optimizer-over-part": {"fn": "optimizer_over_part"},
     "options-none": {"fn": "ddp_options", "kind": "none"},
     "options-topk-all": {"fn": "ddp_options", "kind": "topk", "ratio": 1.0, "exempt": "fp32"},
     "options-qsgd8": {"fn": "ddp_options", "kind": "qsgd", "bits": 8},
@@ -206,6 +207,17 @@ def test_a_layer_skipped_on_some_steps_is_stepped_with_its_exchange(battery):
     assert r0["params"] == r1["params"]
     assert len(r0["said"]) == 1 and "'spare.weight'" in r0["said"][0] and "exclude=" in r0["said"][0]
     assert r1["said"] == []   # said on rank 0 only
+
+
+def test_parameters_outside_an_adamw_over_part_of_the_model_go_uncompressed(battery):
+    """register(..., optimizer=AdamW over fc3 and the head): fc1 and fc2, which "frozen" cannot compress
+    without their Adam state, are averaged exactly (before: a RuntimeError at the first exchange); said
+    once on rank 0, naming the fix; ranks identical."""
+    r0, r1 = battery["optimizer-over-part"]
+    assert r0["policy"] == "frozen"
+    assert r0["fc1_rel"] <= 1e-6 and r1["fc1_rel"] <= 1e-6, (r0["fc1_rel"], r1["fc1_rel"])
+    assert len(r0["said"]) == 1 and "whole model" in r0["said"][0] and r1["said"] == []
+    assert r0["params"] == r1["params"]
 
 
 def test_adamw_gets_frozen_variance_and_it_is_exact_at_ratio_one(battery):
