@@ -89,21 +89,31 @@ WARMUP_PACE_RATIO = 0.01
 """The ratio at which a feedback policy's ``sparsity_warmup`` is its length (see :func:`sparsity_warmup_steps`)."""
 
 
-def sparsity_warmup_steps(steps: int, ratio: float) -> int:
+def sparsity_warmup_steps(steps: int, ratio: float, pace: str = "same") -> int:
     """How many compressed steps a feedback policy's sparsity warm-up of ``steps`` lasts at ``ratio``:
-    ``steps`` at ratios of 1% and above; below, longer, at the same pace (the share sent falls by
-    the same factor per step as from 25% to 1% in ``steps``: about a halving every 21 steps).
+    ``steps`` at ratios of 1% and above; below, longer. ``pace="same"``: the share sent falls by the
+    same factor per step as from 25% to 1% in ``steps`` (about a halving every 21 steps);
+    ``pace="sqrt"``: the warm-up lasts ``sqrt(1% / ratio)`` times ``steps``, so the share falls
+    more slowly than at 1% (3.2x the steps at 0.1%).
 
-    Why: DGC's schedule keeps its pace (4x fewer values per epoch) whatever the target, so a
+    Why longer: DGC's schedule keeps its pace (4x fewer values per epoch) whatever the target, so a
     smaller ratio takes longer to reach. A fixed 100 steps fell 1.7x faster per step at 0.1% than
     at 1%, and TopKQSGD(0.1%, 8) ended further from uncompressed training on the study's tasks
-    (docs/STUDY.md, the 0.1% rows and "Sparsity warm-up at 0.1%").
+    (docs/STUDY.md, the 0.1% rows and "Sparsity warm-up at 0.1%"). Which pace: a policy's
+    :attr:`~hvd_gradcomp.feedback.Feedback.warmup_pace` (momentum correction's warm-up is all the
+    lead-in it has, see :class:`~hvd_gradcomp.feedback.MomentumCorrection`).
 
     >>> sparsity_warmup_steps(100, 0.01), sparsity_warmup_steps(100, 0.001), sparsity_warmup_steps(100, 0.1)
     (100, 172, 100)
+    >>> sparsity_warmup_steps(100, 0.01, "sqrt"), sparsity_warmup_steps(100, 0.001, "sqrt")
+    (100, 317)
     """
     if steps == 0 or ratio >= WARMUP_PACE_RATIO:
         return steps
+    if pace == "sqrt":
+        return math.ceil(steps * math.sqrt(WARMUP_PACE_RATIO / ratio))
+    if pace != "same":
+        raise ValueError(f"sparsity warm-up pace must be 'same' or 'sqrt', got {pace!r}")
     start = SparsityWarmup.start
     return math.ceil(steps * math.log(start / ratio) / math.log(start / WARMUP_PACE_RATIO))
 
@@ -303,6 +313,7 @@ class GradientCompressor:
         self._half = fb.HalfPrecision()   # the float16 road of exempt tensors (see sends_half)
         self._attached: Any = None
         self._binding: Optional[Tuple[Any, Dict[Any, str]]] = None   # see bind_groups
+        self._groups_bound = 0   # the optimizer's param groups when last bound (see _follow_groups)
         self._rebind_hook: Any = None
         self._handed_hook: Any = None
         self._handed = HandedCheck()
@@ -436,10 +447,23 @@ class GradientCompressor:
         between the exchange and the optimizer's step (see :class:`HandedCheck`)."""
         return self._handed.scaled_steps
 
+    def _follow_groups(self) -> None:
+        """Bind the policy to the param groups added to the bound optimizer since it was bound
+        (``optimizer.add_param_group`` after wrapping: progressive unfreezing), before a tensor of
+        theirs is compressed. Here because every road asks :meth:`compresses` before it compresses
+        a tensor; ``hvd_gradcomp.DistributedOptimizer.add_param_group`` binds at once.
+
+        Why: the DDP hook and stock ``hvd.DistributedOptimizer`` do not see the call. Unbound, momentum
+        correction ran the new parameters with momentum 0 under SGD(momentum=0.9), and ``"frozen"``
+        sent them uncompressed (the DDP hook: parameters outside the optimizer) for good."""
+        if self._binding is not None and len(getattr(self._binding[0], "param_groups", ())) != self._groups_bound:
+            self._bind_policy()
+
     def _bind_policy(self) -> None:
         if self._binding is None:
             return
         optimizer, names = self._binding
+        self._groups_bound = len(getattr(optimizer, "param_groups", ()))
         for group in getattr(optimizer, "param_groups", []):
             for p in group["params"]:
                 if p in names:
@@ -470,6 +494,7 @@ class GradientCompressor:
         """
         if numel is not None and numel < DEFAULT_MIN_COMPRESS_NUMEL:
             return False
+        self._follow_groups()
         if self.feedback.dense(name):  # e.g. feedback="frozen": Adam's dense warm-up
             return False
         return not self._excluded(name)
@@ -1083,8 +1108,8 @@ class TopK(GradientCompressor):
         """
         if self.schedule is not None:
             return check_ratio(self.schedule(step))
-        # the policy's own (e.g. "frozen", after its dense warm-up), at the pace it has at 1%
-        warm = sparsity_warmup_steps(self.feedback.sparsity_warmup, self.ratio)
+        # the policy's own (e.g. "frozen", after its dense warm-up), longer below 1%
+        warm = sparsity_warmup_steps(self.feedback.sparsity_warmup, self.ratio, self.feedback.warmup_pace)
         if step < warm:
             return SparsityWarmup(self.ratio, warm, start=max(self.ratio, SparsityWarmup.start))(step)
         return self.ratio

@@ -390,14 +390,17 @@ class Feedback:
     ``sparsity_warmup``: over a tensor's first this many compressed exchanges, a TopK-type
     compressor whose ``ratio`` has no schedule of its own sends a share falling geometrically
     from 25% to its ratio (DGC's sparsity warm-up, see
-    :class:`hvd_gradcomp.compressors.SparsityWarmup`; at ratios below 1% over more exchanges, at
-    the same pace: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`); 0: none.
+    :class:`hvd_gradcomp.compressors.SparsityWarmup`; at ratios below 1% over more exchanges:
+    :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`); 0: none.
+    ``warmup_pace``: how much longer below 1%: ``"same"`` (the share falls at the pace it has at
+    1%) or ``"sqrt"`` (``sqrt(1% / ratio)`` times the steps).
     """
 
     key = "none"
     contract = False
     moves_parameters = False
     sparsity_warmup = 0
+    warmup_pace = "same"
     uses_support = False
 
     def __init__(self) -> None:
@@ -603,7 +606,7 @@ class _RoundUndo:
 SPARSITY_WARMUP = 100
 """The default sparsity warm-up of the optimizer-aware policies (DGC's: the share sent falls
 geometrically from 25% to the ratio over a tensor's first this many compressed steps; at ratios
-below 1% over more steps, at the same pace: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`).
+below 1% over more steps: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`).
 FrozenVariance: after its dense warm-up (in the simulator, docs/STUDY.md: the transformer's gap
 fell from +2.86% to +1.61%, mean of 3 seeds). MomentumCorrection: from the first step (the
 study's char-MLP: +1.89% -> +1.31%, 3 seeds)."""
@@ -647,8 +650,9 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     coordinates sent); off by default, it measured worse (docs/STUDY.md). ``sparsity_warmup``:
     DGC's sparsity warm-up, the share a TopK-type compressor sends falls geometrically from 25%
     to its ratio over each tensor's first this many compressed steps (default
-    :data:`SPARSITY_WARMUP`, more at ratios below 1%; 0: none; a ``ratio=SparsityWarmup(...)`` of
-    the user's own takes precedence). Chosen by ``feedback="auto"`` for ``SGD(momentum > 0)``.
+    :data:`SPARSITY_WARMUP`; at ratios below 1%, ``sqrt(1% / ratio)`` times as many: 317 steps at
+    0.1%; 0: none; a ``ratio=SparsityWarmup(...)`` of the user's own takes precedence). Chosen by
+    ``feedback="auto"`` for ``SGD(momentum > 0)``.
 
     With ratio 1 (nothing dropped), training is exactly momentum SGD:
 
@@ -662,6 +666,10 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
 
     key = "momentum"
     uses_support = True
+    # Below 1% the warm-up lasts sqrt(1%/ratio) times longer (317 steps at 0.1%), not 172 at 1%'s pace:
+    # unlike "frozen", whose dense warm-up comes first, this warm-up is all the lead-in momentum SGD gets.
+    # The study's char-MLP and CNN with momentum SGD at 0.1%: rows "172-step sparsity warm-up" (docs/STUDY.md).
+    warmup_pace = "sqrt"
     _round_stores = ("velocity", "delivered")
 
     def __init__(self, momentum: Optional[float] = None, dampening: float = 0.0, masking: bool = False,
@@ -747,7 +755,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     def describe(self) -> str:
         m = "from the optimizer" if self.momentum is None else self.momentum
         return (f"momentum correction (DGC; momentum {m}, masking {'on' if self.masking else 'off'}, "
-                f"sparsity warm-up {self.sparsity_warmup} steps, more below ratio 1%)")
+                f"sparsity warm-up {self.sparsity_warmup} steps, sqrt(1%/ratio) times more below ratio 1%)")
 
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity),
@@ -1138,7 +1146,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.steps[name] = t
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        if name not in self._bound:
+        if self.needs_optimizer_state(name):   # the DDP hook sends such a tensor dense instead
             raise RuntimeError(f"feedback='frozen' needs the wrapped optimizer to know parameter {name!r}: "
                                "use it through hvd_gradcomp.DistributedOptimizer, hvd.DistributedOptimizer or "
                                "hvd_gradcomp.ddp.register(..., optimizer=opt)")

@@ -529,10 +529,11 @@ def test_frozen_variance_sparsity_warmup_follows_the_dense_warmup():
 
 
 @pytest.mark.parametrize("policy", ["momentum", "frozen"])
-def test_sparsity_warmup_keeps_its_pace_below_one_percent(policy):
-    """The policies' default sparsity warm-up lasts 100 steps at ratios of 1% and above; below, it
-    lasts longer and the share falls at the same pace (172 steps at 0.1%); a schedule of the user's
-    own takes precedence."""
+def test_sparsity_warmup_lasts_longer_below_one_percent(policy):
+    """The policies' default sparsity warm-up lasts 100 steps at ratios of 1% and above; below, longer:
+    "frozen" keeps the pace it has at 1% (172 steps at 0.1%), "momentum", whose warm-up is all its
+    lead-in, lasts sqrt(1%/ratio) times longer (317 steps at 0.1%); a schedule of the user's own takes
+    precedence."""
     from hvd_gradcomp.compressors import sparsity_warmup_steps
     p = torch.zeros(4000, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9) if policy == "momentum" else torch.optim.AdamW([p])
@@ -541,17 +542,49 @@ def test_sparsity_warmup_keeps_its_pace_below_one_percent(policy):
         c = TopK(ratio=ratio)
         c.attach(opt, {p: "w"})
         assert c.feedback.key == policy
-        at[ratio] = [c.ratio_at(s) for s in range(400)]
+        at[ratio] = [c.ratio_at(s) for s in range(1200)]
     warm = {r: next(s for s, v in enumerate(shares) if v == r) for r, shares in at.items()}
-    assert warm == {0.1: 100, 0.01: 100, 0.001: 172, 0.0001: 244}, warm
-    assert warm[0.001] == sparsity_warmup_steps(100, 0.001)
-    # the same share step for step (within the rounding up of 171.5 steps) until 1%, reached near step 100
-    assert all(a == pytest.approx(b, rel=0.01) for a, b in zip(at[0.001][:100], at[0.01][:100]))
-    assert at[0.001][100] > 0.01 > at[0.001][110]
+    expected = {0.1: 100, 0.01: 100, 0.001: 172, 0.0001: 244} if policy == "frozen" else \
+        {0.1: 100, 0.01: 100, 0.001: 317, 0.0001: 1000}
+    assert warm == expected, warm
+    assert warm[0.001] == sparsity_warmup_steps(100, 0.001, c.feedback.warmup_pace)
+    if policy == "frozen":
+        # the same share step for step (within the rounding up of 171.5 steps) until 1%, reached near step 100
+        assert all(a == pytest.approx(b, rel=0.01) for a, b in zip(at[0.001][:100], at[0.01][:100]))
+        assert at[0.001][100] > 0.01 > at[0.001][110]
+    else:
+        # from 25% as at 1%, but falling more slowly: still above 1% at step 100, and 1% reached near
+        # step 317 * log(25) / log(250) = 185
+        assert at[0.001][0] == 0.25 and at[0.001][100] > 0.01 * 2
+        assert at[0.001][180] > 0.01 > at[0.001][190]
     for ratio in (0.01, 0.001):
         assert all(a >= b for a, b in zip(at[ratio], at[ratio][1:]))       # never rises
     own = TopK(ratio=gc.SparsityWarmup(0.001, steps=100), feedback=policy)
     assert own.ratio_at(100) == 0.001
+
+
+@pytest.mark.parametrize("policy", ["momentum", "frozen"])
+def test_a_param_group_added_after_binding_is_bound_before_its_first_compression(policy):
+    """``optimizer.add_param_group`` unseen by the wrapper (the DDP hook, stock hvd.DistributedOptimizer):
+    the policy binds the new group before it compresses a tensor of it. Unbound, momentum correction ran
+    it with momentum 0, and "frozen" could not compress it."""
+    p, q = torch.zeros(4000, requires_grad=True), torch.zeros(4000, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.5) if policy == "momentum" else torch.optim.AdamW([p])
+    c = TopK(ratio=0.01)
+    c.attach(opt, {p: "a", q: "b"})   # the names of the whole model, as the DDP hook has them
+    assert c.feedback.key == policy
+    opt.add_param_group({"params": [q], "momentum": 0.9} if policy == "momentum" else {"params": [q]})
+    c.compresses("b", q.numel())
+    if policy == "momentum":
+        assert c.feedback._coefficients("b") == (0.9, 0.0) and c.feedback._coefficients("a") == (0.5, 0.0)
+    else:
+        assert not c.feedback.needs_optimizer_state("b")
+
+
+def test_sparsity_warmup_pace_is_checked():
+    from hvd_gradcomp.compressors import sparsity_warmup_steps
+    with pytest.raises(ValueError, match="pace must be 'same' or 'sqrt'"):
+        sparsity_warmup_steps(100, 0.001, "fast")
 
 
 # ------------------------------------------------------------------ averages scaled before the step

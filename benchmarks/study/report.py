@@ -30,7 +30,7 @@ TASK_TEXT = {
                    "betas (0.9, 0.98), 30% linear warm-up then cosine decay; `hvd_gradcomp.DistributedOptimizer`. "
                    "Added after the recipes were chosen, with nothing tuned for it",
 }
-ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tk1", "tq5", "tq1", "tq01", "tq01-spw100", "tq01-out1", "tq1-classic",
+ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tk1", "tq5", "tq1", "tq01", "tq01-spw100", "tq01-spw172", "tq01-out1", "tq1-classic",
          "tq1-fixedlr", "tq1-update", "tq1-momentum", "tq1-nospw"]
 
 
@@ -184,9 +184,11 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "(the previous default), and the *residual not following the rate* rows keep the policy `auto` chose "
         "but hold each residual at the learning rate it was computed at (`follow_lr = False`, the recipe before "
         "residuals followed the schedule), and the *100-step sparsity warm-up* rows give TopKQSGD(0.1%, 8) the "
-        "warm-up of 100 steps it had before the warm-up kept its pace below ratio 1% (172 steps at 0.1%, "
-        "`hvd_gradcomp.compressors.sparsity_warmup_steps`), as a `ratio=SparsityWarmup(0.001, steps=100)` "
-        "schedule, so the gain is visible. On the char-MLP, the *output layer at 1%* row keeps that layer "
+        "warm-up of 100 steps it had before the warm-up lasted longer below ratio 1% "
+        "(`hvd_gradcomp.compressors.sparsity_warmup_steps`), as a `ratio=SparsityWarmup(0.001, steps=100)` "
+        "schedule, so the gain is visible; with momentum SGD the *172-step sparsity warm-up* rows give it the "
+        "172 steps it had next (the pace of 1%, as `frozen` still has), before `momentum`'s warm-up lasted "
+        "`sqrt(1% / ratio)` times its 100 steps (317 at 0.1%). On the char-MLP, the *output layer at 1%* row keeps that layer "
         "(`out.weight`, 65,536 values: 66 a step at 0.1%) at 1% while the rest send 0.1% "
         "(`min_ratio={r\"^out\\.\": 0.01}`, a setting of the user's; the other tasks' output layers, of 1,280 to "
         "8,192 values, already send `min_k` = 32 values a step at 0.1%, 0.4% to 2.5% of them). "
@@ -279,7 +281,10 @@ def choice_section(docs: Path) -> List[str]:
         "steps) and +1.61% (100 steps); on the CNN with Adam (2 seeds) the change was inside its seed noise. So "
         "`frozen` now does it by default after its dense warm-up (`FrozenVariance(sparsity_warmup=100)`), "
         "and so does `momentum` from its first step (the *no sparsity warm-up* rows); for classic error "
-        "feedback it stays an option (`ratio=SparsityWarmup(...)`).",
+        "feedback it stays an option (`ratio=SparsityWarmup(...)`). Below ratio 1% the warm-up lasts longer: "
+        "`frozen`'s at the pace it has at 1% (172 steps at 0.1%), after its 100 dense steps; `momentum`'s, "
+        "which has no dense steps before it, `sqrt(1% / ratio)` times as long (317 steps at 0.1%; the "
+        "*172-step sparsity warm-up* rows are the pace of 1%).",
         "* **Low-bit QSGD.** Error feedback on 4/2-bit QSGD diverged or needed its payloads shrunk; plain "
         "(unbiased) QSGD trained: `auto` turns error feedback off below 8 bits.",
         "* **Residuals follow the learning rate.** Every task here decays its rate (cosine), so "

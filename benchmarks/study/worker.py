@@ -34,6 +34,10 @@ SETTINGS = {
     # schedule of the user's own, which counts the same compressed steps as the policy's
     "tq01-spw100": ("TopKQSGD(0.1%, 8), 100-step sparsity warm-up",
                     lambda opt: gc.TopKQSGD(ratio=gc.SparsityWarmup(0.001, steps=100), bits=8)),
+    # momentum correction's sparsity warm-up at 0.1% before it lasted sqrt(1%/ratio) times its 100 steps
+    # (317): 172 steps, the pace it has at 1%, as a schedule of the user's own
+    "tq01-spw172": ("TopKQSGD(0.1%, 8), 172-step sparsity warm-up",
+                    lambda opt: gc.TopKQSGD(ratio=gc.SparsityWarmup(0.001, steps=172), bits=8)),
     # char-MLP's output layer (out.weight, 65,536 values: 66 a step at 0.1%) kept at 1% (min_ratio=)
     "tq01-out1": ("TopKQSGD(0.1%, 8), output layer at 1% (min_ratio)",
                   lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, min_ratio={r"^out\.": 0.01})),
