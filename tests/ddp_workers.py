@@ -521,7 +521,7 @@ def intermittent(steps: int = 8, bind: bool = True) -> Dict[str, Any]:
 def optimizer_over_part(steps: int = 3) -> Dict[str, Any]:
     """AdamW over fc3 and the head only, TopKQSGD(5%) ("frozen"): DDP still averages fc1 and fc2, which
     the policy cannot compress without their Adam state; they go uncompressed (before: a RuntimeError at
-    the first exchange)."""
+    the first exchange). Then they join the optimizer (add_param_group): bound before their next exchange."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.AdamW(list(model.module.fc3.parameters()) + list(model.module.head.parameters()), lr=1e-3)
@@ -536,8 +536,19 @@ def optimizer_over_part(steps: int = 3) -> Dict[str, Any]:
             if step == 0:   # the parameters are still the initial ones: the reference applies
                 rels.append(rel(model.module.fc1.weight.grad.reshape(-1), reference_grad(0, world)[:32 * 64]))
             opt.step()
-    said = [str(w.message) for w in caught if "not in the optimizer passed to register()" in str(w.message)]
-    return {"policy": state.compression.feedback.key, "fc1_rel": rels[0], "said": said,
+        said = [str(w.message) for w in caught if "not in the optimizer passed to register()" in str(w.message)]
+        # progressive unfreezing: fc1 and fc2 join the optimizer; the policy binds them before their next
+        # exchange, which then no longer sends them uncompressed for want of their Adam state
+        feedback = state.compression.feedback
+        outside = [feedback.needs_optimizer_state("fc1.weight")]
+        opt.add_param_group({"params": list(model.module.fc1.parameters()) + list(model.module.fc2.parameters())})
+        for step in range(steps, steps + 2):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, step)).backward()
+            outside.append(feedback.needs_optimizer_state("fc1.weight"))
+            opt.step()
+    return {"policy": feedback.key, "fc1_rel": rels[0], "said": said, "outside": outside,
+            "fc1_steps": int(opt.state[model.module.fc1.weight]["step"]),
             "params": torch.cat([q.detach().reshape(-1) for q in model.parameters()]).tolist()}
 
 

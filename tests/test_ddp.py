@@ -212,12 +212,16 @@ def test_a_layer_skipped_on_some_steps_is_stepped_with_its_exchange(battery):
 def test_parameters_outside_an_adamw_over_part_of_the_model_go_uncompressed(battery):
     """register(..., optimizer=AdamW over fc3 and the head): fc1 and fc2, which "frozen" cannot compress
     without their Adam state, are averaged exactly (before: a RuntimeError at the first exchange); said
-    once on rank 0, naming the fix; ranks identical."""
+    once on rank 0, naming the fix; ranks identical. Added to the optimizer later (progressive
+    unfreezing), they are bound to the policy before their next exchange."""
     r0, r1 = battery["optimizer-over-part"]
     assert r0["policy"] == "frozen"
     assert r0["fc1_rel"] <= 1e-6 and r1["fc1_rel"] <= 1e-6, (r0["fc1_rel"], r1["fc1_rel"])
     assert len(r0["said"]) == 1 and "whole model" in r0["said"][0] and r1["said"] == []
     assert r0["params"] == r1["params"]
+    # added later with add_param_group: bound to the policy from the next exchange on, and stepped
+    assert r0["outside"] == r1["outside"] == [True, False, False], (r0["outside"], r1["outside"])
+    assert r0["fc1_steps"] == 2
 
 
 def test_adamw_gets_frozen_variance_and_it_is_exact_at_ratio_one(battery):
