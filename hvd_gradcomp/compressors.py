@@ -1081,9 +1081,18 @@ class TopK(GradientCompressor):
         return (f" Note: ratio {self.ratio:g} is below {MEASURED_RATIO:g}, the smallest ratio that matched uncompressed "
                 "training on every task of hvd-gradcomp's study; below it the held-out loss ended more than 2% above "
                 "uncompressed training on some tasks, and on every task tried in 3x longer runs (docs/STUDY.md, "
-                "docs/STUDY_RUN_LENGTH.md)." + ("" if self._min_ratio else
+                "docs/STUDY_RUN_LENGTH.md)." + self._warmup_note() + ("" if self._min_ratio else
                 " A layer that trains worse than the rest, often the output layer, can keep a larger share: "
                 "min_ratio={name pattern: share}."))
+
+    def _warmup_note(self) -> str:
+        """How long the policy's sparsity warm-up lasts at this ratio (below 1% it is longer than the
+        ``sparsity_warmup`` the start-up message names; a short run may end inside it)."""
+        warm = sparsity_warmup_steps(self.feedback.sparsity_warmup, self.ratio, self.feedback.warmup_pace)
+        if self.schedule is not None or warm == 0:
+            return ""
+        return (f" At this ratio the sparsity warm-up lasts {warm} compressed steps per tensor (the share sent "
+                f"falls from {SparsityWarmup.start:.0%} to {self.ratio:g}).")
 
     def _ratio_repr(self) -> str:
         return repr(self.schedule) if self.schedule is not None else repr(self.ratio)

@@ -347,6 +347,8 @@ def test_ratios_below_the_measured_ones_are_cautioned_once(ratio, cautioned, cap
     assert ("min_ratio={name pattern: share}" in said[0]) == cautioned
     assert "min_ratio" not in TopKQSGD(ratio=0.001, min_ratio={"^out": 0.01})._caution()
     assert QSGD(bits=8)._caution() == ""
+    # the warm-up's length at this ratio (a short run may end inside it); none for a schedule of the user's
+    assert ("sparsity warm-up lasts 172 compressed steps" in said[0]) == (ratio == 0.001)
 
 
 def test_a_forced_policy_is_kept_and_only_rank_zero_speaks(caplog):
@@ -548,6 +550,9 @@ def test_sparsity_warmup_lasts_longer_below_one_percent(policy):
         {0.1: 100, 0.01: 100, 0.001: 317, 0.0001: 1000}
     assert warm == expected, warm
     assert warm[0.001] == sparsity_warmup_steps(100, 0.001, c.feedback.warmup_pace)
+    told = TopK(ratio=0.001)
+    told.attach(opt, {p: "w"})
+    assert f"sparsity warm-up lasts {expected[0.001]} compressed steps" in told._caution()   # said at start-up
     if policy == "frozen":
         # the same share step for step (within the rounding up of 171.5 steps) until 1%, reached near step 100
         assert all(a == pytest.approx(b, rel=0.01) for a, b in zip(at[0.001][:100], at[0.01][:100]))
