@@ -45,7 +45,7 @@ import torch
 
 from . import wire
 from .compressors import GradientCompressor, QSGD
-from .feedback import Feedback, residual_dtype
+from .feedback import residual_dtype
 
 
 @dataclass
@@ -363,7 +363,7 @@ class AllgatherExchange:
         parts = p.extra.pop("parts")
         sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
         self.compressor.received(p.name, out, sparse_support(parts))
-        p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
+        p.extra["finite"] = finite_at_indices(self.compressor, parts, out, p.name)
         p.finished = True
 
 
@@ -466,16 +466,20 @@ def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
-def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.Tensor) -> Optional[torch.Tensor]:
-    """Whether ``out`` (the sum of sparse ``parts`` by :func:`sum_parts`) is all finite, read at the
-    parts' indices only: everywhere else it is zero. A 0-dim bool tensor (no host sync), or None
-    when that shortcut does not hold (a dense part, or a feedback policy whose ``received``
-    rewrites the whole average): then the caller checks all of ``out``.
+def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.Tensor,
+                      name: str = "") -> Optional[torch.Tensor]:
+    """Whether ``out`` (the sum of sparse ``parts`` by :func:`sum_parts`, then the feedback policy's
+    ``received`` of tensor ``name``) is all finite, read at the parts' indices only: everywhere else
+    it is zero, or changed by the policy at indices it names
+    (:meth:`~hvd_gradcomp.feedback.Feedback.received_terms`: momentum correction's previous
+    average). A 0-dim bool tensor (no host sync), or None when that shortcut does not hold (a dense
+    part, or a policy whose rewrite is not known): then the caller checks all of ``out``.
 
-    Checking a 25M-value gradient in full costs a pass over it in ``synchronize()``; this reads
-    the ~1% of it that can differ from zero. On the CPU even that gather (a cache miss per
-    index: ~1 ms for a 4M-value tensor's two parts, in ``synchronize()``) is skipped when the
-    parts' values alone prove it (:func:`_parts_bounded`).
+    Checking a 25M-value gradient in full costs a pass over it in ``synchronize()`` (~12 ms on
+    this CPU; with momentum SGD it was done for every tensor there); this reads the ~1% of it that
+    can differ from zero. On the CPU even that gather (a cache miss per index: ~1 ms for a
+    4M-value tensor's two parts, in ``synchronize()``) is skipped when the values alone prove it
+    (:func:`_parts_bounded`).
 
     >>> from hvd_gradcomp import TopK
     >>> c = TopK(ratio=0.5)
@@ -485,14 +489,16 @@ def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.T
     >>> bool(finite_at_indices(c, parts, sum_parts(parts, False, 4, torch.float32)))  # 6e38 overflows
     False
     """
-    if not parts or any(idx is None for idx, _ in parts) or type(compressor.feedback).received is not Feedback.received:
+    terms = compressor.feedback.received_terms(name)
+    if not parts or any(idx is None for idx, _ in parts) or terms is None:
         return None
+    terms = list(parts) + terms
     if out.device.type == "cpu":   # reading the bound is free there; on a GPU it would be a sync
-        bounded = _parts_bounded(parts, out.dtype)
+        bounded = _parts_bounded(terms, out.dtype)
         if bool(bounded):
             return bounded
     flat = out.reshape(-1)
-    return torch.stack([torch.isfinite(flat[idx]).all() for idx, _ in parts]).all()
+    return torch.stack([torch.isfinite(flat[idx.to(flat.device)]).all() for idx, _ in terms]).all()
 
 
 def _parts_bounded(parts: Parts, dtype: torch.dtype) -> torch.Tensor:
@@ -842,7 +848,7 @@ class FusedAllgatherExchange:
                     member.extra["received"] = True
                     # its finiteness too, read where the average can be nonzero: one thing less
                     # for synchronize() to do (~0.1 ms a tensor on CPU, issue 13)
-                    member.extra["finite"] = finite_at_indices(self.compressor, parts[i], out)
+                    member.extra["finite"] = finite_at_indices(self.compressor, parts[i], out, member.name)
                 spent[i] += time.perf_counter() - t0
             _charge(member, caller, spent[i])
         # Each member points at its group (extra["group"]); the group lets go of its members now,
@@ -887,7 +893,7 @@ class FusedAllgatherExchange:
             # the feedback policy sees the average (issue 9)
             self.compressor.received(p.name, out, sparse_support(parts))
         if not received:   # else _decode read it, after the same sum and the same received
-            p.extra["finite"] = finite_at_indices(self.compressor, parts, out)
+            p.extra["finite"] = finite_at_indices(self.compressor, parts, out, p.name)
         p.finished = True
 
 

@@ -42,7 +42,7 @@ import inspect
 import logging
 import sys
 import warnings
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -434,6 +434,18 @@ class Feedback:
         is zero (in any order, possibly repeated: every rank's sent indices, concatenated), so a
         policy can work on those alone; None: dense."""
 
+    def received_terms(self, name: str) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """What the last :meth:`received` of ``name`` did to a sparse average besides leaving it: ``[]``
+        when it left the average as summed (the default :meth:`received`); else ``(indices, values)``
+        pairs such that every value it changed sits at those indices or at the average's support,
+        and is bounded in magnitude by the average's plus these values'; None: unknown (the caller
+        then checks the whole average for NaN/Inf, a pass over the tensor in ``synchronize()``).
+
+        Why: the exchange proves the average finite from the values sent
+        (:func:`hvd_gradcomp.exchange.finite_at_indices`) instead of reading all of it.
+        """
+        return [] if type(self).received is Feedback.received else None
+
     def dense(self, name: str) -> bool:
         """True: send ``name`` uncompressed this step (in the dense allreduce, like small tensors).
         Must give the same answer on every rank (decide from replicated state only)."""
@@ -682,6 +694,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         # The velocity a prepare() computed, kept by sent(): a prepare whose input turns out
         # non-finite (checked after it, see marks_input) leaves the state as it was.
         self._pending: Dict[str, torch.Tensor] = {}
+        self._terms: Dict[str, Optional[List[Tuple[torch.Tensor, torch.Tensor]]]] = {}   # see received_terms
         self._undo = None  # see _RoundUndo
 
     def _coefficients(self, name: str) -> Tuple[float, float]:
@@ -738,6 +751,10 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         m, d = self._coefficients(name)
         prev = self.delivered.get(name)
+        # What this rewrite adds, for received_terms: m * D_{t-1} at D_{t-1}'s indices, |m| < 1; none
+        # known when D_{t-1} was dense, or when dampening scales the result up.
+        self._terms[name] = [] if prev is None else \
+            [(prev.indices, prev.values)] if isinstance(prev, SparseValues) and not d else None
         # D_t, kept sparse when the exchange says where it is nonzero: then this rewrite costs
         # O(sent values) instead of two passes over the tensor (a third of TopK's codec time).
         now: Any = (SparseValues(avg.numel(), support, avg[support].clone()) if support is not None
@@ -751,6 +768,20 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
             if d:  # dampening is 0 for nearly everyone: skip a pass over the tensor
                 avg.div_(1.0 - d)
         self._replace("delivered", name, now)
+
+    def received_terms(self, name: str) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """The previous step's averaged velocity, subtracted times ``m`` at its indices (see
+        :meth:`Feedback.received_terms`).
+
+        >>> mc = MomentumCorrection(momentum=0.9)
+        >>> avg = torch.tensor([0.0, 2.0, 0.0]); mc.received("w", avg, torch.tensor([1]))
+        >>> mc.received_terms("w")
+        []
+        >>> avg = torch.tensor([4.0, 0.0, 0.0]); mc.received("w", avg, torch.tensor([0]))
+        >>> avg.tolist(), [(i.tolist(), v.tolist()) for i, v in mc.received_terms("w")]
+        ([4.0, -1.7999999523162842, 0.0], [([1], [2.0])])
+        """
+        return self._terms.get(name)
 
     def describe(self) -> str:
         m = "from the optimizer" if self.momentum is None else self.momentum

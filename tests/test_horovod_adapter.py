@@ -270,9 +270,44 @@ def test_finiteness_is_read_at_the_sparse_indices_only_where_that_is_exact() -> 
     out = sum_parts(parts, True, 4, torch.float32)
     assert not bool(finite_at_indices(c, parts, out))
     assert bool(finite_at_indices(c, parts[:1], sum_parts(parts[:1], True, 4, torch.float32)))
-    # a dense part (QSGD, or a rank's non-finite flag) or a policy rewriting the average: check it all
+    # a dense part (QSGD, or a rank's non-finite flag) or a policy whose rewrite is unknown: check it all
     assert finite_at_indices(c, [(None, torch.ones(4))], torch.ones(4)) is None
-    assert finite_at_indices(gc.TopK(ratio=0.5, feedback="momentum"), parts[:1], out) is None
+    assert finite_at_indices(gc.TopK(ratio=0.5, feedback="momentum"), parts[:1], out, "w") is None  # no received yet
+    assert finite_at_indices(gc.TopK(ratio=0.5, feedback="update"), parts[:1], out, "w") is None
+
+
+def _corrected(comp: gc.TopK, parts: list) -> torch.Tensor:
+    """The average of ``parts`` after momentum correction's rewrite, as the exchanges hand it over."""
+    out = sum_parts(parts, True, 4, torch.float32)
+    comp.received("w", out, torch.cat([idx for idx, _ in parts]))
+    return out
+
+
+def test_momentum_corrections_rewrite_is_checked_at_its_indices_too() -> None:
+    """Momentum correction subtracts m * (the previous average) at the previous average's indices: the
+    verdict comes from the sent values and those (no pass over the tensor in synchronize()), and still
+    sees a NaN/Inf or an overflow that the subtraction makes."""
+    for bound in (True, False):   # from the values' bound, and from the gather at the indices
+        c = gc.TopK(ratio=0.5, feedback=gc.MomentumCorrection(momentum=0.9))
+        big = 3e38 if not bound else 1.0
+        first = [(torch.tensor([1]), torch.tensor([-big]))]
+        out = _corrected(c, first)
+        assert bool(finite_at_indices(c, first, out, "w"))
+        # the next step's average at index 1: 3e38 - 0.9 * (-3e38) overflows; at index 2 alone it would not
+        now = [(torch.tensor([1]), torch.tensor([big]))] if not bound else [(torch.tensor([2]), torch.tensor([5.0]))]
+        out = _corrected(c, now)
+        assert c.feedback.received_terms("w")[0][0].tolist() == [1]
+        assert bool(finite_at_indices(c, now, out, "w")) == bool(torch.isfinite(out).all()) == bound, out
+    # a NaN in the previous average (a step a loss scaler skipped is undone; here it was not) is seen
+    c = gc.TopK(ratio=0.5, feedback=gc.MomentumCorrection(momentum=0.9))
+    _corrected(c, [(torch.tensor([3]), torch.tensor([float("nan")]))])
+    now = [(torch.tensor([0]), torch.tensor([1.0]))]
+    assert not bool(finite_at_indices(c, now, _corrected(c, now), "w"))
+    # dampening scales the rewrite up: no shortcut
+    c = gc.TopK(ratio=0.5, feedback=gc.MomentumCorrection(momentum=0.9, dampening=0.5))
+    _corrected(c, now)
+    _corrected(c, now)
+    assert finite_at_indices(c, now, _corrected(c, now), "w") is None
 
 
 def test_finiteness_from_the_values_bound_falls_back_to_the_sums_when_it_cannot_tell() -> None:
