@@ -1240,6 +1240,12 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             param.add_(avg.view(param.shape).to(param.dtype), alpha=scale)
         avg.zero_()
 
+    def received_terms(self, name: str) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """``[]``: :meth:`received` zeroes a finite average and leaves a non-finite one as it was, so
+        the exchange's check at the sent indices holds (see :meth:`Feedback.received_terms`); before,
+        every compressed tensor of AdamW got a full pass more in ``synchronize()``, over zeros."""
+        return []
+
     def describe(self) -> str:
         # issue 9: with AdamW over 1200 steps, freezing after 300 steps (a quarter of the run, 1-bit
         # Adam's advice) ended closest to uncompressed (docs/STUDY_RUN_LENGTH.md); the run's length

@@ -310,6 +310,17 @@ def test_momentum_corrections_rewrite_is_checked_at_its_indices_too() -> None:
     assert finite_at_indices(c, now, _corrected(c, now), "w") is None
 
 
+def test_frozen_variance_is_checked_at_the_sent_indices_too() -> None:
+    """"frozen" zeroes a finite average after applying it and passes a non-finite one on as it was: the
+    check at the sent indices holds (no full pass over zeros in synchronize()), and still sees a NaN."""
+    c = gc.TopK(ratio=0.5, feedback=gc.FrozenVariance())
+    assert c.feedback.received_terms("w") == []
+    nan = [(torch.tensor([1]), torch.tensor([float("nan")])), (torch.tensor([2]), torch.tensor([1.0]))]
+    out = sum_parts(nan, True, 4, torch.float32)
+    c.received("w", out, torch.tensor([1, 2]))   # non-finite: passed on before anything is read
+    assert torch.isnan(out[1]) and not bool(finite_at_indices(c, nan, out, "w"))
+
+
 def test_finiteness_from_the_values_bound_falls_back_to_the_sums_when_it_cannot_tell() -> None:
     c = gc.TopK(ratio=0.5)
     big = [(torch.tensor([0]), torch.tensor([3e38])), (torch.tensor([1]), torch.tensor([3e38]))]
