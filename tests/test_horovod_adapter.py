@@ -309,6 +309,15 @@ def test_momentum_corrections_rewrite_is_checked_at_its_indices_too() -> None:
     _corrected(c, now)
     assert finite_at_indices(c, now, _corrected(c, now), "w") is None
 
+    class Mine(gc.MomentumCorrection):   # a rewrite of the user's own: its effect is unknown, check it all
+        def received(self, name, avg, support=None):
+            super().received(name, avg, support)
+            avg.mul_(2.0)
+
+    c = gc.TopK(ratio=0.5, feedback=Mine(momentum=0.9))
+    _corrected(c, now)
+    assert finite_at_indices(c, now, _corrected(c, now), "w") is None
+
 
 def test_frozen_variance_is_checked_at_the_sent_indices_too() -> None:
     """"frozen" zeroes a finite average after applying it and passes a non-finite one on as it was: the
