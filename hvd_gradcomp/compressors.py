@@ -1085,10 +1085,14 @@ class TopK(GradientCompressor):
                 " A layer that trains worse than the rest, often the output layer, can keep a larger share: "
                 "min_ratio={name pattern: share}."))
 
+    def _policy_warmup_steps(self) -> int:
+        """The feedback policy's sparsity warm-up at this ratio: longer below 1% (its ``warmup_pace``)."""
+        return sparsity_warmup_steps(self.feedback.sparsity_warmup, self.ratio, self.feedback.warmup_pace)
+
     def _warmup_note(self) -> str:
         """How long the policy's sparsity warm-up lasts at this ratio (below 1% it is longer than the
         ``sparsity_warmup`` the start-up message names; a short run may end inside it)."""
-        warm = sparsity_warmup_steps(self.feedback.sparsity_warmup, self.ratio, self.feedback.warmup_pace)
+        warm = self._policy_warmup_steps()
         if self.schedule is not None or warm == 0:
             return ""
         return (f" At this ratio the sparsity warm-up lasts {warm} compressed steps per tensor (the share sent "
@@ -1117,8 +1121,7 @@ class TopK(GradientCompressor):
         """
         if self.schedule is not None:
             return check_ratio(self.schedule(step))
-        # the policy's own (e.g. "frozen", after its dense warm-up), longer below 1%
-        warm = sparsity_warmup_steps(self.feedback.sparsity_warmup, self.ratio, self.feedback.warmup_pace)
+        warm = self._policy_warmup_steps()   # the policy's own (e.g. "frozen", after its dense warm-up)
         if step < warm:
             return SparsityWarmup(self.ratio, warm, start=max(self.ratio, SparsityWarmup.start))(step)
         return self.ratio

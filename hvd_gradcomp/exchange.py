@@ -45,7 +45,7 @@ import torch
 
 from . import wire
 from .compressors import GradientCompressor, QSGD
-from .feedback import residual_dtype
+from .feedback import known_terms, residual_dtype
 
 
 @dataclass
@@ -475,9 +475,9 @@ def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.T
     average). A 0-dim bool tensor (no host sync), or None when that shortcut does not hold (a dense
     part, or a policy whose rewrite is not known): then the caller checks all of ``out``.
 
-    Checking a 25M-value gradient in full costs a pass over it in ``synchronize()`` (~12 ms on
-    this CPU; with momentum SGD it was done for every tensor there); this reads the ~1% of it that
-    can differ from zero. On the CPU even that gather (a cache miss per index: ~1 ms for a
+    Checking a 25M-value gradient in full costs a pass over it in ``synchronize()`` (with momentum
+    SGD and AdamW it was done for every tensor there); this reads the ~1% of it that can differ
+    from zero. On the CPU even that gather (a cache miss per index: ~1 ms for a
     4M-value tensor's two parts, in ``synchronize()``) is skipped when the values alone prove it
     (:func:`_parts_bounded`).
 
@@ -489,7 +489,7 @@ def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.T
     >>> bool(finite_at_indices(c, parts, sum_parts(parts, False, 4, torch.float32)))  # 6e38 overflows
     False
     """
-    terms = compressor.feedback.received_terms(name)
+    terms = known_terms(compressor.feedback, name)
     if not parts or any(idx is None for idx, _ in parts) or terms is None:
         return None
     terms = list(parts) + terms
@@ -498,7 +498,7 @@ def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.T
         if bool(bounded):
             return bounded
     flat = out.reshape(-1)
-    return torch.stack([torch.isfinite(flat[idx.to(flat.device)]).all() for idx, _ in terms]).all()
+    return torch.stack([torch.isfinite(flat[idx]).all() for idx, _ in terms]).all()
 
 
 def _parts_bounded(parts: Parts, dtype: torch.dtype) -> torch.Tensor:
