@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 
 import pytest
 import torch
@@ -331,6 +332,36 @@ def test_auto_feedback_follows_the_optimizer(make, compressor, expected, caplog)
     assert c.feedback.key == expected
     said = [r.getMessage() for r in caplog.records if r.name == "hvd_gradcomp"]
     assert len(said) == 1 and f"feedback '{expected}'" in said[0]
+
+
+@pytest.mark.parametrize("compressor, rank, schedule, noted", [
+    (TopKQSGD, 0, None, True), (TopK, 0, None, True), (TopKQSGD, 1, None, False),   # said on rank 0 only
+    (TopKQSGD, 0, "cosine", False), (TopKQSGD, 0, "step", False),   # a schedule changes the rate sooner
+    (TopKQSGD, 0, "warm-up", True),                                 # then constant: the same lag
+    (lambda: QSGD(bits=8), 0, None, False)])                           # dense: nothing held back
+def test_a_rate_constant_for_its_first_steps_is_noted_once(compressor, rank, schedule, noted, caplog):
+    """Issue 9: at a constant rate TopK-based compression may end above uncompressed training (the
+    study's transformer-const); rank 0 says so once, mid-run, when the rate has not changed since
+    the first step or the end of a warm-up, and never under a decaying schedule."""
+    from hvd_gradcomp.compressors import CONSTANT_RATE_NOTE_STEPS
+    opt, c = _opt(torch.optim.AdamW, lr=1e-3), compressor()
+    steps = 3 * CONSTANT_RATE_NOTE_STEPS
+    sched = None if schedule is None else torch.optim.lr_scheduler.LambdaLR(
+        opt, {"cosine": lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)),
+              "step": lambda s: 0.5 ** (s // (CONSTANT_RATE_NOTE_STEPS // 2)),
+              "warm-up": lambda s: min(1.0, (s + 1) / 10)}[schedule])
+    with caplog.at_level(logging.INFO, logger="hvd_gradcomp"):
+        c.attach(opt, {opt.param_groups[0]["params"][0]: "w"}, rank)
+        for _ in range(steps):
+            opt.step()
+            if sched is not None:
+                sched.step()
+            c.end_round(True)
+    said = [r.getMessage() for r in caplog.records if r.name == "hvd_gradcomp" and "has not changed" in r.getMessage()]
+    assert len(said) == int(noted)
+    if noted:
+        assert f"AdamW has not changed in {CONSTANT_RATE_NOTE_STEPS} steps" in said[0]
+        assert repr(c) in said[0] and "transformer-const" in said[0]
 
 
 @pytest.mark.parametrize("ratio, cautioned", [(0.001, True), (SparsityWarmup(0.001, steps=10), True),
