@@ -168,7 +168,7 @@ class GradCompState:
             Horovod road does: DGC momentum correction for ``SGD(momentum > 0)`` (each rank sends
             its own velocity through error feedback, so nothing it drops loses its momentum),
             ``"frozen"`` (:class:`hvd_gradcomp.FrozenVariance`: a dense warm-up, then Adam's second
-            moment frozen and each rank's momentum through error feedback) for ``Adam``/``AdamW``,
+            moment frozen and each rank's update direction through error feedback) for ``Adam``/``AdamW``,
             classic error feedback otherwise; the choice is said once on rank 0. Without it:
             classic. Under ``"frozen"`` the parameters move when the optimizer steps (a step
             pre-hook applies the averaged update and hands the optimizer a zero gradient, so

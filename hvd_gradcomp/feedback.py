@@ -24,9 +24,10 @@ see :func:`choose`):
   velocity, so that SGD's own momentum buffer becomes exactly ``D_t``. At ratio 1 this is
   bit-for-bit momentum SGD (also with weight decay, dampening and Nesterov).
 * :class:`FrozenVariance` (``"frozen"``): for ``Adam`` and ``AdamW``: a dense warm-up of exact
-  Adam, then its second moment is frozen (identical on every rank) and each rank's momentum
-  goes through error feedback (1-bit Adam, Tang et al. 2021); Adam is then linear, so error
-  feedback delays movement but loses none.
+  Adam, then its second moment is frozen (identical on every rank, as in 1-bit Adam, Tang et
+  al. 2021) and each rank's gradient, divided by it, goes through error feedback, whose residual
+  takes the first moment's place; Adam is then linear, so error feedback delays movement but
+  loses none.
 * :class:`LocalUpdate` (``"update"``): for other adaptive optimizers (RMSprop, Adagrad, ...): each rank
   runs the optimizer's algorithm on its own gradient and the *parameter change* goes through
   error feedback; the wrapped optimizer only applies decoupled weight decay. Adam normalises
@@ -927,8 +928,8 @@ class LocalUpdate(ErrorFeedback):
 
 
 class FrozenVariance(_RoundUndo, ErrorFeedback):
-    """Adam and AdamW with their second moment frozen after a dense warm-up, and each rank's
-    momentum sent through error feedback (``feedback="frozen"``; 1-bit Adam, Tang et al. 2021).
+    """Adam and AdamW with their second moment frozen after a dense warm-up (1-bit Adam, Tang et
+    al. 2021), then each rank's update direction sent through error feedback (``feedback="frozen"``).
 
     * For the first ``warmup`` optimizer steps of a tensor, :meth:`dense` is True: the tensor
       goes uncompressed through the dense allreduce and the wrapped optimizer runs exact Adam.
@@ -959,14 +960,27 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       rate the scale reached is kept, and under a schedule that changes the rate from the first
       step (cosine, linear, OneCycleLR) nothing changes. Each rank scales only what it sends, so
       the average every rank applies stays the same on all.
-    * With ``v`` frozen, Adam is linear in the gradient: each rank keeps its own momentum
-      ``u = b1*u + (1-b1)*g`` (started from Adam's, so the switch is seamless) and sends the
-      update direction ``u / denom`` through error feedback, like DGC's momentum correction
-      (top-k on the direction, not on ``u``, picks the coordinates that would move most: in the
-      simulator this took the transformer's gap from +2.8% to +1.6%). The parameter moves by
-      ``-lr * D / (1 - b1**t)`` (``D``: the averaged sent direction, identical on every rank);
-      the wrapped optimizer is handed a zero gradient with its first moment cleared, so it
-      moves nothing but its decoupled weight decay (AdamW), exactly.
+    * With ``v`` frozen, Adam is linear in the gradient: each rank sends the update direction
+      ``g / denom`` through error feedback (top-k on the direction, not on ``g``, picks the
+      coordinates that would move most: in the simulator this took the transformer's gap from
+      +2.8% to +1.6%), and the parameter moves by ``-lr * D`` (``D``: the averaged sent
+      direction, identical on every rank), when the learning rate has not changed in the last
+      :data:`FLAT_RATE_STEPS` steps; error feedback's residual then plays the part of Adam's
+      first moment: it sums each coordinate's gradients until they are sent, as the momentum
+      averages them. While the rate changes (a schedule), Adam's momentum is kept as well: each
+      rank's ``u = b1*u + (1-b1)*g``, started from Adam's, sends ``u / denom``, and the
+      parameter moves by ``-lr * D / (1 - b1**t)`` (1-bit Adam's and DGC's way). Why not always:
+      most of each gradient's share of the momentum enters the residual after the coordinate was
+      sent, and waits there for its next send, about ``1/ratio`` steps later. Under a decaying
+      rate that lag shrinks with the rate, and on the study's CNN with Adam the momentum ended
+      closer to uncompressed training (+7% held-out loss without it, 2 seeds, scratch runs); at a
+      constant rate it does not, and with the momentum TopKQSGD(1%, 8) ended above uncompressed
+      training on the study's transformer at every length tried (docs/STUDY.md: the
+      *transformer-const* rows, "Adam's momentum kept"). A tensor drops the momentum for good once
+      its rate has stayed the same that long (after a warm-up ramp: that many steps after it);
+      ``momentum=True`` or ``False`` decides for every tensor instead. The wrapped optimizer is
+      handed a zero gradient with its first moment cleared, so it moves nothing but its decoupled
+      weight decay (AdamW), exactly.
 
     Why not plain error feedback on gradients: Adam divides each coordinate by its recent
     magnitude, so the spikes of error feedback (zero for ~1/ratio steps, then the sum) become
@@ -974,7 +988,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     Adam on its own gradient): each rank's ``v`` then sees a P-times-smaller batch, so every
     step is too short (+18% held-out loss on the study's CNN even with nothing dropped). With
     ``v`` frozen, nothing is lost but time: every coordinate's total movement arrives, delayed.
-    At ratio 1 this is exactly Adam with ``v`` frozen at the end of the warm-up.
+    At ratio 1 with the momentum kept this is exactly Adam with ``v`` frozen at the end of the
+    warm-up (without it: the same without the first moment).
 
     Like "update", the change is applied when the exchange finishes (in ``synchronize()``), so
     clipping ``p.grad`` between ``synchronize()`` and ``step()`` does not reach it: use the
@@ -997,8 +1012,14 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     _round_stores = ("velocity", "steps", "scale")  # velocity, steps: set at the freeze, before _remember
 
     def __init__(self, warmup: int = 100, floor: float = 0.1, sparsity_warmup: int = SPARSITY_WARMUP,
-                 window: Optional[int] = 50, max_warmup: int = 1000) -> None:
+                 window: Optional[int] = 50, max_warmup: int = 1000, momentum: Optional[bool] = None) -> None:
         super().__init__()
+        if momentum is not None and not isinstance(momentum, bool):
+            raise ValueError(f"FrozenVariance momentum must be None (Adam's first moment kept while the learning rate "
+                             f"changes), True (always kept) or False (never: error feedback's residual sums the "
+                             f"gradients), got {momentum!r}")
+        self.momentum = momentum
+        self._flat: Dict[str, Tuple[float, int]] = {}   # each tensor's rate, and the step it was first seen at
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"FrozenVariance warmup must be an int >= 1 (dense Adam steps before v is frozen), "
                              f"got {warmup!r}")
@@ -1072,7 +1093,14 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             return seen[2]   # asked again in the same step
         rising = seen is None or seen[0] != t - 1 or lr > seen[1] * (1.0 + 1e-9)
         self._lr_seen[name] = (t, lr, rising)
+        self._note_rate(name, t, lr)
         return rising
+
+    def _note_rate(self, name: str, t: int, lr: float) -> None:
+        """Remember since which step ``t`` (completed optimizer steps) ``name``'s rate is ``lr``."""
+        seen = self._flat.get(name)
+        if seen is None or seen[0] != lr:
+            self._flat[name] = (lr, t)
 
     def _track(self, name: str, state: Dict[str, Any], group: Dict[str, Any]) -> None:
         """Once per optimizer step of the warm-up: the squared averaged gradient of Adam's last step,
@@ -1197,7 +1225,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         v = v.detach().to(residual_dtype(param.dtype)).reshape(-1)
         root = self._frozen_v(name, v, b2, t).sqrt()
         self.denom[name] = root.clamp(min=self.floor * float(root.mean())).add_(group["eps"])
-        self.velocity[name] = state["exp_avg"].detach().to(root.dtype).reshape(-1).clone()
+        if self.momentum is not False:
+            self.velocity[name] = state["exp_avg"].detach().to(root.dtype).reshape(-1).clone()
         self.steps[name] = t
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -1216,12 +1245,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             # gradients: then the first compressed step's, taken at the next one)
             self.scale_at_freeze[name] = self.scale[name]
         self._follow_scale(name, grad)
-        b1 = self._bound[name][1]["betas"][0]
-        old = self.velocity[name]
-        # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
-        # b1*u + (1-b1)*g in one pass.
-        u = torch.lerp(grad.reshape(-1).to(old.dtype), old, b1, out=self._buffer("velocity", name, old))
-        self._replace("velocity", name, u)
+        u = self._direction(name, grad)
         # What goes out is the update direction u / denom, not u: top-k then picks the coordinates
         # that would move most, and the residual is kept in the units of movement.
         acc, res = self.residuals.buffer(name, u), self.residuals.residual(name, self._lr(name))
@@ -1231,6 +1255,25 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         return torch.div(u, self.denom[name], out=acc) if res is None else \
             torch.addcdiv(res, u, self.denom[name], out=acc)
 
+    def _direction(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """What is divided by ``denom`` and sent: the new first moment while the tensor keeps Adam's
+        momentum, else the gradient (see the class docstring)."""
+        denom = self.denom[name]
+        t = self.steps[name]
+        self._note_rate(name, t, float(self._bound[name][1]["lr"]))
+        if self.momentum is None and name in self.velocity and t - self._flat[name][1] >= FLAT_RATE_STEPS:
+            self._remember(name)          # an undone step puts the velocity back
+            del self.velocity[name]       # for good: the rate has stayed the same
+        if name not in self.velocity:
+            return grad.reshape(-1).to(denom.dtype)
+        b1 = self._bound[name][1]["betas"][0]
+        old = self.velocity[name]
+        # A new tensor, not old.mul_: the old velocity is what an undone step puts back.
+        # b1*u + (1-b1)*g in one pass.
+        u = torch.lerp(grad.reshape(-1).to(old.dtype), old, b1, out=self._buffer("velocity", name, old))
+        self._replace("velocity", name, u)
+        return u
+
     def _check_scale(self, name: str, grad: torch.Tensor) -> None:
         """Refuse gradients far larger than the warm-up's (a loss scaler's scaled gradients): the
         update is applied before the scaler unscales, so it would be that many times too large.
@@ -1238,7 +1281,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         rms_g = float(grad.detach().float().pow(2).mean().sqrt())
         rms_v = float((self.denom[name] - self._bound[name][1]["eps"]).pow(2).mean().sqrt())
         if rms_v > 0 and rms_g > SCALED_GRADIENT_RATIO * rms_v:
-            del self.denom[name], self.velocity[name], self.steps[name]
+            del self.denom[name], self.steps[name]
+            self.velocity.pop(name, None)
             raise ValueError(
                 f"feedback='frozen': the gradient of {name!r} is {rms_g / rms_v:.3g}x larger than during Adam's "
                 "dense warm-up; is it scaled by a loss scaler (torch.amp.GradScaler)? This policy applies the "
@@ -1252,7 +1296,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._remember(name)
         t = self.steps[name] = self.steps[name] + 1
         lr = float(group["lr"])
-        scale = -lr / (1.0 - group["betas"][0] ** t)
+        # Adam's bias correction, of the first moment only
+        scale = -lr / (1.0 - group["betas"][0] ** t) if name in self.velocity else -lr
         if group.get("maximize", False):
             scale = -scale
         # The wrapped optimizer decays the parameter after this (decoupled weight decay,
@@ -1277,8 +1322,14 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         # rate the frozen v follows the gradients' scale (docs/SMALL_MLP_CHECK.md: before it did, a small
         # MLP ended far above uncompressed training there, and "update" was the advice)
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor (more while the learning "
-                f"rate still rises, at most {self._longest_warmup}), each rank's momentum through error feedback "
-                "(1-bit Adam style), the frozen v following the gradients' scale while the learning rate stays "
+                f"rate still rises, at most {self._longest_warmup}), "
+                + {True: "each rank's momentum through error feedback (1-bit Adam style)",
+                   False: "each rank's gradient through error feedback, whose residual takes the first moment's place",
+                   None: "each rank's momentum through error feedback (1-bit Adam style) while the learning rate "
+                         f"changes, its gradient once the rate has stayed the same {FLAT_RATE_STEPS} steps (error "
+                         "feedback's residual then takes the first moment's place: docs/STUDY.md, transformer-const)"
+                   }[self.momentum]
+                + ", the frozen v following the gradients' scale while the learning rate stays "
                 f"constant (docs/SMALL_MLP_CHECK.md); for a run much longer than {4 * self.warmup} steps, freeze "
                 "later: feedback=FrozenVariance(warmup=a quarter of the run's steps) (docs/STUDY_RUN_LENGTH.md)")
 
@@ -1289,7 +1340,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         return {**super().state_dict(), "velocity": _clone_tensors(self.velocity), "denom": _clone_tensors(self.denom),
                 "steps": dict(self.steps), "warmup": self.warmup, "floor": self.floor,
                 "sparsity_warmup": self.sparsity_warmup, "window": self.window,
-                "max_warmup": self.max_warmup,
+                "max_warmup": self.max_warmup, "momentum": self.momentum, "flat": dict(self._flat),
                 "recent": {n: (r.clone(), k) for n, (r, k) in self._recent.items()},
                 "last_v": {n: (t, v.clone()) for n, (t, v) in self._last_v.items()},
                 "lr_seen": dict(self._lr_seen),
@@ -1306,6 +1357,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.warmup, self.floor = int(state.get("warmup", self.warmup)), float(state.get("floor", self.floor))
         self.window = state.get("window", self.window)
         self.max_warmup = int(state.get("max_warmup", self.max_warmup))
+        # Checkpoints from before the choice was saved: this policy's (tensors frozen then have a velocity)
+        self.momentum = state.get("momentum", self.momentum)
+        self._flat = {n: (float(lr), int(t)) for n, (lr, t) in state.get("flat", {}).items()}
         # Checkpoints from before the window was saved have none: the warm-up's window starts again.
         self._recent = {n: (r.clone(), int(k)) for n, (r, k) in state.get("recent", {}).items()}
         self._last_v = {n: (int(t), v.clone()) for n, (t, v) in state.get("last_v", {}).items()}
@@ -1323,6 +1377,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if self._undo is not None:
             self._undo.clear()
 
+
+FLAT_RATE_STEPS = 50
+"""Steps at one learning rate after which a tensor under :class:`FrozenVariance` (``momentum=None``)
+sends its gradient rather than Adam's momentum (see the class docstring)."""
 
 CLIP_DETECT_TOLERANCE = 1e-2
 """A squared gradient sum recovered from Adam's ``v`` this far from the exchanged one's (relative)

@@ -53,6 +53,14 @@ SETTINGS = {
     # Nothing dropped (every value sent, the residual stays zero): with Adam and AdamW what is left of a
     # gap is the frozen second moment's (run_length.py's longer runs at a constant rate)
     "tk1": ("TopK(ratio=1): v frozen, nothing dropped", lambda opt: gc.TopK(ratio=1.0)),
+    # Adam and AdamW: the first moment kept by every tensor (FrozenVariance(momentum=True), the default
+    # before a tensor at a constant rate dropped it), or dropped by every tensor (also under a schedule)
+    "tq1-mom": ("TopKQSGD(1%, 8), Adam's momentum kept",
+                lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=True))),
+    "tq01-mom": ("TopKQSGD(0.1%, 8), Adam's momentum kept",
+                 lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(momentum=True))),
+    "tq1-nomom": ("TopKQSGD(1%, 8), Adam's momentum dropped",
+                  lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=False))),
     # Adam's second moment frozen 3x later than the default (100 steps): run_length.py's longer runs
     "tq1-warm300": ("TopKQSGD(1%, 8), second moment frozen after 300 steps",
                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300))),
