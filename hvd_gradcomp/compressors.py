@@ -128,9 +128,6 @@ MEASURED_RATIO = 0.01
 # GradientCompressor.carries_held_back) checks that the optimizer steps on the average as it was
 # handed over (HandedCheck), on this many sent values per tensor.
 HANDED_CHECK_STEPS = 100
-# After this many exchange steps at the rate of the first, a sparse compressor says once (rank 0)
-# that a rate constant to the end costs it: see TopK._constant_rate_note.
-CONSTANT_RATE_NOTE_STEPS = 200
 HANDED_SAMPLE = 16
 
 
@@ -329,9 +326,6 @@ class GradientCompressor:
         self._round_ok = True
         self.join_checked = False                          # this step checked hvd.join() (stock road)
         self._undo_steps: Optional[Dict[str, int]] = None  # random streams at the round's start
-        self.announces = False                             # rank 0 of the bound optimizer: says notes
-        self._rates_since: Optional[Tuple[List[float], int]] = None  # the groups' rates, and since which step
-        self._rate_noted = False                           # _constant_rate_note said (once per process)
 
     @property
     def exempt(self) -> str:
@@ -395,7 +389,6 @@ class GradientCompressor:
             if key != self.feedback.key:
                 self._set_policy(fb.make(key))
         self.bind_groups(optimizer, names)
-        self.announces = rank == 0
         if rank == 0:
             fb.announce(f"{self!r} with {type(optimizer).__name__}: feedback '{self.feedback.key}' "
                         f"({self.feedback.describe()}; {why}). Override with feedback='none'|'classic'|"
@@ -849,33 +842,6 @@ class GradientCompressor:
         self._round_ok = True
         self.join_checked = False
         self._round += 1
-        if self.announces:
-            self._watch_rate()
-
-    def _rates(self) -> Optional[List[float]]:
-        """The bound optimizer's learning rates, one per param group (None: not bound)."""
-        if self._binding is None:
-            return None
-        return [float(g["lr"]) for g in getattr(self._binding[0], "param_groups", ()) if "lr" in g]
-
-    def _watch_rate(self) -> None:
-        """Rank 0: once the rates have stayed the same for :data:`CONSTANT_RATE_NOTE_STEPS` exchange
-        steps (from the first step, or from the end of a warm-up), say :meth:`_constant_rate_note`,
-        once per process. A decaying schedule changes them every step or every few: no note."""
-        rates = self._rates()
-        if not rates or self._rate_noted:
-            return
-        if self._rates_since is None or rates != self._rates_since[0]:
-            self._rates_since = (rates, self._round)
-        elif self._round - self._rates_since[1] == CONSTANT_RATE_NOTE_STEPS:
-            self._rate_noted = True
-            note = self._constant_rate_note()
-            if note:
-                fb.announce(note)
-
-    def _constant_rate_note(self) -> str:
-        """What a learning rate kept constant costs this compressor (empty: nothing)."""
-        return ""
 
     def abandon_round(self) -> None:
         """Undo an unfinished step and restart the step count (elastic reset, checkpoint load)."""
@@ -1118,18 +1084,6 @@ class TopK(GradientCompressor):
                 "docs/STUDY_RUN_LENGTH.md)." + self._warmup_note() + ("" if self._min_ratio else
                 " A layer that trains worse than the rest, often the output layer, can keep a larger share: "
                 "min_ratio={name pattern: share}."))
-
-    def _constant_rate_note(self) -> str:
-        # issue 9: under every decaying schedule of the study TopKQSGD(1%, 8) matched uncompressed
-        # training; at a constant rate the study's transformer ended above it at any length tried
-        # (docs/STUDY.md, docs/STUDY_RUN_LENGTH.md). Said once, mid-run, rather than found at the end.
-        optimizer = type(self._binding[0]).__name__ if self._binding is not None else "the optimizer"
-        return (f"the learning rate of {optimizer} has not changed in {CONSTANT_RATE_NOTE_STEPS} steps. If it "
-                f"stays constant to the end, {self!r} may end above uncompressed training: error feedback "
-                "delivers part of every update late and at full rate, and a rate decaying towards the end "
-                "(cosine, linear) lets it catch up. On the study's transformer with AdamW at a constant rate "
-                "TopKQSGD(1%, 8) ended above uncompressed training at every length tried (docs/STUDY.md, "
-                "transformer-const); a larger ratio narrows the gap, at more bytes.")
 
     def _policy_warmup_steps(self) -> int:
         """The feedback policy's sparsity warm-up at this ratio: longer below 1% (its ``warmup_pace``)."""

@@ -364,7 +364,7 @@ class GradCompState:
         if not self.compression.feedback.moves_parameters:
             self.compression.received(name, avg, support)
             return
-        # The average is an update *direction* (FrozenVariance: momentum / sqrt(v)), not a gradient:
+        # The average is an update *direction* (FrozenVariance: momentum or gradient / sqrt(v)), not a gradient:
         # kept apart until the step, and zeros go to p.grad, as on the Horovod road. Left in p.grad,
         # a clip_grad_norm_(model.parameters(), 1.0) before opt.step() saw its norm (far above a
         # gradient's) and shortened every step by as much. A non-finite average stays in p.grad,

@@ -11,8 +11,9 @@ uncompressed seed spread is small (``transformer``: AdamW; ``char-mlp``: momentu
 TopKQSGD(1%, 8) (for AdamW also with Adam's second moment frozen after 300 steps instead of the
 default's 100, or the end of the rate's warm-up ramp when later: 120 steps at 3x the transformer's
 400), and ``transformer-const`` (the transformer at a constant rate, whose loss at the study's length
-is still falling) uncompressed, at both ratios and with ``TopK(ratio=1)`` (nothing dropped: what is
-left is the frozen second moment's), and writes ``docs/STUDY_RUN_LENGTH.md``: the gap at the study's length (from ``docs/data/study``,
+is still falling) uncompressed and at both ratios, by default and with Adam's momentum kept by
+every tensor (``FrozenVariance(momentum=True)``, the default before a tensor at a constant rate
+dropped it), and writes ``docs/STUDY_RUN_LENGTH.md``: the gap at the study's length (from ``docs/data/study``,
 the same seeds) next to the gap of the longer runs. Finished runs are kept (one JSON per run under
 ``--out``) and not run again.
 
@@ -41,13 +42,14 @@ TASKS = ("transformer", "char-mlp", "transformer-const")
 TASK_SETTINGS = {"transformer": ("tq01", "tq01-spw100", "tq1", "tq1-warm300"), "char-mlp": ("tq01", "tq01-spw100", "tq1"),
                  # at a constant rate the study's 400 steps leave the loss falling (6% over the last
                  # quarter): does the gap there close once the loss flattens?
-                 "transformer-const": ("tq01", "tq1", "tk1")}
-SETTINGS = ("none", "tq01", "tq01-spw100", "tq1", "tq1-warm300", "tk1")
+                 "transformer-const": ("tq01", "tq1", "tq01-mom", "tq1-mom")}
+SETTINGS = ("none", "tq01", "tq01-spw100", "tq1", "tq1-warm300", "tq01-mom", "tq1-mom")
 COLUMNS = (("tq01", "TopKQSGD(0.1%, 8)"), ("tq01-spw100", "TopKQSGD(0.1%, 8), 100-step sparsity warm-up"),
+           ("tq01-mom", "TopKQSGD(0.1%, 8), Adam's momentum kept"),
            ("tq1", "TopKQSGD(1%, 8)"),
            ("tq1-warm300", "TopKQSGD(1%, 8), v frozen after 300 steps"),
-           ("tk1", "TopK(ratio=1): v frozen, nothing dropped"))
-TARGET = {"tq01": 2.0, "tq01-spw100": 2.0, "tq1": 1.0, "tq1-warm300": 1.0, "tk1": 1.0}
+           ("tq1-mom", "TopKQSGD(1%, 8), Adam's momentum kept"))
+TARGET = {"tq01": 2.0, "tq01-spw100": 2.0, "tq01-mom": 2.0, "tq1": 1.0, "tq1-warm300": 1.0, "tq1-mom": 1.0}
 RATIO, RANKS = 0.001, 2
 Runs = Dict[Tuple[str, str], List[dict]]
 

@@ -52,6 +52,15 @@ def settings_of(task: str) -> tuple:
     return TASK_SETTINGS.get(task, DEFAULT_SETTINGS)
 
 
+def of_task(entry: str, task: str) -> bool:
+    """Whether a plan entry (``task-setting-sSEED``) is one of ``task``'s (task names hold dashes).
+
+    >>> of_task("transformer-const-tq1-s0", "transformer-const"), of_task("transformer-const-tq1-s0", "transformer")
+    (True, False)
+    """
+    return entry.startswith(f"{task}-") and entry[len(task) + 1:].rsplit("-s", 1)[0] in SETTINGS
+
+
 def command(task: str, seed: int, settings: list, out: Path, steps: int = 0) -> list:
     """horovodrun (or, for a DDP task, torchrun) with 2 ranks over one task and seed; ``steps``:
     instead of the task's own (0: the task's)."""
@@ -107,8 +116,9 @@ def main() -> int:
         plan = [f"{task}-{s}-s{seed}" for seed in map(int, args.seeds.split(",")) for task in tasks
                 for s in settings_of(task) if seed == 0 or s not in ONE_SEED]
         out.mkdir(parents=True, exist_ok=True)
-        old = out / "plan.json"  # a run over some tasks adds to the plan of the results already there
-        kept = [p for p in (json.loads(old.read_text()) if old.exists() else []) if p not in plan]
+        old = out / "plan.json"  # a run over some tasks adds to the plan of the other tasks' results
+        kept = [p for p in (json.loads(old.read_text()) if old.exists() else []) if p not in plan
+                and not any(of_task(p, task) for task in tasks)]
         (out / "plan.json").write_text(json.dumps(kept + plan) + "\n")
         for seed in map(int, args.seeds.split(",")):
             for task in tasks:
