@@ -223,6 +223,11 @@ def test_frozen_variance_drops_adams_momentum_once_the_rate_has_stayed_the_same(
         if sched is not None:
             sched.step()
     assert seen == dropped_at
+    # a checkpoint carries the rule's state: a resumed run drops the momentum at the same step
+    restored = gc.FrozenVariance(warmup=4, momentum=True)
+    restored.load_state_dict(c.feedback.state_dict())
+    assert restored.momentum is None and restored._flat == c.feedback._flat
+    assert set(restored.velocity) == set(c.feedback.velocity)
 
 
 @pytest.mark.parametrize("momentum", [False, True], ids=["default", "momentum"])

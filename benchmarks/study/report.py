@@ -30,7 +30,7 @@ TASK_TEXT = {
                    "betas (0.9, 0.98), 30% linear warm-up then cosine decay; `hvd_gradcomp.DistributedOptimizer`. "
                    "Added after the recipes were chosen, with nothing tuned for it",
 }
-ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tk1", "tq5", "tq1", "tq01", "tq01-spw100", "tq01-spw172", "tq01-out1", "tq1-classic",
+ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tq1", "tq01", "tq01-spw100", "tq01-spw172", "tq01-out1", "tq1-classic",
          "tq1-fixedlr", "tq1-update", "tq1-mom", "tq01-mom", "tq1-nomom", "tq1-momentum", "tq1-nospw"]
 
 

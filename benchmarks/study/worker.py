@@ -28,8 +28,6 @@ SETTINGS = {
     "topk": ("TopK 1%", lambda opt: gc.TopK(ratio=0.01)),
     "tq1": ("TopKQSGD(1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8)),
     "tq01": ("TopKQSGD(0.1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.001, bits=8)),
-    # 5x the bytes of TopKQSGD(1%, 8): how far a larger share closes a gap
-    "tq5": ("TopKQSGD(5%, 8)", lambda opt: gc.TopKQSGD(ratio=0.05, bits=8)),
     # The sparsity warm-up of 100 steps whatever the ratio (before it kept its pace below 1%): as a
     # schedule of the user's own, which counts the same compressed steps as the policy's
     "tq01-spw100": ("TopKQSGD(0.1%, 8), 100-step sparsity warm-up",
@@ -50,9 +48,6 @@ SETTINGS = {
                   lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.MomentumCorrection(sparsity_warmup=0))),
     # The residual kept at the rate it was computed (before it followed the learning rate)
     "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", loop.fixed_rate_topkqsgd),
-    # Nothing dropped (every value sent, the residual stays zero): with Adam and AdamW what is left of a
-    # gap is the frozen second moment's (run_length.py's longer runs at a constant rate)
-    "tk1": ("TopK(ratio=1): v frozen, nothing dropped", lambda opt: gc.TopK(ratio=1.0)),
     # Adam and AdamW: the first moment kept by every tensor (FrozenVariance(momentum=True), the default
     # before a tensor at a constant rate dropped it), or dropped by every tensor (also under a schedule)
     "tq1-mom": ("TopKQSGD(1%, 8), Adam's momentum kept",
