@@ -973,10 +973,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       most of each gradient's share of the momentum enters the residual after the coordinate was
       sent, and waits there for its next send, about ``1/ratio`` steps later. Under a decaying
       rate that lag shrinks with the rate, and on the study's CNN with Adam the momentum ended
-      closer to uncompressed training (+7% held-out loss without it, 2 seeds, scratch runs); at a
-      constant rate it does not, and with the momentum TopKQSGD(1%, 8) ended above uncompressed
-      training on the study's transformer at every length tried (docs/STUDY.md: the
-      *transformer-const* rows, "Adam's momentum kept"). A tensor drops the momentum for good once
+      closer to uncompressed training (docs/STUDY.md: *cnn-adam*, "Adam's momentum dropped");
+      at a constant rate it does not, and with the momentum TopKQSGD(1%, 8) ended above
+      uncompressed training on the study's transformer at every length tried (*transformer-const*,
+      "Adam's momentum kept"; docs/STUDY_RUN_LENGTH.md). A tensor drops the momentum for good once
       its rate has stayed the same that long (after a warm-up ramp: that many steps after it);
       ``momentum=True`` or ``False`` decides for every tensor instead. The wrapped optimizer is
       handed a zero gradient with its first moment cleared, so it moves nothing but its decoupled
@@ -1380,7 +1380,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
 FLAT_RATE_STEPS = 50
 """Steps at one learning rate after which a tensor under :class:`FrozenVariance` (``momentum=None``)
-sends its gradient rather than Adam's momentum (see the class docstring)."""
+sends its gradient rather than Adam's momentum (see the class docstring). Why 50: a schedule that
+changes the rate every step (cosine, linear, exponential, OneCycleLR) never gets there, nor does the
+end of a warm-up ramp pass for a constant rate; and it is shorter than the 100-step dense warm-up, so
+at a rate constant from the start the momentum is dropped from the first compressed step on."""
 
 CLIP_DETECT_TOLERANCE = 1e-2
 """A squared gradient sum recovered from Adam's ``v`` this far from the exchanged one's (relative)
