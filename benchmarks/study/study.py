@@ -37,6 +37,7 @@ from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
 TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4", "tq1-nospw", "tq01-spw172", "tq01-out1"),
                  "transformer": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom"),
                  "transformer-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom", "tq1-update"),
+                 "cnn-adam-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom"),
                  "cnn-adam": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom"), "cnn-sgd": DEFAULT_SETTINGS + ("tq1-nospw", "tq01-spw172")}
 # Run on the first seed only, to fit the study in about an hour: fp16 matched uncompressed to 4
 # digits in every earlier run, and TopK 1% matched TopKQSGD(1%, 8).
@@ -116,9 +117,10 @@ def main() -> int:
         plan = [f"{task}-{s}-s{seed}" for seed in map(int, args.seeds.split(",")) for task in tasks
                 for s in settings_of(task) if seed == 0 or s not in ONE_SEED]
         out.mkdir(parents=True, exist_ok=True)
-        old = out / "plan.json"  # a run over some tasks adds to the plan of the other tasks' results
+        old = out / "plan.json"  # a run over some tasks and seeds replaces their part of the plan
+        seeds = [int(x) for x in args.seeds.split(",")]
         kept = [p for p in (json.loads(old.read_text()) if old.exists() else []) if p not in plan
-                and not any(of_task(p, task) for task in tasks)]
+                and not any(of_task(p, task) and p.endswith(f"-s{seed}") for task in tasks for seed in seeds)]
         (out / "plan.json").write_text(json.dumps(kept + plan) + "\n")
         for seed in map(int, args.seeds.split(",")):
             for task in tasks:

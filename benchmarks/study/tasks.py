@@ -6,7 +6,7 @@ learning-rate schedule people use for it, and the DistributedOptimizer it is tra
   ``transformer-const`` the same at a constant learning rate (no schedule: error feedback's
   lag and a frozen second moment are not hidden by a rate decaying to zero);
 * ``cnn-sgd`` / ``cnn-adam``: a small CNN on scikit-learn's digits with momentum SGD / Adam
-  (stock ``hvd.DistributedOptimizer``);
+  (stock ``hvd.DistributedOptimizer``); ``cnn-adam-const`` the latter at a constant rate;
 * ``char-mlp``: the model and data of ``examples/train.py`` (momentum SGD, cosine decay,
   gradient accumulation over 2 micro-batches; ``hvd_gradcomp.DistributedOptimizer``);
 * ``teacher-mlp``: an MLP with LayerNorm learning the classes of a fixed random teacher network
@@ -163,7 +163,7 @@ def make_task(name: str, seed: int, rank: int) -> Task:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         return Task(name, model, opt, "gc", 400, 1, 0.1 if name == "transformer" else None, batch, _seq_loss,
                     (val[vs[:, None] + offs], val[vs[:, None] + offs + 1]))
-    if name in ("cnn-sgd", "cnn-adam"):
+    if name in ("cnn-sgd", "cnn-adam", "cnn-adam-const"):
         xtr, ytr, xte, yte = datasets.load_digits_split(seed=0)
         model = digits_cnn()
 
@@ -172,7 +172,8 @@ def make_task(name: str, seed: int, rank: int) -> Task:
             return xtr[i].view(-1, 1, 8, 8), ytr[i]
         opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if name == "cnn-sgd"
                else torch.optim.Adam(model.parameters(), lr=2e-3))
-        return Task(name, model, opt, "hvd", 600, 1, 0.05, batch, _loss, (xte.view(-1, 1, 8, 8), yte))
+        return Task(name, model, opt, "hvd", 600, 1, None if name.endswith("-const") else 0.05, batch, _loss,
+                    (xte.view(-1, 1, 8, 8), yte))
     if name == "char-mlp":
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
         from train import CharMLP
@@ -198,4 +199,4 @@ def make_task(name: str, seed: int, rank: int) -> Task:
     raise ValueError(f"unknown task {name!r}")
 
 
-TASKS = ("transformer", "cnn-sgd", "cnn-adam", "char-mlp", "teacher-mlp", "transformer-const")
+TASKS = ("transformer", "cnn-sgd", "cnn-adam", "char-mlp", "teacher-mlp", "transformer-const", "cnn-adam-const")
