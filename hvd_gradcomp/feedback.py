@@ -1227,9 +1227,16 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         v = v.detach().to(residual_dtype(param.dtype)).reshape(-1)
         root = self._frozen_v(name, v, b2, t).sqrt()
         self.denom[name] = root.clamp(min=self.floor * float(root.mean())).add_(group["eps"])
-        if self.momentum is not False:
+        if self._keeps_momentum(name, t):
             self.velocity[name] = state["exp_avg"].detach().to(root.dtype).reshape(-1).clone()
         self.steps[name] = t
+
+    def _keeps_momentum(self, name: str, t: int) -> bool:
+        """Whether ``name`` sends Adam's momentum at step ``t`` (see :data:`FLAT_RATE_STEPS`)."""
+        if self.momentum is not None:
+            return self.momentum
+        since = self._flat.get(name)
+        return since is None or t - since[1] < FLAT_RATE_STEPS
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         if self.needs_optimizer_state(name):   # the DDP hook sends such a tensor dense instead
@@ -1263,7 +1270,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         denom = self.denom[name]
         t = self.steps[name]
         self._note_rate(name, t, float(self._bound[name][1]["lr"]))
-        if self.momentum is None and name in self.velocity and t - self._flat[name][1] >= FLAT_RATE_STEPS:
+        if name in self.velocity and not self._keeps_momentum(name, t):
             self._remember(name)          # an undone step puts the velocity back
             del self.velocity[name]       # for good: the rate has stayed the same
         if name not in self.velocity:

@@ -112,9 +112,7 @@ def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[s
         g1, n1 = paired_gap(task, "tq1", runs)
         gc_, _ = paired_gap(task, "tq1-classic", runs)
         gfix, _ = paired_gap(task, "tq1-fixedlr", runs)
-        # Adam's first moment kept (where the default drops it) or dropped (where it keeps it)
-        gmom = next((f"{_pct(g)} ({word})" for key, word in (("tq1-mom", "kept"), ("tq1-nomom", "dropped"))
-                     for g in [paired_gap(task, key, runs)[0]] if g == g), "-")
+        gmom = momentum_gap(task, runs)
         g01, _ = paired_gap(task, "tq01", runs)
         g01w, _ = paired_gap(task, "tq01-spw100", runs)
         rs = runs.get((task, "tq1"), [])
@@ -125,6 +123,16 @@ def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[s
         lines.append(f"| {task} | {_pct(g1)} ({n1}) | {pol} | {ratio:.0f}x | +-{sd:.2f}% | {_pct(gc_)} | "
                      f"{_pct(gfix)} | {gmom} | {_pct(g01)} | {_pct(g01w)} | {met} |")
     return lines + [""]
+
+
+def momentum_gap(task: str, runs: Dict[Tuple[str, str], List[dict]]) -> str:
+    """TopKQSGD(1%, 8)'s gap with Adam's first moment kept by every tensor (where the default drops
+    it) or dropped (where it keeps it), named; "-" where neither ran."""
+    for setting, word in (("tq1-mom", "kept"), ("tq1-nomom", "dropped")):
+        gap = paired_gap(task, setting, runs)[0]
+        if gap == gap:
+            return f"{_pct(gap)} ({word})"
+    return "-"
 
 
 def _pct(v: float) -> str:

@@ -114,15 +114,15 @@ def main() -> int:
     t0 = time.time()
     ok = True
     if not args.report_only:
-        plan = [f"{task}-{s}-s{seed}" for seed in map(int, args.seeds.split(",")) for task in tasks
+        seeds = [int(x) for x in args.seeds.split(",")]
+        plan = [f"{task}-{s}-s{seed}" for seed in seeds for task in tasks
                 for s in settings_of(task) if seed == 0 or s not in ONE_SEED]
         out.mkdir(parents=True, exist_ok=True)
         old = out / "plan.json"  # a run over some tasks and seeds replaces their part of the plan
-        seeds = [int(x) for x in args.seeds.split(",")]
         kept = [p for p in (json.loads(old.read_text()) if old.exists() else []) if p not in plan
                 and not any(of_task(p, task) and p.endswith(f"-s{seed}") for task in tasks for seed in seeds)]
         (out / "plan.json").write_text(json.dumps(kept + plan) + "\n")
-        for seed in map(int, args.seeds.split(",")):
+        for seed in seeds:
             for task in tasks:
                 settings = [s for s in settings_of(task)
                             if f"{task}-{s}-s{seed}" in plan and not (out / f"{task}-{s}-s{seed}.json").exists()]
