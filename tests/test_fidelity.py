@@ -230,6 +230,13 @@ def test_frozen_variance_drops_adams_momentum_once_the_rate_has_stayed_the_same(
     assert set(restored.velocity) == set(c.feedback.velocity)
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_frozen_variance_momentum_takes_only_none_true_or_false(bad):
+    """A wrong ``momentum=`` is refused at construction, naming the three choices."""
+    with pytest.raises(ValueError, match=r"momentum must be None .*True .*False"):
+        gc.FrozenVariance(momentum=bad)
+
+
 @pytest.mark.parametrize("momentum", [False, True], ids=["default", "momentum"])
 def test_frozen_variance_under_a_schedule_keeps_v_frozen_for_good(momentum):
     """A rate that changes from the first step (a schedule): the gradients' scale is not followed
