@@ -977,8 +977,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       at a constant rate it does not, and with the momentum TopKQSGD(1%, 8) ended above
       uncompressed training on the study's transformer at every length tried (*transformer-const*,
       "Adam's momentum kept"; docs/STUDY_RUN_LENGTH.md). Not everywhere: the study's CNN with
-      Adam at a constant rate (*cnn-adam-const*) ended closer with the momentum kept, both above
-      uncompressed training, inside its seed spread. A tensor drops the momentum for good once
+      Adam at a constant rate (*cnn-adam-const*) ended closer with the momentum kept at the last
+      step, both above uncompressed training and inside its seed spread, and alike averaged over
+      the last quarter's evaluations. A tensor drops the momentum for good once
       its rate has stayed the same that long (after a warm-up ramp: that many steps after it);
       ``momentum=True`` or ``False`` decides for every tensor instead. The wrapped optimizer is
       handed a zero gradient with its first moment cleared, so it moves nothing but its decoupled
