@@ -133,6 +133,9 @@ def test_small_mlp_check_section_is_replaced_or_appended(tmp_path: Path) -> None
     res = launch([sys.executable, str(ROOT / "benchmarks/study/small_mlp_check.py"), "--variants", "ratio10,nope"],
                  60, rank_env())
     assert res.returncode == 2 and "unknown --variants nope" in res.output, res.output
+    res = launch([sys.executable, str(ROOT / "benchmarks/study/small_mlp_check.py"), "--optimizers", "sgd,lbfgs"],
+                 60, rank_env())
+    assert res.returncode == 2 and "unknown --optimizers lbfgs" in res.output, res.output
     res = launch([sys.executable, str(ROOT / "benchmarks/study/small_mlp_check.py"), "--section", "X",
                   "--page", str(tmp_path / "absent.md")], 60, rank_env())
     assert res.returncode == 2 and "write the page first" in res.output, res.output
@@ -154,3 +157,14 @@ def test_small_mlp_check_writes_its_page(tmp_path: Path) -> None:
     for r in rows:
         assert 0 < float(r[2].split()[0]) < 5 and 0 < float(r[3]) < 5   # held-out losses, last step
         assert r[4].count(",") == 1 and r[4].startswith("**")            # mean gap, then one per seed
+    # the digits MLP, as a section of the same page: its task said there, Nesterov SGD's row
+    res = launch(horovodrun_argv(2, "gloo", [sys.executable, str(ROOT / "benchmarks/study/small_mlp_check.py"),
+                                             "--data", "digits", "--optimizers", "nesterov", "--steps", "30",
+                                             "--seeds", "1", "--page", str(page), "--section", "Digits"]),
+                 300, rank_env())
+    assert res.returncode == 0, res.output
+    digits = page.read_text().split("\n## Digits\n")[1]
+    assert "--data digits" in digits and "scikit-learn's digits" in digits and "30 steps" in digits, digits
+    assert "\n\n| optimizer | feedback, or setting |" in digits, digits   # the table's head on its own line
+    (row,) = [ln.split(" | ") for ln in digits.splitlines() if ln.startswith("| nesterov |")]
+    assert row[1] == "auto" and 0 < float(row[2].split()[0]) < 5 and 0 < float(row[3]) < 5, row

@@ -13,7 +13,8 @@ with its seed spread) and TopKQSGD(1%, 8)'s gap per seed through
 identical parameters. About a minute on 2 cores with the defaults. ``--variants`` adds rows that
 change one thing of the default (the ratio, ``min_k``, when Adam's ``v`` is frozen) to see where a
 gap comes from; ``--cosine`` decays the learning rate to zero over the run instead of keeping
-it constant. ``--page`` also writes the table, with the command that made it, to a markdown
+it constant. ``--data digits`` trains an MLP on scikit-learn's digits instead (real data, wider
+layers; ``--optimizers`` also takes ``nesterov``: Nesterov SGD with weight decay). ``--page`` also writes the table, with the command that made it, to a markdown
 file (``--section TITLE``: as that section of the page).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -36,9 +37,45 @@ import hvd_gradcomp as gc
 OPTIMIZERS: Dict[str, Callable] = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01),
     "adam": lambda p: torch.optim.Adam(p, lr=3e-3),
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)}
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "nesterov": lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9, nesterov=True, weight_decay=1e-4)}
 TEACHER = torch.randn(20, 3, generator=torch.Generator().manual_seed(8))
 X_VAL = torch.randn(512, 20, generator=torch.Generator().manual_seed(7))
+
+
+class Data(NamedTuple):
+    """A task: its model, a batch of 32 from a generator, the fixed held-out set, and what the page says of it."""
+
+    model: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], Tuple[torch.Tensor, torch.Tensor]]
+    val: Tuple[torch.Tensor, torch.Tensor]
+    text: str
+
+
+def teacher_data() -> Data:
+    """Gaussian inputs classified by a random linear teacher: fresh samples every step."""
+    def batch(g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(32, 20, generator=g)
+        return x, (x @ TEACHER).argmax(1)
+    return Data(lambda: nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 3)),
+                batch, (X_VAL, (X_VAL @ TEACHER).argmax(1)), TASK)
+
+
+def digits_data() -> Data:
+    """scikit-learn's digits (ships with it: nothing is downloaded), 80% to train on, 20% held out."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from data import load_digits_split   # examples/data.py, as the study's CNN tasks load it
+
+    xtr, ytr, xte, yte = load_digits_split(seed=0)
+
+    def batch(g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        i = torch.randint(0, len(xtr), (32,), generator=g)
+        return xtr[i], ytr[i]
+    return Data(lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)),
+                batch, (xte, yte), DIGITS_TASK)
+
+
+DATA: Dict[str, Callable[[], Data]] = {"teacher": teacher_data, "digits": digits_data}
 TAIL_EVALS, EVAL_EVERY = 5, 10
 VARIANTS: Dict[str, Tuple[str, Callable[[], gc.GradientCompressor]]] = {
     # name: (what the row shows, the compressor); each changes one thing of TopKQSGD(1%, 8)'s default
@@ -58,20 +95,24 @@ TASK = ("A 3-layer MLP (20 -> 64 -> 48 -> 3, ReLU) classifies Gaussian inputs by
         "through `hvd_gradcomp.DistributedOptimizer` with the `feedback=` policy named in the row "
         "(`auto`: the library's default), or the compressor named there; the ranks' parameters are checked "
         "identical after every run.")
+DIGITS_TASK = ("An MLP (64 -> 256 -> 256 -> 10, ReLU) classifies scikit-learn's digits (1437 images to train on, 360 "
+               "held out), batch 32 per rank sampled with replacement; momentum SGD 0.05 with momentum 0.9, Nesterov "
+               "SGD 0.02 with momentum 0.9 and weight decay 1e-4, Adam 3e-3; otherwise as the page's first table.")
 
 
-def held_out(model: nn.Module) -> float:
+def held_out(model: nn.Module, data: Data) -> float:
     with torch.no_grad():
-        return float(F.cross_entropy(model(X_VAL), (X_VAL @ TEACHER).argmax(1)))
+        return float(F.cross_entropy(model(data.val[0]), data.val[1]))
 
 
 def train(opt_name: str, seed: int, steps: int, compression: Optional[gc.GradientCompressor],
-          cosine: bool = False) -> Tuple[float, float]:
+          cosine: bool = False, data: Optional[Data] = None) -> Tuple[float, float]:
     """Held-out cross-entropy after ``steps`` steps, and its mean over the last evaluations;
     raises if the ranks' parameters differ."""
+    data = data or teacher_data()
     torch.manual_seed(seed)
-    data = torch.Generator().manual_seed(100 + hvd.rank() + 1000 * seed)
-    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 3))
+    gen = torch.Generator().manual_seed(100 + hvd.rank() + 1000 * seed)
+    model = data.model()
     opt = OPTIMIZERS[opt_name](model.parameters())
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps) if cosine else None
     hvd.broadcast_parameters(model.state_dict(), 0)
@@ -81,18 +122,18 @@ def train(opt_name: str, seed: int, steps: int, compression: Optional[gc.Gradien
         dopt = gc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
     tail: List[float] = []
     for step in range(1, steps + 1):
-        x = torch.randn(32, 20, generator=data)
+        x, y = data.batch(gen)
         dopt.zero_grad()
-        F.cross_entropy(model(x), (x @ TEACHER).argmax(1)).backward()
+        F.cross_entropy(model(x), y).backward()
         dopt.step()
         if sched is not None:
             sched.step()
         if step > steps - TAIL_EVALS * EVAL_EVERY and step % EVAL_EVERY == 0:
-            tail.append(held_out(model))
+            tail.append(held_out(model, data))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if not torch.equal(flat, hvd.broadcast(flat, 0, name=f"check.{opt_name}.{seed}.{compression!r}")):
         raise RuntimeError("the ranks' parameters differ")
-    return held_out(model), statistics.mean(tail)
+    return held_out(model, data), statistics.mean(tail)
 
 
 def gaps(comp: List[float], base: List[float]) -> List[float]:
@@ -113,7 +154,7 @@ def row(opt_name: str, policy: str, base: List[Tuple[float, float]], comp: List[
 
 
 def write_page(path: str, section: Optional[str], argv: List[str], steps: int, seeds: int,
-               lines: List[str], cosine: bool = False) -> None:
+               lines: List[str], cosine: bool = False, task: str = TASK) -> None:
     """The table, with the command that made it, as the page's head (its sections kept), or
     (``section``) as the page's section of that title: replaced when there, else appended."""
     command = "horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python benchmarks/study/small_mlp_check.py " + \
@@ -124,7 +165,7 @@ def write_page(path: str, section: Optional[str], argv: List[str], steps: int, s
     if section is None:   # the page's head; its sections stay
         sections = text.find("\n## ")
         with open(path, "w") as f:
-            f.write(f"# Small-MLP check\n\nGenerated by `{command}`.\n\n{TASK} {steps} steps{rate}, seeds "
+            f.write(f"# Small-MLP check\n\nGenerated by `{command}`.\n\n{task} {steps} steps{rate}, seeds "
                     f"0..{seeds - 1}, 2 ranks. Gaps are relative to uncompressed training on the same seed "
                     "(mean, then per seed); the spread is the uncompressed population standard deviation over "
                     "seeds, relative to its mean. *Last 5 evals*: the held-out loss averaged over the last 5 "
@@ -135,7 +176,8 @@ def write_page(path: str, section: Optional[str], argv: List[str], steps: int, s
     start = text.find(head)
     following = text.find("\n## ", start + len(head)) if start >= 0 else -1
     end = following if following >= 0 else len(text)
-    block = f"{head}\nGenerated by `{command}` ({steps} steps, seeds 0..{seeds - 1}{rate}).\n\n{table}"
+    about = "" if task == TASK else f"{task}\n\n"
+    block = f"{head}\nGenerated by `{command}` ({steps} steps, seeds 0..{seeds - 1}{rate}).\n\n{about}{table}"
     text = text.rstrip("\n") + "\n" + block if start < 0 else text[:start] + block + text[end:]
     with open(path, "w") as f:
         f.write(text)
@@ -143,7 +185,9 @@ def write_page(path: str, section: Optional[str], argv: List[str], steps: int, s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated: adamw, adam, sgd")
+    ap.add_argument("--optimizers", default="adamw,adam,sgd", help=f"comma-separated: {', '.join(OPTIMIZERS)}")
+    ap.add_argument("--data", default="teacher", choices=sorted(DATA), help="teacher: the random linear teacher "
+                    "(the page's first table); digits: an MLP on scikit-learn's digits")
     ap.add_argument("--feedback", default="auto", help="comma-separated feedback= policies for the compressed runs")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
@@ -158,6 +202,9 @@ def main() -> None:
     unknown = [v for v in filter(None, args.variants.split(",")) if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown --variants {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    unknown = [o for o in args.optimizers.split(",") if o not in OPTIMIZERS]
+    if unknown:
+        ap.error(f"unknown --optimizers {', '.join(unknown)}; choose from {', '.join(OPTIMIZERS)}")
     if args.section and not (args.page and os.path.exists(args.page)):
         ap.error("--section adds a table to an existing --page: write the page first, without --section")
     hvd.init()
@@ -171,16 +218,17 @@ def main() -> None:
     policies = filter(None, args.feedback.split(","))
     rows = [(p, lambda p=p: gc.TopKQSGD(ratio=0.01, bits=8, feedback=p)) for p in policies]
     rows += [VARIANTS[v] for v in filter(None, args.variants.split(","))]
+    data = DATA[args.data]()
     for opt_name in args.optimizers.split(","):
         seeds = range(args.seeds)
-        base = [train(opt_name, s, args.steps, None, args.cosine) for s in seeds]
+        base = [train(opt_name, s, args.steps, None, args.cosine, data) for s in seeds]
         for label, make in rows:
-            comp = [train(opt_name, s, args.steps, make(), args.cosine) for s in seeds]
+            comp = [train(opt_name, s, args.steps, make(), args.cosine, data) for s in seeds]
             lines.append(row(opt_name, label, base, comp))
             if hvd.rank() == 0:
                 print(lines[-1], flush=True)
     if hvd.rank() == 0 and args.page:
-        write_page(args.page, args.section, sys.argv[1:], args.steps, args.seeds, lines, args.cosine)
+        write_page(args.page, args.section, sys.argv[1:], args.steps, args.seeds, lines, args.cosine, data.text)
 
 
 if __name__ == "__main__":
