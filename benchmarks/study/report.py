@@ -7,7 +7,7 @@ import platform
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 TASK_TEXT = {
     "transformer": "4-layer decoder-only character transformer (d=64, 4 heads, context 32) on the standard "
@@ -76,19 +76,13 @@ def table(task: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
     lines = ["| setting | feedback (auto) | seeds | held-out loss | accuracy | gap vs uncompressed | "
              "uncompressed seed spread | gap, last-quarter mean | bytes ratio, 2nd half |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    by_seed = {r["seed"]: r["val_loss"] for r in base}
-    tail_by_seed = {r["seed"]: tail_mean(r) for r in base}
     for setting in ORDER:
         rs = runs.get((task, setting))
         if not rs:
             continue
         lm, ls = _mean_sd([r["val_loss"] for r in rs])
         am, as_ = _mean_sd([r["val_accuracy"] for r in rs])
-        # Paired: each seed against the uncompressed run of the same seed, then the mean.
-        gaps = [(r["val_loss"] / by_seed[r["seed"]] - 1) * 100 for r in rs if r["seed"] in by_seed]
-        gap = f"{statistics.fmean(gaps):+.2f}%" if gaps else "-"
-        tails = [(tail_mean(r) / tail_by_seed[r["seed"]] - 1) * 100 for r in rs if r["seed"] in tail_by_seed]
-        tail = f"{statistics.fmean(tails):+.2f}%" if tails else "-"
+        gap, tail = (_pct_or_dash(*paired_gap(task, setting, runs, measure)) for measure in (_final, tail_mean))
         ratio = statistics.fmean(r["ratio_second_half"] for r in rs)
         seeds = ",".join(str(r["seed"]) for r in sorted(rs, key=lambda r: r["seed"]))
         lines.append(f"| {rs[0]['label']} | {rs[0]['feedback'] or '-'} | {seeds} | {lm:.4f} +- {ls:.4f} | "
@@ -101,11 +95,21 @@ def spread(losses: List[float]) -> float:
     return statistics.stdev(losses) / statistics.fmean(losses) * 100 if len(losses) > 1 else float("nan")
 
 
-def paired_gap(task: str, setting: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[float, int]:
+def _final(run: dict) -> float:
+    return run["val_loss"]
+
+
+def _pct_or_dash(gap: float, seeds: int) -> str:
+    return f"{gap:+.2f}%" if seeds else "-"
+
+
+def paired_gap(task: str, setting: str, runs: Dict[Tuple[str, str], List[dict]],
+               measure: Callable[[dict], float] = _final) -> Tuple[float, int]:
     """(mean over seeds of each seed's held-out loss against the uncompressed run of the same
-    seed, in %; how many seeds had both)."""
-    base = {r["seed"]: r["val_loss"] for r in runs.get((task, "none"), [])}
-    gaps = [(r["val_loss"] / base[r["seed"]] - 1) * 100 for r in runs.get((task, setting), []) if r["seed"] in base]
+    seed, in %; how many seeds had both). ``measure``: which held-out loss of a run (the last
+    step's by default, :func:`tail_mean` for the last quarter's)."""
+    base = {r["seed"]: measure(r) for r in runs.get((task, "none"), [])}
+    gaps = [(measure(r) / base[r["seed"]] - 1) * 100 for r in runs.get((task, setting), []) if r["seed"] in base]
     return (statistics.fmean(gaps) if gaps else float("nan")), len(gaps)
 
 
@@ -361,7 +365,8 @@ def choice_section(docs: Path) -> List[str]:
         "uncompressed seed spread: the held-out loss of a classifier this close to zero loss swings from "
         "seed to seed and from one evaluation to the next, and the accuracies match. Averaged over each run's "
         "last quarter of evaluations (the column *gap, last-quarter mean*) the two are alike, and above "
-        "uncompressed training by less than at the last step (the task's table). What separates it from the transformer and the small MLP "
+        "uncompressed training by less than at the last step (the task's table). What separates it from the "
+        "transformer and the small MLP "
         "of docs/SMALL_MLP_CHECK.md, where dropping the momentum helped, is not known yet.",
         "",
     ]

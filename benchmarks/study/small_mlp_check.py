@@ -14,8 +14,9 @@ identical parameters. About a minute on 2 cores with the defaults. ``--variants`
 change one thing of the default (the ratio, ``min_k``, when Adam's ``v`` is frozen) to see where a
 gap comes from; ``--cosine`` decays the learning rate to zero over the run instead of keeping
 it constant. ``--data digits`` trains an MLP on scikit-learn's digits instead (real data, wider
-layers; ``--optimizers`` also takes ``nesterov``: Nesterov SGD with weight decay). ``--page`` also writes the table, with the command that made it, to a markdown
-file (``--section TITLE``: as that section of the page).
+layers; ``--optimizers`` also takes ``nesterov``: Nesterov SGD with weight decay). ``--page``
+also writes the table, with the command that made it, to a markdown file (``--section TITLE``:
+as that section of the page).
 """
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def digits_data() -> Data:
     def batch(g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
         i = torch.randint(0, len(xtr), (32,), generator=g)
         return xtr[i], ytr[i]
-    return Data(lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)),
-                batch, (xte, yte), DIGITS_TASK)
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    return Data(model, batch, (xte, yte), DIGITS_TASK)
 
 
 DATA: Dict[str, Callable[[], Data]] = {"teacher": teacher_data, "digits": digits_data}
