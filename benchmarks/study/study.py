@@ -119,8 +119,8 @@ def main() -> int:
                 for s in settings_of(task) if seed == 0 or s not in ONE_SEED]
         out.mkdir(parents=True, exist_ok=True)
         old = out / "plan.json"  # a run over some tasks and seeds replaces their part of the plan
-        kept = [p for p in (json.loads(old.read_text()) if old.exists() else []) if p not in plan
-                and not any(of_task(p, task) and p.endswith(f"-s{seed}") for task in tasks for seed in seeds)]
+        kept = [p for p in (json.loads(old.read_text()) if old.exists() else [])   # (plan's entries are theirs too)
+                if not any(of_task(p, task) and p.endswith(f"-s{seed}") for task in tasks for seed in seeds)]
         (out / "plan.json").write_text(json.dumps(kept + plan) + "\n")
         for seed in seeds:
             for task in tasks:
