@@ -89,7 +89,10 @@ def study_section(out: Path) -> List[str]:
     if not tasks:
         return []
     body = report.targets(tasks, runs)[2:]  # without its heading
-    return ["Convergence, 3 seeds, 2 ranks, from `make study` ([docs/STUDY.md](docs/STUDY.md)):", ""] + body
+    seeds = sorted({len(rs) for (t, s), rs in runs.items() if t in tasks and s == "tq1"})
+    count = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
+    return [f"Convergence, {count} seeds (beside each gap), 2 ranks, from `make study` "
+            "([docs/STUDY.md](docs/STUDY.md)):", ""] + body
 
 
 def render(root: Path = ROOT) -> str:

@@ -163,18 +163,18 @@ def make_task(name: str, seed: int, rank: int) -> Task:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         return Task(name, model, opt, "gc", 400, 1, 0.1 if name == "transformer" else None, batch, _seq_loss,
                     (val[vs[:, None] + offs], val[vs[:, None] + offs + 1]))
-    if name in ("cnn-sgd", "cnn-adam", "cnn-adam-const"):
+    if name in ("cnn-sgd", "cnn-adam", "cnn-adam-const", "cnn-sgd-const"):
         xtr, ytr, xte, yte = datasets.load_digits_split(seed=0)
         model = digits_cnn()
 
         def batch():
             i = torch.randint(0, len(xtr), (32,), generator=g)
             return xtr[i].view(-1, 1, 8, 8), ytr[i]
-        opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if name == "cnn-sgd"
+        opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if name.startswith("cnn-sgd")
                else torch.optim.Adam(model.parameters(), lr=2e-3))
         return Task(name, model, opt, "hvd", 600, 1, None if name.endswith("-const") else 0.05, batch, _loss,
                     (xte.view(-1, 1, 8, 8), yte))
-    if name == "char-mlp":
+    if name in ("char-mlp", "char-mlp-const"):
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
         from train import CharMLP
         ctx = 32
@@ -186,7 +186,7 @@ def make_task(name: str, seed: int, rank: int) -> Task:
             s = torch.randint(0, len(train) - ctx - 1, (16,), generator=g)
             return datasets.text_windows(train, s, ctx)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        return Task(name, model, opt, "gc", 500, 2, 0.0, batch, _loss, datasets.text_windows(val, vs, ctx))
+        return Task(name, model, opt, "gc", 500, 2, None if name.endswith("-const") else 0.0, batch, _loss, datasets.text_windows(val, vs, ctx))
     if name == "teacher-mlp":
         xte = torch.randn(4096, 64, generator=torch.Generator().manual_seed(99))
         model = teacher_mlp()
@@ -199,4 +199,5 @@ def make_task(name: str, seed: int, rank: int) -> Task:
     raise ValueError(f"unknown task {name!r}")
 
 
-TASKS = ("transformer", "cnn-sgd", "cnn-adam", "char-mlp", "teacher-mlp", "transformer-const", "cnn-adam-const")
+TASKS = ("transformer", "cnn-sgd", "cnn-adam", "char-mlp", "teacher-mlp", "transformer-const", "cnn-adam-const",
+         "cnn-sgd-const", "char-mlp-const")
