@@ -56,6 +56,8 @@ SETTINGS = {
                  lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(momentum=True))),
     "tq1-nomom": ("TopKQSGD(1%, 8), Adam's momentum dropped",
                   lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=False))),
+    "tq01-nomom": ("TopKQSGD(0.1%, 8), Adam's momentum dropped",
+                   lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(momentum=False))),
     # Adam's second moment frozen 3x later than the default (100 steps): run_length.py's longer runs
     "tq1-warm300": ("TopKQSGD(1%, 8), second moment frozen after 300 steps",
                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300))),
