@@ -1107,9 +1107,9 @@ class TopK(GradientCompressor):
         >>> TopK(ratio=SparsityWarmup(0.01, steps=4)).ratio_at(2)
         0.05
 
-        Without a schedule, the feedback policy's ``sparsity_warmup`` applies (``"frozen"``: after
-        Adam's dense warm-up the share falls from 25% to the ratio over 100 steps; at ratios below
-        1% over more, at the same pace: :func:`sparsity_warmup_steps`):
+        Without a schedule, the feedback policy's ``sparsity_warmup`` applies (``"momentum"``: the
+        share falls from 25% to the ratio over 100 steps; ``"frozen"``: none unless asked for, then
+        after Adam's dense warm-up; at ratios below 1% over more: :func:`sparsity_warmup_steps`):
 
         >>> from hvd_gradcomp import FrozenVariance
         >>> c = TopK(ratio=0.01, feedback=FrozenVariance(sparsity_warmup=4))

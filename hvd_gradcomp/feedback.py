@@ -620,12 +620,12 @@ class _RoundUndo:
 
 
 SPARSITY_WARMUP = 100
-"""The default sparsity warm-up of the optimizer-aware policies (DGC's: the share sent falls
-geometrically from 25% to the ratio over a tensor's first this many compressed steps; at ratios
-below 1% over more steps: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`).
-FrozenVariance: after its dense warm-up (in the simulator, docs/STUDY.md: the transformer's gap
-fell from +2.86% to +1.61%, mean of 3 seeds). MomentumCorrection: from the first step (the
-study's char-MLP: +1.89% -> +1.31%, 3 seeds)."""
+"""MomentumCorrection's default sparsity warm-up (DGC's: the share sent falls geometrically from
+25% to the ratio over a tensor's first this many compressed steps; at ratios below 1% over more
+steps: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`), from the first step (the study's
+char-MLP: +1.89% -> +1.31%, 3 seeds). FrozenVariance has none by default (it made Adam jump after
+the freeze: docs/FREEZE_CHECK.md); ``FrozenVariance(sparsity_warmup=100)`` starts one after its
+dense warm-up (the default before)."""
 
 
 def known_terms(policy: Feedback, name: str) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
@@ -964,26 +964,27 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       ``g / denom`` through error feedback (top-k on the direction, not on ``g``, picks the
       coordinates that would move most: in the simulator this took the transformer's gap from
       +2.8% to +1.6%), and the parameter moves by ``-lr * D`` (``D``: the averaged sent
-      direction, identical on every rank), when the learning rate has not changed in the last
-      :data:`FLAT_RATE_STEPS` steps; error feedback's residual then plays the part of Adam's
+      direction, identical on every rank). Error feedback's residual plays the part of Adam's
       first moment: it sums each coordinate's gradients until they are sent, as the momentum
-      averages them. While the rate changes (a schedule), Adam's momentum is kept as well: each
-      rank's ``u = b1*u + (1-b1)*g``, started from Adam's, sends ``u / denom``, and the
-      parameter moves by ``-lr * D / (1 - b1**t)`` (1-bit Adam's and DGC's way). Why not always:
-      most of each gradient's share of the momentum enters the residual after the coordinate was
-      sent, and waits there for its next send, about ``1/ratio`` steps later. Under a decaying
-      rate that lag shrinks with the rate, and on the study's CNN with Adam the momentum ended
-      closer to uncompressed training (docs/STUDY.md: *cnn-adam*, "Adam's momentum dropped");
-      at a constant rate it does not, and with the momentum TopKQSGD(1%, 8) ended above
-      uncompressed training on the study's transformer at every length tried (*transformer-const*,
-      "Adam's momentum kept"; docs/STUDY_RUN_LENGTH.md). Not everywhere: the study's CNN with
-      Adam at a constant rate (*cnn-adam-const*) ended closer with the momentum kept at the last
-      step, both above uncompressed training and inside its seed spread, and alike averaged over
-      the last quarter's evaluations. A tensor drops the momentum for good once
-      its rate has stayed the same that long (after a warm-up ramp: that many steps after it);
-      ``momentum=True`` or ``False`` decides for every tensor instead. The wrapped optimizer is
-      handed a zero gradient with its first moment cleared, so it moves nothing but its decoupled
-      weight decay (AdamW), exactly.
+      averages them. The wrapped optimizer is handed a zero gradient with its first moment
+      cleared, so it moves nothing but its decoupled weight decay (AdamW), exactly.
+    * From the first compressed step, each tensor sends ``ratio`` (``sparsity_warmup=0``: no
+      share falling from 25% after the freeze) and its gradient, not Adam's momentum
+      (``momentum=False``). Why: on a model with the quirks real ones have (a layer applied
+      twice, a frozen layer, a layer used every other step; docs/FREEZE_CHECK.md) the momentum
+      sent through error feedback made the held-out loss jump after the freeze and oscillate
+      to the end, on every seed, with Adam and AdamW, cosine, linear and one-cycle schedules;
+      and the sparsity warm-up made it jump even without the momentum. With neither, that
+      model ended close to uncompressed training on every seed. On the study's transformer
+      (docs/STUDY.md) TopKQSGD(1%, 8) also ended closer to uncompressed training without the
+      momentum; on its CNN with Adam further, inside that task's seed spread (the
+      *previous default* rows).
+      ``momentum=True`` keeps Adam's momentum for every tensor: each rank's
+      ``u = b1*u + (1-b1)*g``, started from Adam's, sends ``u / denom``, and the parameter
+      moves by ``-lr * D / (1 - b1**t)`` (1-bit Adam's and DGC's way; at ratio 1 this is
+      exactly Adam with ``v`` frozen). ``momentum=None`` (the default before, with
+      ``sparsity_warmup=100``) keeps it while the learning rate changes and drops it for good
+      once a tensor's rate has stayed the same :data:`FLAT_RATE_STEPS` steps.
 
     Why not plain error feedback on gradients: Adam divides each coordinate by its recent
     magnitude, so the spikes of error feedback (zero for ~1/ratio steps, then the sum) become
@@ -1014,8 +1015,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     moves_parameters = True
     _round_stores = ("velocity", "steps", "scale")  # velocity, steps: set at the freeze, before _remember
 
-    def __init__(self, warmup: int = 100, floor: float = 0.1, sparsity_warmup: int = SPARSITY_WARMUP,
-                 window: Optional[int] = 50, max_warmup: int = 1000, momentum: Optional[bool] = None) -> None:
+    def __init__(self, warmup: int = 100, floor: float = 0.1, sparsity_warmup: int = 0,
+                 window: Optional[int] = 50, max_warmup: int = 1000, momentum: Optional[bool] = False) -> None:
         super().__init__()
         if momentum is not None and not isinstance(momentum, bool):
             raise ValueError(f"FrozenVariance momentum must be None (Adam's first moment kept while the learning rate "

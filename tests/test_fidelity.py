@@ -187,7 +187,7 @@ def test_frozen_variance_at_ratio_one_is_adam_then_frozen_adam(opts, momentum):
 @pytest.mark.parametrize("schedule, dropped_at", [(None, FLAT_RATE_STEPS), ("ramp", 19 + FLAT_RATE_STEPS),
                                                   ("cosine", None), ("steps", None)])
 def test_frozen_variance_drops_adams_momentum_once_the_rate_has_stayed_the_same(schedule, dropped_at):
-    """Issue 9 (transformer-const): a tensor whose rate has not changed for FLAT_RATE_STEPS steps
+    """Issue 9 (transformer-const), ``momentum=None`` (the default before it was False): a tensor whose rate has not changed for FLAT_RATE_STEPS steps
     (from the first step, or from the end of a warm-up ramp) sends its gradient from then on, and
     its parameter moves by lr times the average, without Adam's bias correction of the first
     moment; under a schedule that keeps changing the rate the momentum stays. An undone step (a
@@ -199,7 +199,7 @@ def test_frozen_variance_drops_adams_momentum_once_the_rate_has_stayed_the_same(
         "ramp": lambda t: min(1.0, (t + 1) / 20),              # the rate's last change: into step 19
         "cosine": lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)),
         "steps": lambda t: 0.5 ** (t // (FLAT_RATE_STEPS // 2))}[schedule])
-    c = TopK(ratio=0.1, feedback=gc.FrozenVariance(warmup=4), seed=0)
+    c = TopK(ratio=0.1, feedback=gc.FrozenVariance(warmup=4, momentum=None), seed=0)
     c._claim(opt, 1)
     c.attach(opt, {p: "w"})
     seen = None
@@ -413,7 +413,10 @@ def test_ratios_below_the_measured_ones_are_cautioned_once(ratio, cautioned, cap
     assert "min_ratio" not in TopKQSGD(ratio=0.001, min_ratio={"^out": 0.01})._caution()
     assert QSGD(bits=8)._caution() == ""
     # the warm-up's length at this ratio (a short run may end inside it); none for a schedule of the user's
-    assert ("sparsity warm-up lasts 172 compressed steps" in said[0]) == (ratio == 0.001)
+    assert "sparsity warm-up lasts" not in said[0]   # "frozen" has none by default (docs/FREEZE_CHECK.md)
+    asked = TopKQSGD(ratio=0.001, feedback=gc.FrozenVariance(sparsity_warmup=100))
+    asked.attach(opt, {opt.param_groups[0]["params"][0]: "w"})
+    assert "sparsity warm-up lasts 172 compressed steps" in asked._caution()
 
 
 def test_a_forced_policy_is_kept_and_only_rank_zero_speaks(caplog):
@@ -597,16 +600,17 @@ def test_frozen_variance_sparsity_warmup_follows_the_dense_warmup():
 
 @pytest.mark.parametrize("policy", ["momentum", "frozen"])
 def test_sparsity_warmup_lasts_longer_below_one_percent(policy):
-    """The policies' default sparsity warm-up lasts 100 steps at ratios of 1% and above; below, longer:
-    "frozen" keeps the pace it has at 1% (172 steps at 0.1%), "momentum", whose warm-up is all its
-    lead-in, lasts sqrt(1%/ratio) times longer (317 steps at 0.1%); a schedule of the user's own takes
-    precedence."""
+    """A sparsity warm-up of 100 steps (momentum's default; frozen's when asked for) lasts 100 steps at
+    ratios of 1% and above; below, longer: "frozen" keeps the pace it has at 1% (172 steps at 0.1%),
+    "momentum", whose warm-up is all its lead-in, lasts sqrt(1%/ratio) times longer (317 steps at
+    0.1%); a schedule of the user's own takes precedence. "frozen" has none by default."""
     from hvd_gradcomp.compressors import sparsity_warmup_steps
     p = torch.zeros(4000, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9) if policy == "momentum" else torch.optim.AdamW([p])
+    asked = {} if policy == "momentum" else {"feedback": gc.FrozenVariance(sparsity_warmup=100)}
     at = {}
     for ratio in (0.1, 0.01, 0.001, 0.0001):
-        c = TopK(ratio=ratio)
+        c = TopK(ratio=ratio, **asked)
         c.attach(opt, {p: "w"})
         assert c.feedback.key == policy
         at[ratio] = [c.ratio_at(s) for s in range(1200)]
@@ -615,7 +619,7 @@ def test_sparsity_warmup_lasts_longer_below_one_percent(policy):
         {0.1: 100, 0.01: 100, 0.001: 317, 0.0001: 1000}
     assert warm == expected, warm
     assert warm[0.001] == sparsity_warmup_steps(100, 0.001, c.feedback.warmup_pace)
-    told = TopK(ratio=0.001)
+    told = TopK(ratio=0.001, **asked)
     told.attach(opt, {p: "w"})
     assert f"sparsity warm-up lasts {expected[0.001]} compressed steps" in told._caution()   # said at start-up
     if policy == "frozen":
@@ -631,6 +635,9 @@ def test_sparsity_warmup_lasts_longer_below_one_percent(policy):
         assert all(a >= b for a, b in zip(at[ratio], at[ratio][1:]))       # never rises
     own = TopK(ratio=gc.SparsityWarmup(0.001, steps=100), feedback=policy)
     assert own.ratio_at(100) == 0.001
+    default = TopK(ratio=0.01)
+    default.attach(opt, {p: "w"})
+    assert default.feedback.key == policy and default.ratio_at(0) == (0.25 if policy == "momentum" else 0.01)
 
 
 @pytest.mark.parametrize("policy", ["momentum", "frozen"])

@@ -25,6 +25,17 @@ def fixed_rate_topkqsgd(optimizer: Any) -> Any:
     policy.follow_lr = False
     return gc.TopKQSGD(ratio=0.01, bits=8, feedback=policy)
 
+
+
+def previous_default(ratio: float) -> Any:
+    """TopKQSGD(ratio, 8) with ``FrozenVariance``'s defaults before they changed (Adam's momentum kept
+    while the learning rate changes, a 100-step sparsity warm-up after the freeze; see
+    docs/FREEZE_CHECK.md), so the study shows what the change did."""
+    import hvd_gradcomp as gc
+
+    return gc.TopKQSGD(ratio=ratio, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100))
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

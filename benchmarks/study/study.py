@@ -28,22 +28,23 @@ from benchmarks.study import ddp_worker  # noqa: E402
 from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
 
 # Extra rows: 4-bit QSGD with its default (no error feedback); for Adam and AdamW the previous
-# default recipe ("update"), so the gain of the frozen second moment is visible, and Adam's first
-# moment dropped under a schedule (CNN, transformer, teacher-mlp; at both ratios) or kept at a constant
-# rate (transformer-const)
-# by every tensor, so that the choice FrozenVariance makes per tensor is visible; for momentum SGD
-# momentum correction without its sparsity warm-up, and at 0.1% with the 172 steps it had before it
-# lasted sqrt(1%/ratio) times longer, and at a constant rate (cnn-sgd-const, char-mlp-const) classic
-# error feedback beside momentum correction; for the char-MLP, its output layer kept at 1% at ratio 0.1%
+# default recipe ("update"), so the gain of the frozen second moment is visible, FrozenVariance's
+# defaults before they dropped Adam's momentum and the sparsity warm-up after the freeze ("prev",
+# docs/FREEZE_CHECK.md), and with the 100-step sparsity warm-up back ("nomom") or Adam's momentum
+# kept by every tensor as well ("mom", at a constant rate); for momentum SGD momentum correction
+# without its sparsity warm-up, and at 0.1% with the 172 steps it had before it lasted
+# sqrt(1%/ratio) times longer, and at a constant rate (cnn-sgd-const, char-mlp-const) classic error
+# feedback beside momentum correction; for the char-MLP, its output layer kept at 1% at ratio 0.1%
 # (min_ratio=: the other tasks' output layers are at min_k's floor already).
+PREVIOUS = ("tq1-prev", "tq01-prev")
 TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4", "tq1-nospw", "tq01-spw172", "tq01-out1"),
-                 "transformer": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom", "tq01-nomom"),
-                 "transformer-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom", "tq1-update"),
-                 "cnn-adam-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom"),
+                 "transformer": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom", "tq01-nomom") + PREVIOUS,
+                 "transformer-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom", "tq1-update") + PREVIOUS,
+                 "cnn-adam-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom") + PREVIOUS,
                  "cnn-sgd-const": ("none", "tq1", "tq01", "tq1-classic"),
                  "char-mlp-const": ("none", "tq1", "tq01", "tq1-classic"),
-                 "cnn-adam": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom", "tq01-nomom"),
-                 "teacher-mlp": DEFAULT_SETTINGS + ("tq1-nomom", "tq01-nomom"),
+                 "cnn-adam": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom", "tq01-nomom") + PREVIOUS,
+                 "teacher-mlp": DEFAULT_SETTINGS + ("tq1-nomom", "tq01-nomom") + PREVIOUS,
                  "cnn-sgd": DEFAULT_SETTINGS + ("tq1-nospw", "tq01-spw172")}
 # Run on the first seed only, to fit the study in about an hour: fp16 matched uncompressed to 4
 # digits in every earlier run, and TopK 1% matched TopKQSGD(1%, 8).

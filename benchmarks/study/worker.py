@@ -48,22 +48,19 @@ SETTINGS = {
                   lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.MomentumCorrection(sparsity_warmup=0))),
     # The residual kept at the rate it was computed (before it followed the learning rate)
     "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", loop.fixed_rate_topkqsgd),
-    # Adam and AdamW: the first moment kept by every tensor (FrozenVariance(momentum=True), the default
-    # before a tensor at a constant rate dropped it), or dropped by every tensor (also under a schedule)
+    # Adam and AdamW: FrozenVariance's default before it dropped Adam's momentum and its sparsity
+    # warm-up (docs/FREEZE_CHECK.md); Adam's first moment kept by every tensor; the default with the
+    # sparsity warm-up back. All with the 100-step sparsity warm-up they ran with.
+    "tq1-prev": ("TopKQSGD(1%, 8), previous default", lambda opt: loop.previous_default(0.01)),
+    "tq01-prev": ("TopKQSGD(0.1%, 8), previous default", lambda opt: loop.previous_default(0.001)),
     "tq1-mom": ("TopKQSGD(1%, 8), Adam's momentum kept",
-                lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=True))),
+                lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=True, sparsity_warmup=100))),
     "tq01-mom": ("TopKQSGD(0.1%, 8), Adam's momentum kept",
-                 lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(momentum=True))),
-    "tq1-nomom": ("TopKQSGD(1%, 8), Adam's momentum dropped",
-                  lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=False))),
-    "tq01-nomom": ("TopKQSGD(0.1%, 8), Adam's momentum dropped",
-                   lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(momentum=False))),
-    # Adam's momentum dropped and no sparsity warm-up after the freeze (docs/FREEZE_CHECK.md: the
-    # warm-up's 25% share, not the dropped momentum, made the jump after the freeze there)
-    "tq1-plain": ("TopKQSGD(1%, 8), momentum dropped, no sparsity warm-up",
-                  lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=False, sparsity_warmup=0))),
-    "tq01-plain": ("TopKQSGD(0.1%, 8), momentum dropped, no sparsity warm-up",
-                   lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(momentum=False, sparsity_warmup=0))),
+                 lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(momentum=True, sparsity_warmup=100))),
+    "tq1-nomom": ("TopKQSGD(1%, 8), sparsity warm-up after the freeze",
+                  lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100))),
+    "tq01-nomom": ("TopKQSGD(0.1%, 8), sparsity warm-up after the freeze",
+                   lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100))),
     # Adam's second moment frozen 3x later than the default (100 steps): run_length.py's longer runs
     "tq1-warm300": ("TopKQSGD(1%, 8), second moment frozen after 300 steps",
                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300))),
