@@ -1,17 +1,21 @@
-"""Adam under a cosine schedule on a model with the quirks real ones have, around the moment
-``feedback="frozen"`` freezes Adam's second moment (step 100): an outside user's script, found
-to jump after the freeze on some seeds.
+"""Adam and AdamW on a model with the quirks real ones have, around the moment ``feedback="frozen"``
+freezes Adam's second moment (step 100): an outside user's script, found to jump after the freeze
+with FrozenVariance's defaults of the time (Adam's momentum kept while the rate changes, a
+sparsity warm-up after the freeze), which then changed.
 
     horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python benchmarks/study/freeze_check.py \\
         --seeds 3 --page docs/FREEZE_CHECK.md
 
 The model (:class:`Quirky`) applies one hidden layer twice (shared weights), passes through a
-frozen layer (``requires_grad=False``) and uses one layer on even steps only; ``torch.optim.Adam``
-(lr 2e-3) with ``CosineAnnealingLR`` over the run (300 steps), 3 micro-batches of 64 per step
-(``backward_passes_per_step=3``), through ``hvd_gradcomp.DistributedOptimizer``. Rows: the
-default ``TopKQSGD(ratio=0.01, bits=8)`` and the same with one part of ``FrozenVariance`` turned
-off (its sparsity warm-up after the freeze; Adam's momentum). Prints, per seed, the held-out loss
-after the freeze's step and at the end, and checks that the ranks end with identical parameters.
+frozen layer (``requires_grad=False``) and uses one layer on even steps only, trained for 300
+steps through ``hvd_gradcomp.DistributedOptimizer``, by default with ``torch.optim.Adam`` (lr 2e-3)
+and ``CosineAnnealingLR`` over the run, 3 micro-batches of 64 per step
+(``backward_passes_per_step=3``); the other configurations change one or two of these (see
+:data:`CONFIGS`). Rows: uncompressed training, the default ``TopKQSGD(ratio=0.01, bits=8)``,
+FrozenVariance's previous defaults, and the default with one of them put back (Adam's momentum
+kept, ``momentum=True``; the 100-step sparsity warm-up, ``sparsity_warmup=100``). Prints the
+held-out loss at the freeze, 50 steps after it, at the end, and the highest of the evaluations
+every 10 steps after the freeze (a jump), and checks that the ranks end with identical parameters.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import horovod.torch as hvd
 import torch
@@ -29,14 +33,42 @@ import torch.nn.functional as F
 
 import hvd_gradcomp as gc
 
-STEPS, ACCUMULATE, FREEZE = 300, 3, 100   # FREEZE: FrozenVariance's default warmup
+STEPS, FREEZE = 300, 100   # FREEZE: FrozenVariance's default warmup
 SETTINGS: Dict[str, Callable[[], Optional[gc.GradientCompressor]]] = {
     "uncompressed": lambda: None,
     "TopKQSGD(1%, 8), default": lambda: gc.TopKQSGD(ratio=0.01, bits=8),
-    "... FrozenVariance(sparsity_warmup=0)": lambda: gc.TopKQSGD(
-        ratio=0.01, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=0)),
-    "... FrozenVariance(momentum=False)": lambda: gc.TopKQSGD(
-        ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=False)),
+    "... previous default (momentum=None, sparsity_warmup=100)": lambda: gc.TopKQSGD(
+        ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100)),
+    "... FrozenVariance(momentum=True)": lambda: gc.TopKQSGD(
+        ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=True)),
+    "... FrozenVariance(sparsity_warmup=100)": lambda: gc.TopKQSGD(
+        ratio=0.01, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100)),
+}
+
+
+class Config(NamedTuple):
+    """One training configuration: optimizer class, peak rate, schedule, micro-batches per step."""
+    optimizer: str = "Adam"
+    lr: float = 2e-3
+    schedule: str = "cosine"
+    accumulate: int = 3
+
+    def describe(self) -> str:
+        """The configuration in words, for the table.
+
+        >>> Config().describe()
+        'Adam, cosine, lr 0.002, 3 micro-batches'
+        """
+        return f"{self.optimizer}, {self.schedule}, lr {self.lr:g}, {self.accumulate} micro-batch" + \
+            ("es" if self.accumulate > 1 else "")
+
+
+CONFIGS = {
+    "adam": Config(),
+    "adamw-one-cycle": Config("AdamW", schedule="one-cycle"),
+    "adamw-linear": Config("AdamW", 1e-3, "linear"),
+    "adam-no-accumulation": Config(accumulate=1),
+    "adam-lr4e-3": Config(lr=4e-3),
 }
 
 
@@ -74,52 +106,71 @@ def held_out(model: nn.Module) -> float:
 
 
 def eval_steps(steps: int) -> List[int]:
-    """When the held-out loss is read: at the freeze, 50 steps after it and at the end.
+    """When the held-out loss is read: every 10 steps, and at the freeze, 50 steps after it and at the end.
 
-    >>> eval_steps(300), eval_steps(110)
-    ([100, 150, 300], [100, 110])
+    >>> eval_steps(300)[:3], eval_steps(110)
+    ([10, 20, 30], [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110])
     """
+    return sorted(set(range(10, steps + 1, 10)) | {min(FREEZE, steps), min(FREEZE + 50, steps), steps})
+
+
+def shown_steps(steps: int) -> List[int]:
+    """The evaluations the table shows: at the freeze, 50 steps after it and at the end."""
     return sorted({min(FREEZE, steps), min(FREEZE + 50, steps), steps})
 
 
-def train(seed: int, compression: Optional[gc.GradientCompressor], steps: int = STEPS) -> List[float]:
+def make_optimizer(config: Config, model: nn.Module, steps: int) -> tuple:
+    """The configuration's optimizer over the trainable parameters, and its scheduler."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.05) if config.optimizer == "AdamW" else \
+        torch.optim.Adam(params, lr=config.lr)
+    return opt, {"cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, steps),
+                 "one-cycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=config.lr, total_steps=steps),
+                 "linear": lambda o: torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.01, steps)}[config.schedule]
+
+
+def train(seed: int, compression: Optional[gc.GradientCompressor], steps: int = STEPS,
+          config: Config = Config()) -> Dict[int, float]:
     """The held-out loss at each of :func:`eval_steps`; raises if the ranks' parameters differ."""
     torch.manual_seed(seed)
     model = Quirky()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    opt, schedule = make_optimizer(config, model, steps)
     extra = {} if compression is None else {"compression": compression}
     opt = gc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                  backward_passes_per_step=ACCUMULATE, **extra)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+                                  backward_passes_per_step=config.accumulate, **extra)
+    sched = schedule(opt)   # built on the wrapper, as users do: the scheduler changes its groups' rates
     hvd.broadcast_parameters(model.state_dict(), 0)
-    losses = []
+    losses = {}
     for step in range(steps):
-        for micro in range(ACCUMULATE):
-            x, y = batch(seed, step * ACCUMULATE + micro)
-            (F.cross_entropy(model(x, step), y) / ACCUMULATE).backward()
+        for micro in range(config.accumulate):
+            x, y = batch(seed, step * config.accumulate + micro)
+            (F.cross_entropy(model(x, step), y) / config.accumulate).backward()
         opt.step()
         opt.zero_grad()
         sched.step()
         if step + 1 in eval_steps(steps):
-            losses.append(held_out(model))
+            losses[step + 1] = held_out(model)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if not torch.equal(flat, hvd.broadcast(flat, 0, name=f"freeze_check.{seed}.{compression!r}")):
         raise RuntimeError("the ranks' parameters differ")
     return losses
 
 
-def table(results: Dict[str, List[List[float]]], steps: int = STEPS) -> List[str]:
-    """Per setting: the held-out loss at each evaluation step (mean over seeds), and the gap of the
-    last one to uncompressed training per seed."""
-    base = [r[-1] for r in results["uncompressed"]]
-    at = eval_steps(steps)
-    lines = ["| setting | " + " | ".join(f"held-out loss, step {s}" for s in at) + " | gap at the end (per seed) |",
-             "| --- | " + " | ".join("---:" for _ in at) + " | --- |"]
-    for label, runs in results.items():
-        means = [statistics.mean(r[i] for r in runs) for i in range(len(at))]
-        gaps = [100 * (r[-1] / b - 1) for r, b in zip(runs, base)]
-        lines.append(f"| {label} | " + " | ".join(f"{m:.4f}" for m in means) +
-                     f" | **{statistics.mean(gaps):+.1f}%** ({', '.join(f'{g:+.0f}' for g in gaps)}) |")
+def table(results: Dict[str, Dict[str, List[Dict[int, float]]]], steps: int = STEPS) -> List[str]:
+    """Per configuration and setting: the held-out loss at :func:`shown_steps` and the highest after
+    the freeze (means over seeds), and the gap of the last one to uncompressed training per seed."""
+    at = shown_steps(steps)
+    lines = ["| configuration | setting | " + " | ".join(f"held-out loss, step {s}" for s in at) +
+             " | highest after the freeze | gap at the end (per seed) |",
+             "| --- | --- | " + " | ".join("---:" for _ in at) + " | ---: | --- |"]
+    for config, by_setting in results.items():
+        base = [r[steps] for r in by_setting["uncompressed"]]
+        for label, runs in by_setting.items():
+            means = [statistics.mean(r[s] for r in runs) for s in at]
+            highest = statistics.mean(max(v for s, v in r.items() if s > FREEZE) for r in runs)
+            gaps = [100 * (r[steps] / b - 1) for r, b in zip(runs, base)]
+            lines.append(f"| {CONFIGS[config].describe()} | {label} | " + " | ".join(f"{m:.4f}" for m in means) + f" | {highest:.4f}" +
+                         f" | **{statistics.mean(gaps):+.1f}%** ({', '.join(f'{g:+.0f}' for g in gaps)}) |")
     return lines
 
 
@@ -127,13 +178,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
     ap.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (the cosine decays over them)")
+    ap.add_argument("--configs", default="all", help="comma-separated names of CONFIGS, or 'all'")
     ap.add_argument("--page", default=None, help="also write the table to this markdown file")
     args = ap.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     if args.steps <= FREEZE:
         ap.error(f"--steps must be above {FREEZE}, the step at which Adam's second moment is frozen")
-    results = {label: [train(seed, make(), args.steps) for seed in range(args.seeds)] for label, make in SETTINGS.items()}
+    names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)} or 'all'")
+    results = {name: {label: [train(seed, make(), args.steps, CONFIGS[name]) for seed in range(args.seeds)]
+                      for label, make in SETTINGS.items()} for name in names}
     lines = table(results, args.steps)
     if hvd.rank() == 0:
         print("\n".join(lines), flush=True)
@@ -144,7 +201,7 @@ def main() -> None:
                 f"# Adam around the freeze: a check\n\nGenerated by `{command}`.\n\n"
                 + __doc__.split("\n\n", 2)[2].replace("\n", " ").strip() + f" Seeds 0..{args.seeds - 1}, 2 ranks; "
                 "the gap is the held-out loss at the end relative to uncompressed training on the same seed "
-                "(mean, then per seed).\n\n" + "\n".join(lines) + "\n")
+                "(mean, then per seed); every loss is a mean over the seeds.\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
