@@ -91,8 +91,12 @@ def study_section(out: Path) -> List[str]:
     body = report.targets(tasks, runs)[2:]  # without its heading
     seeds = sorted({len(rs) for (t, s), rs in runs.items() if t in tasks and s == "tq1"})
     count = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
+    missed = [row.split(" | ")[0].lstrip("| ") for row in body if row.startswith("| ") and row.endswith("| no |")]
+    said = ("Every task meets both targets." if not missed else
+            "Targets missed (*met?* no): " + ", ".join(missed) + "; each row's gaps say which and by how much, "
+            "next to its uncompressed seed spread.")
     return [f"Convergence, {count} seeds (beside each gap), 2 ranks, from `make study` "
-            "([docs/STUDY.md](docs/STUDY.md)):", ""] + body
+            "([docs/STUDY.md](docs/STUDY.md)):", ""] + body + [said, ""]
 
 
 def render(root: Path = ROOT) -> str:

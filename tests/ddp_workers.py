@@ -561,8 +561,8 @@ def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
     opts = dict(lr=1e-2, weight_decay=0.1)
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.AdamW(model.parameters(), **opts)
-    state = gc_ddp.register(model, compression=gc.TopK(ratio=1.0, feedback=gc.FrozenVariance(warmup=warmup),
-                                                       exempt="fp32"), optimizer=opt)
+    policy = gc.FrozenVariance(warmup=warmup, momentum=True)   # the reference below keeps Adam's momentum
+    state = gc_ddp.register(model, compression=gc.TopK(ratio=1.0, feedback=policy, exempt="fp32"), optimizer=opt)
     zero_grads, sent_bytes = [], []
     for step in range(steps):
         opt.zero_grad()

@@ -169,8 +169,9 @@ def table(results: Dict[str, Dict[str, List[Dict[int, float]]]], steps: int = ST
             means = [statistics.mean(r[s] for r in runs) for s in at]
             highest = statistics.mean(max(v for s, v in r.items() if s > FREEZE) for r in runs)
             gaps = [100 * (r[steps] / b - 1) for r, b in zip(runs, base)]
-            lines.append(f"| {CONFIGS[config].describe()} | {label} | " + " | ".join(f"{m:.4f}" for m in means) + f" | {highest:.4f}" +
-                         f" | **{statistics.mean(gaps):+.1f}%** ({', '.join(f'{g:+.0f}' for g in gaps)}) |")
+            lines.append(f"| {CONFIGS[config].describe()} | {label} | " + " | ".join(f"{m:.4f}" for m in means)
+                         + f" | {highest:.4f} | **{statistics.mean(gaps):+.1f}%** "
+                         f"({', '.join(f'{g:+.0f}' for g in gaps)}) |")
     return lines
 
 

@@ -47,7 +47,8 @@ SETTINGS: Dict[str, Callable[[Any], Any]] = {
     "tq1-warm300": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300)),
     "tq1-warm600": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=600)),
     "tq1-at100": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(max_warmup=1)),
-    "tq1-prev": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100)),
+    "tq1-prev": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(
+        momentum=None, sparsity_warmup=100)),
     "tq1-prev-at100": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(
         momentum=None, sparsity_warmup=100, max_warmup=1)),
     "ratio1-at100": lambda gc: gc.TopKQSGD(ratio=1.0, bits=8, feedback=gc.FrozenVariance(max_warmup=1)),
