@@ -26,7 +26,6 @@ def fixed_rate_topkqsgd(optimizer: Any) -> Any:
     return gc.TopKQSGD(ratio=0.01, bits=8, feedback=policy)
 
 
-
 def previous_default(ratio: float) -> Any:
     """TopKQSGD(ratio, 8) with ``FrozenVariance``'s defaults before they changed (Adam's momentum kept
     while the learning rate changes, a 100-step sparsity warm-up after the freeze; see
