@@ -38,7 +38,7 @@ TASK_TEXT = {
 }
 ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tq1", "tq01", "tq01-spw100", "tq01-spw172", "tq01-out1", "tq1-classic",
          "tq1-fixedlr", "tq1-update", "tq1-prev", "tq01-prev", "tq1-mom", "tq01-mom", "tq1-nomom", "tq01-nomom",
-         "tq1-momentum", "tq1-nospw"]
+         "tq1-warm200", "tq1-momentum", "tq1-nospw"]
 
 
 def load(out: Path) -> Dict[Tuple[str, str], List[dict]]:
@@ -254,7 +254,10 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "`sqrt(1% / ratio)` times its 100 steps (317 at 0.1%). On the char-MLP, the *output layer at 1%* row keeps that layer "
         "(`out.weight`, 65,536 values: 66 a step at 0.1%) at 1% while the rest send 0.1% "
         "(`min_ratio={r\"^out\\.\": 0.01}`, a setting of the user's; the other tasks' output layers, of 1,280 to "
-        "8,192 values, already send `min_k` = 32 values a step at 0.1%, 0.4% to 2.5% of them). "
+        "8,192 values, already send `min_k` = 32 values a step at 0.1%, 0.4% to 2.5% of them). On the CNN "
+        "with Adam, the *second moment frozen after 200 steps* rows end Adam's dense warm-up after a third of "
+        "the run instead of the default 100 steps (`FrozenVariance(warmup=200)`, the user's option the start-up "
+        "message points to for long runs; the second half of the run is compressed either way). "
         "fp16 and TopK 1% ran on the first seed only, "
         "to fit the study in about an hour.",
         "",
