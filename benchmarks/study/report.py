@@ -135,7 +135,7 @@ def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[s
         g1, n1 = paired_gap(task, "tq1", runs)
         gc_, _ = paired_gap(task, "tq1-classic", runs)
         gfix, _ = paired_gap(task, "tq1-fixedlr", runs)
-        gmom = previous_default_gap(task, runs)
+        gprev, _ = paired_gap(task, "tq1-prev", runs)   # "-" where it did not run (momentum SGD)
         g01, _ = paired_gap(task, "tq01", runs)
         g01w, _ = paired_gap(task, "tq01-spw100", runs)
         rs = runs.get((task, "tq1"), [])
@@ -144,14 +144,8 @@ def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[s
         sd = spread([r["val_loss"] for r in runs.get((task, "none"), [])])
         met = "yes" if g1 <= 1 and g01 <= 2 and ratio >= 50 else "no"
         lines.append(f"| {task} | {_pct(g1)} ({n1}) | {pol} | {ratio:.0f}x | +-{sd:.2f}% | {_pct(gc_)} | "
-                     f"{_pct(gfix)} | {gmom} | {_pct(g01)} | {_pct(g01w)} | {met} |")
+                     f"{_pct(gfix)} | {_pct(gprev)} | {_pct(g01)} | {_pct(g01w)} | {met} |")
     return lines + [""]
-
-
-def previous_default_gap(task: str, runs: Dict[Tuple[str, str], List[dict]]) -> str:
-    """TopKQSGD(1%, 8)'s gap with ``FrozenVariance``'s previous defaults (Adam's momentum kept while
-    the rate changes, a sparsity warm-up after the freeze); "-" where it did not run (momentum SGD)."""
-    return _pct(paired_gap(task, "tq1-prev", runs)[0])
 
 
 def previous_default_bullet(runs: Dict[Tuple[str, str], List[dict]]) -> str:
@@ -309,7 +303,8 @@ def _shown(path: Path) -> str:
 
 
 def choice_section(docs: Path, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
-    """How the policies were chosen: the simulator's figures (docs/data/study_simulator.txt)."""
+    """How the policies were chosen: the simulator's figures (docs/data/study_simulator.txt), and a
+    bullet on FrozenVariance's defaults with the gaps read from ``runs``."""
     sim = docs / "data" / "study_simulator.txt"
     lines = [
         "## How the recipe was chosen",
