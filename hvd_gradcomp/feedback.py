@@ -947,19 +947,20 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       which at step 100 still mostly remembers the first, largest gradients). The
       floor keeps coordinates that had (almost) no gradient during the warm-up (rare tokens'
       embedding rows, dead units) from taking ``lr/eps``-sized steps later.
-    * At a constant learning rate, frozen, ``v`` keeps its shape but follows the gradients' scale,
-      as Adam's own would: each rank keeps the ``b2``-average of its gradient's mean square from
-      its first step on (the warm-up's included), and divides by ``denom * sqrt(s_t / s_freeze)``.
-      Why: where gradients keep shrinking (a classifier driving its loss towards zero), a ``v``
-      frozen for good makes every later step shorter than Adam's; at a constant rate that left
-      TopKQSGD(1%, 8) far above uncompressed training on a small MLP (docs/SMALL_MLP_CHECK.md,
-      "Before the frozen v followed the gradients' scale at a constant rate"). Only while the rate
-      stays what it was at the tensor's first step: with the rate decayed by a schedule, the same
-      small MLP ended further from uncompressed training with the scale followed than with ``v``
-      frozen for good (a decaying rate shortens the late steps anyway), so from the first change of
-      rate the scale reached is kept, and under a schedule that changes the rate from the first
-      step (cosine, linear, OneCycleLR) nothing changes. Each rank scales only what it sends, so
-      the average every rank applies stays the same on all.
+    * Frozen, ``v`` keeps its shape, and its level follows the gradients where they shrink
+      (``follow_scale="down"``): each rank keeps the average of its gradient's mean square over
+      about ``window`` steps (the span the frozen ``v`` averages; ``window=None``: Adam's ``b2``),
+      from its first step on (the warm-up's included), and while that average ``s_t`` is below its
+      value at the freeze, divides what it sends by ``denom * sqrt(s_t / s_freeze)``. Why: where
+      gradients keep shrinking after the freeze (a classifier driving its loss towards zero), a
+      ``v`` frozen for good makes every later step shorter than Adam's, and error feedback cannot
+      give that movement back: TopKQSGD(1%, 8) then ended above uncompressed training on every seed
+      of the study's CNN with Adam, with a schedule and without (docs/STUDY.md, cnn-adam and
+      cnn-adam-const, the *v frozen for good* rows), and on a small MLP at a constant rate
+      (docs/SMALL_MLP_CHECK.md). Where gradients grow, ``v`` stays frozen: following them up as well
+      (``follow_scale="both"``) made the steps of the freeze check's model shorter, and ended further
+      from uncompressed training (docs/FREEZE_CHECK.md). ``follow_scale=None`` keeps ``v`` frozen for good. Each rank scales only what it sends, so the
+      average every rank applies stays the same on all.
     * With ``v`` frozen, Adam is linear in the gradient: each rank sends the update direction
       ``g / denom`` through error feedback (top-k on the direction, not on ``g``, picks the
       coordinates that would move most: in the simulator this took the transformer's gap from
@@ -1018,8 +1019,14 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     _round_stores = ("velocity", "steps", "scale")  # velocity, steps: set at the freeze, before _remember
 
     def __init__(self, warmup: int = 100, floor: float = 0.1, sparsity_warmup: int = 0,
-                 window: Optional[int] = 50, max_warmup: int = 1000, momentum: Optional[bool] = False) -> None:
+                 window: Optional[int] = 50, max_warmup: int = 1000, momentum: Optional[bool] = False,
+                 follow_scale: Optional[str] = "down") -> None:
         super().__init__()
+        if follow_scale not in FOLLOW_SCALE:
+            raise ValueError(f"FrozenVariance follow_scale must be one of {list(FOLLOW_SCALE)} ('down': longer steps "
+                             f"where the gradients shrank since the freeze; 'both': shorter ones too where they grew; "
+                             f"None: v frozen for good), got {follow_scale!r}")
+        self.follow_scale = follow_scale
         if momentum is not None and not isinstance(momentum, bool):
             raise ValueError(f"FrozenVariance momentum must be None (Adam's first moment kept while the learning rate "
                              f"changes), True (always kept) or False (never: error feedback's residual sums the "
@@ -1055,8 +1062,6 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         # device: no host sync), and its value when v was frozen: see _follow_scale.
         self.scale: Dict[str, torch.Tensor] = {}
         self.scale_at_freeze: Dict[str, torch.Tensor] = {}
-        # The rate while the scale is followed (the tensor's first step's); None once it changed.
-        self._scale_rate: Dict[str, Optional[float]] = {}
         self._undo = None  # see _RoundUndo
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
@@ -1132,35 +1137,38 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             self._follow_scale(name, grad)
 
     def _follow_scale(self, name: str, grad: torch.Tensor) -> None:
-        """Average this rank's gradient mean square over steps as Adam averages squared gradients
-        (weight ``1 - b2``, started at the first value), while the learning rate stays the first
-        step's (see the class docstring). A non-finite gradient (a step the loss scaler skips)
-        leaves the average as it was."""
-        group = self._bound[name][1]
-        lr = float(group["lr"])
-        rate = self._scale_rate.setdefault(name, lr)
-        if rate is None or lr != rate:
-            self._scale_rate[name] = None
-            return
-        b2 = float(group["betas"][1])
+        """Average this rank's gradient mean square over about ``window`` steps (weight ``1 / window``,
+        the span the frozen ``v`` averages; ``window=None``: Adam's ``1 - b2``), started at the first
+        value, from the tensor's first step on, at any rate. A non-finite gradient (a step the loss
+        scaler skips) leaves the average as it was."""
+        weight = 1.0 / self.window if self.window is not None else 1.0 - float(self._bound[name][1]["betas"][1])
         ms = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square() / max(grad.numel(), 1)
         old = self.scale.get(name)
         if old is None:
             new = torch.where(torch.isfinite(ms), ms, torch.zeros_like(ms))
         else:
-            new = torch.lerp(old, ms.to(old.device), 1.0 - b2)
+            new = torch.lerp(old, ms.to(old.device), weight)
             new = torch.where(torch.isfinite(new), new, old)
         self._replace("scale", name, new)
 
     def _scale_factor(self, name: str) -> Optional[torch.Tensor]:
-        """``sqrt(s_freeze / s_t)``: how much longer this rank's step is than with ``v`` frozen for good
-        (1 where either average is zero: a tensor without gradient); None while the scale has not
-        moved since the freeze (always, under a schedule that changes the rate from the first step)."""
+        """``sqrt(s_freeze / s_t)`` where the gradients shrank since the freeze, else 1: how much longer
+        this rank's step is than with ``v`` frozen for good (1 where either average is zero: a tensor
+        without gradient); None while the scale has not moved since the freeze.
+
+        >>> fv = FrozenVariance()
+        >>> fv.scale_at_freeze["w"] = torch.tensor(4.0)
+        >>> fv.scale["w"] = torch.tensor(1.0); float(fv._scale_factor("w"))     # gradients 2x smaller
+        2.0
+        >>> fv.scale["w"] = torch.tensor(9.0); float(fv._scale_factor("w"))     # larger: v stays frozen
+        1.0
+        """
         now, then = self.scale.get(name), self.scale_at_freeze.get(name)
-        if now is None or then is None or now is then:
+        if self.follow_scale is None or now is None or then is None or now is then:
             return None
         ok = (now > 0) & (then > 0)
-        return torch.where(ok, then / torch.where(ok, now, torch.ones_like(now)), torch.ones_like(now)).sqrt()
+        ratio = torch.where(ok, then / torch.where(ok, now, torch.ones_like(now)), torch.ones_like(now))
+        return (ratio.clamp(min=1.0) if self.follow_scale == "down" else ratio).sqrt()
 
     def dense_average(self, name: str, avg: torch.Tensor) -> None:
         """Keep the squared norm of a warm-up step's average as exchanged (see :meth:`_unscale`)."""
@@ -1331,9 +1339,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     def describe(self) -> str:
         # issue 9: with AdamW over 1200 steps, freezing after 300 steps (a quarter of the run, 1-bit
         # Adam's advice) ended closest to uncompressed (docs/STUDY_RUN_LENGTH.md); the run's length
-        # is not known here, so the user is told once rather than the default guessed. At a constant
-        # rate the frozen v follows the gradients' scale (docs/SMALL_MLP_CHECK.md: before it did, a small
-        # MLP ended far above uncompressed training there, and "update" was the advice)
+        # is not known here, so the user is told once rather than the default guessed. The frozen v
+        # follows the gradients where they shrink (see the class docstring)
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor (more while the learning "
                 f"rate still rises, at most {self._longest_warmup}), "
                 + {True: "each rank's momentum through error feedback (1-bit Adam style)",
@@ -1342,8 +1349,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                          f"changes, its gradient once the rate has stayed the same {FLAT_RATE_STEPS} steps (error "
                          "feedback's residual then takes the first moment's place: docs/STUDY.md, transformer-const)"
                    }[self.momentum]
-                + ", the frozen v following the gradients' scale while the learning rate stays "
-                f"constant (docs/SMALL_MLP_CHECK.md); for a run much longer than {4 * self.warmup} steps, freeze "
+                + {"down": ", the frozen v following the gradients' scale where it shrinks (docs/STUDY.md)",
+                   "both": ", the frozen v following the gradients' scale", None: ", v frozen for good"
+                   }[self.follow_scale]
+                + f"; for a run much longer than {4 * self.warmup} steps, freeze "
                 "later: feedback=FrozenVariance(warmup=a quarter of the run's steps) (docs/STUDY_RUN_LENGTH.md)")
 
     def state_dict(self) -> Dict[str, Any]:
@@ -1354,13 +1363,13 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "steps": dict(self.steps), "warmup": self.warmup, "floor": self.floor,
                 "sparsity_warmup": self.sparsity_warmup, "window": self.window,
                 "max_warmup": self.max_warmup, "momentum": self.momentum, "flat": dict(self._flat),
+                "follow_scale": self.follow_scale,
                 "recent": {n: (r.clone(), k) for n, (r, k) in self._recent.items()},
                 "last_v": {n: (t, v.clone()) for n, (t, v) in self._last_v.items()},
                 "lr_seen": dict(self._lr_seen),
                 "delivered": {n: (t, x.clone()) for n, (t, x) in self._delivered.items()},
                 "rescaled": _clone_tensors(self._rescaled), "clipping_seen": self.clipping_seen,
-                "scale": _clone_tensors(self.scale), "scale_at_freeze": _clone_tensors(self.scale_at_freeze),
-                "scale_rate": dict(self._scale_rate)}
+                "scale": _clone_tensors(self.scale), "scale_at_freeze": _clone_tensors(self.scale_at_freeze)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -1372,6 +1381,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self.max_warmup = int(state.get("max_warmup", self.max_warmup))
         # Checkpoints from before the choice was saved: this policy's (tensors frozen then have a velocity)
         self.momentum = state.get("momentum", self.momentum)
+        self.follow_scale = state.get("follow_scale", self.follow_scale)
         self._flat = {n: (float(lr), int(t)) for n, (lr, t) in state.get("flat", {}).items()}
         # Checkpoints from before the window was saved have none: the warm-up's window starts again.
         self._recent = {n: (r.clone(), int(k)) for n, (r, k) in state.get("recent", {}).items()}
@@ -1380,16 +1390,19 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._delivered = {n: (int(t), x.clone()) for n, (t, x) in state.get("delivered", {}).items()}
         self._rescaled = _clone_tensors(state.get("rescaled", {}))
         self.clipping_seen = bool(state.get("clipping_seen", False))
-        # Checkpoints from before the scale was followed: followed from the next step on.
+        # Checkpoints from before the scale was followed (or followed at a constant rate only, averaged
+        # as Adam averages; their "scale_rate" is ignored): followed from the next step on.
         self.scale = _clone_tensors(state.get("scale", {}))
         # the same tensor when the scale has not moved since the freeze (see _scale_factor)
         self.scale_at_freeze = {n: self.scale[n] if n in self.scale and torch.equal(t, self.scale[n]) else t.detach().clone()
                                 for n, t in state.get("scale_at_freeze", {}).items()}
-        self._scale_rate = {n: None if r is None else float(r) for n, r in state.get("scale_rate", {}).items()}
         self.sparsity_warmup = int(state.get("sparsity_warmup", self.sparsity_warmup))
         if self._undo is not None:
             self._undo.clear()
 
+
+FOLLOW_SCALE = ("down", "both", None)
+"""The choices of :class:`FrozenVariance`'s ``follow_scale`` (see its docstring)."""
 
 FLAT_RATE_STEPS = 50
 """Steps at one learning rate after which a tensor under :class:`FrozenVariance` (``momentum=None``)

@@ -186,8 +186,9 @@ def test_freeze_check_writes_its_page(tmp_path: Path) -> None:
         in text, text
     rows = [ln.split(" | ") for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
     assert [r[1] for r in rows] == ["uncompressed", "TopKQSGD(1%, 8), default",
-                                    "... previous default (momentum=None, sparsity_warmup=100)",
-                                    "... FrozenVariance(momentum=True)", "... FrozenVariance(sparsity_warmup=100)"]
+                                    "... previous default (momentum=None, sparsity_warmup=100, follow_scale=None)",
+                                    "... FrozenVariance(momentum=True)", "... FrozenVariance(sparsity_warmup=100)",
+                                    "... FrozenVariance(follow_scale='both')", "... FrozenVariance(follow_scale=None)"]
     for r in rows:
         assert r[0] == "| AdamW, one-cycle, lr 0.002, 3 micro-batches", r
         assert 0 < float(r[2]) < 5 and 0 < float(r[3]) <= float(r[4]) < 5, r   # one evaluation after the freeze

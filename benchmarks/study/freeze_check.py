@@ -12,8 +12,11 @@ steps through ``hvd_gradcomp.DistributedOptimizer``, by default with ``torch.opt
 and ``CosineAnnealingLR`` over the run, 3 micro-batches of 64 per step
 (``backward_passes_per_step=3``); the other configurations change one or two of these (see
 :data:`CONFIGS`). Rows: uncompressed training, the default ``TopKQSGD(ratio=0.01, bits=8)``,
-FrozenVariance's previous defaults, and the default with one of them put back (Adam's momentum
-kept, ``momentum=True``; the 100-step sparsity warm-up, ``sparsity_warmup=100``). Prints the
+FrozenVariance's previous defaults (under these schedules they kept ``v`` frozen for good), the
+default with one of them put back (Adam's momentum kept, ``momentum=True``; the 100-step sparsity
+warm-up, ``sparsity_warmup=100``), and the default with the frozen ``v`` following the gradients'
+scale both ways (``follow_scale="both"``: shorter steps where they grew too) or never
+(``follow_scale=None``). Prints the
 held-out loss at the freeze, 50 steps after it, at the end, and the highest of the evaluations
 every 10 steps after the freeze (a jump), and checks that the ranks end with identical parameters.
 """
@@ -37,12 +40,16 @@ STEPS, FREEZE = 300, 100   # FREEZE: FrozenVariance's default warmup
 SETTINGS: Dict[str, Callable[[], Optional[gc.GradientCompressor]]] = {
     "uncompressed": lambda: None,
     "TopKQSGD(1%, 8), default": lambda: gc.TopKQSGD(ratio=0.01, bits=8),
-    "... previous default (momentum=None, sparsity_warmup=100)": lambda: gc.TopKQSGD(
-        ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100)),
+    "... previous default (momentum=None, sparsity_warmup=100, follow_scale=None)": lambda: gc.TopKQSGD(
+        ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100, follow_scale=None)),
     "... FrozenVariance(momentum=True)": lambda: gc.TopKQSGD(
         ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=True)),
     "... FrozenVariance(sparsity_warmup=100)": lambda: gc.TopKQSGD(
         ratio=0.01, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100)),
+    "... FrozenVariance(follow_scale='both')": lambda: gc.TopKQSGD(
+        ratio=0.01, bits=8, feedback=gc.FrozenVariance(follow_scale="both")),
+    "... FrozenVariance(follow_scale=None)": lambda: gc.TopKQSGD(
+        ratio=0.01, bits=8, feedback=gc.FrozenVariance(follow_scale=None)),
 }
 
 

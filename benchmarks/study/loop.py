@@ -29,10 +29,13 @@ def fixed_rate_topkqsgd(optimizer: Any) -> Any:
 def previous_default(ratio: float) -> Any:
     """TopKQSGD(ratio, 8) with ``FrozenVariance``'s defaults before they changed (Adam's momentum kept
     while the learning rate changes, a 100-step sparsity warm-up after the freeze; see
-    docs/FREEZE_CHECK.md), so the study shows what the change did."""
+    docs/FREEZE_CHECK.md), so the study shows what the change did. Under a schedule ``v`` was then
+    frozen for good (``follow_scale=None``); at a constant rate it followed the gradients' scale both
+    ways, averaged as Adam averages, which no option does now: those tasks' rows are older runs."""
     import hvd_gradcomp as gc
 
-    return gc.TopKQSGD(ratio=ratio, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100))
+    return gc.TopKQSGD(ratio=ratio, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100,
+                                                                        follow_scale=None))
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,7 +38,7 @@ TASK_TEXT = {
 }
 ORDER = ["none", "fp16", "qsgd8", "qsgd4", "topk", "tq1", "tq01", "tq01-spw100", "tq01-spw172", "tq01-out1", "tq1-classic",
          "tq1-fixedlr", "tq1-update", "tq1-prev", "tq01-prev", "tq1-mom", "tq01-mom", "tq1-nomom", "tq01-nomom",
-         "tq1-warm200", "tq1-momentum", "tq1-nospw"]
+         "tq1-warm200", "tq1-momentum", "tq1-nospw", "tq1-vfrozen"]
 
 
 def load(out: Path) -> Dict[Tuple[str, str], List[dict]]:

@@ -61,6 +61,10 @@ SETTINGS = {
                   lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100))),
     "tq01-nomom": ("TopKQSGD(0.1%, 8), sparsity warm-up after the freeze",
                    lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100))),
+    # The frozen v never following the gradients' scale (the default follows it where it shrinks):
+    # under a schedule, the default before it did
+    "tq1-vfrozen": ("TopKQSGD(1%, 8), v frozen for good",
+                    lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(follow_scale=None))),
     # Adam's second moment frozen after a third of the CNN's 600 steps (the default: 100)
     "tq1-warm200": ("TopKQSGD(1%, 8), second moment frozen after 200 steps",
                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=200))),
