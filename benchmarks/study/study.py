@@ -36,15 +36,17 @@ from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
 # sqrt(1%/ratio) times longer, and at a constant rate (cnn-sgd-const, char-mlp-const) classic error
 # feedback beside momentum correction; for the char-MLP, its output layer kept at 1% at ratio 0.1%
 # (min_ratio=: the other tasks' output layers are at min_k's floor already); for the CNN with Adam,
-# Adam's second moment frozen after a third of the run ("warm200") rather than the default 100 steps.
+# Adam's second moment frozen after a third of the run ("warm200") rather than the default 100 steps,
+# and v frozen for good ("vfrozen": the default before the frozen v followed shrinking gradients).
 PREVIOUS = ("tq1-prev", "tq01-prev")
 TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4", "tq1-nospw", "tq01-spw172", "tq01-out1"),
                  "transformer": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom", "tq01-nomom") + PREVIOUS,
                  "transformer-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom", "tq1-update") + PREVIOUS,
-                 "cnn-adam-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom", "tq1-warm200") + PREVIOUS,
+                 "cnn-adam-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom", "tq1-warm200", "tq1-vfrozen") + PREVIOUS,
                  "cnn-sgd-const": ("none", "tq1", "tq01", "tq1-classic"),
                  "char-mlp-const": ("none", "tq1", "tq01", "tq1-classic"),
-                 "cnn-adam": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom", "tq01-nomom", "tq1-warm200") + PREVIOUS,
+                 "cnn-adam": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom", "tq01-nomom", "tq1-warm200", "tq1-vfrozen")
+                 + PREVIOUS,
                  "teacher-mlp": DEFAULT_SETTINGS + ("tq1-nomom", "tq01-nomom") + PREVIOUS,
                  "cnn-sgd": DEFAULT_SETTINGS + ("tq1-nospw", "tq01-spw172")}
 # Run on the first seed only, to fit the study in about an hour: fp16 matched uncompressed to 4
