@@ -276,7 +276,11 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "8,192 values, already send `min_k` = 32 values a step at 0.1%, 0.4% to 2.5% of them). On the CNN "
         "with Adam, the *second moment frozen after 200 steps* rows end Adam's dense warm-up after a third of "
         "the run instead of the default 100 steps (`FrozenVariance(warmup=200)`, the user's option the start-up "
-        "message points to for long runs; the second half of the run is compressed either way). "
+        "message points to for long runs; the second half of the run is compressed either way), and the "
+        "*v frozen for good* rows keep Adam's second moment as frozen, never following the gradients' scale "
+        "(`FrozenVariance(follow_scale=None)`: under a schedule, the default before it followed shrinking "
+        "gradients, bit for bit). A row not rerun after a change of the default it builds on keeps its older "
+        "runs (the versions line below counts the runs per commit). "
         "fp16 and TopK 1% ran on the first seed only, "
         "to fit the study in about an hour.",
         "",
