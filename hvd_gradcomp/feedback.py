@@ -981,7 +981,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       uncompressed training in every configuration. On the study's transformer
       (docs/STUDY.md) TopKQSGD(1%, 8) also ended closer to uncompressed training without the
       momentum; on its CNN with Adam further (above the 1% target on every seed, inside
-      that task's seed spread; the *previous default* rows).
+      that task's seed spread, while ``v`` stayed frozen for good under a schedule; the
+      *previous default* and *v frozen for good* rows).
       ``momentum=True`` keeps Adam's momentum for every tensor: each rank's
       ``u = b1*u + (1-b1)*g``, started from Adam's, sends ``u / denom``, and the parameter
       moves by ``-lr * D / (1 - b1**t)`` (1-bit Adam's and DGC's way; at ratio 1 this is
