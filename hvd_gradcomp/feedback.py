@@ -959,8 +959,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       cnn-adam-const, the *v frozen for good* rows), and on a small MLP at a constant rate
       (docs/SMALL_MLP_CHECK.md). Where gradients grow, ``v`` stays frozen: following them up as well
       (``follow_scale="both"``) made the steps of the freeze check's model shorter, and ended further
-      from uncompressed training (docs/FREEZE_CHECK.md). ``follow_scale=None`` keeps ``v`` frozen for good. Each rank scales only what it sends, so the
-      average every rank applies stays the same on all.
+      from uncompressed training (docs/FREEZE_CHECK.md). ``follow_scale=None`` keeps ``v`` frozen
+      for good (and skips the average: one pass over each gradient less). Each rank scales only
+      what it sends, so the average every rank applies stays the same on all.
     * With ``v`` frozen, Adam is linear in the gradient: each rank sends the update direction
       ``g / denom`` through error feedback (top-k on the direction, not on ``g``, picks the
       coordinates that would move most: in the simulator this took the transformer's gap from
@@ -1141,7 +1142,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         """Average this rank's gradient mean square over about ``window`` steps (weight ``1 / window``,
         the span the frozen ``v`` averages; ``window=None``: Adam's ``1 - b2``), started at the first
         value, from the tensor's first step on, at any rate. A non-finite gradient (a step the loss
-        scaler skips) leaves the average as it was."""
+        scaler skips) leaves the average as it was. Nothing with ``follow_scale=None``: the average
+        would never be read (:meth:`_scale_factor`), and it costs a pass over the gradient."""
+        if self.follow_scale is None:
+            return
         weight = 1.0 / self.window if self.window is not None else 1.0 - float(self._bound[name][1]["betas"][1])
         ms = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square() / max(grad.numel(), 1)
         old = self.scale.get(name)
