@@ -240,6 +240,13 @@ def test_frozen_variance_momentum_takes_only_none_true_or_false(bad):
         gc.FrozenVariance(momentum=bad)
 
 
+@pytest.mark.parametrize("bad", ["up", True, 1])
+def test_frozen_variance_follow_scale_takes_only_down_both_or_none(bad):
+    """A wrong ``follow_scale=`` is refused at construction, naming the three choices."""
+    with pytest.raises(ValueError, match=r"follow_scale must be one of \['down', 'both', None\]"):
+        gc.FrozenVariance(follow_scale=bad)
+
+
 @pytest.mark.parametrize("follow_scale", ["down", "both", None])
 @pytest.mark.parametrize("momentum", [False, True], ids=["default", "momentum"])
 def test_frozen_variance_under_a_schedule_follows_the_scale_as_at_a_constant_rate(momentum, follow_scale):
