@@ -8,7 +8,7 @@ and are kept, so a rerun only trains what is missing. The table gives each setti
 MSE gap to uncompressed training (``hvd_gradcomp.DistributedOptimizer``, same seed), averaged
 over seeds, next to the uncompressed seed spread (population standard deviation over seeds)::
 
-    python benchmarks/study/outside_check.py        # AdamW, Adam; both wrappers; none, tq1, tq1-prev, tq1-prev-at100
+    python benchmarks/study/outside_check.py        # AdamW, Adam; both wrappers; none, tq1, tq1-vfrozen, tq1-prev, ...
     python benchmarks/study/outside_check.py --seeds 0 --optimizers adamw --wrappers gc \\
         --settings none,tq1,ratio1,ratio1-warm300,ratio1-warm600,tq1-warm300,tq1-warm600
 
@@ -17,7 +17,9 @@ take one thing apart (``ratio1``: nothing dropped, only Adam's second moment fro
 8-bit values; ``-warmN``: ``FrozenVariance(warmup=N)``; ``-at100``: frozen after 100 steps even
 inside OneCycleLR's 360-step ramp, ``FrozenVariance(max_warmup=1)``, the default before it waited
 for the rate to stop rising; ``window-none``: the freeze before the window average; ``classic``:
-error feedback on gradients; ``-prev``: ``FrozenVariance``'s defaults before it dropped Adam's
+error feedback on gradients; ``tq1-vfrozen``: ``v`` frozen for good, not following shrinking
+gradients (``FrozenVariance(follow_scale=None)``, the default before it did, here under OneCycleLR);
+``-prev``: ``FrozenVariance``'s defaults before it dropped Adam's
 momentum and the sparsity warm-up after the freeze, ``momentum=None, sparsity_warmup=100``, see
 docs/FREEZE_CHECK.md: the runs of ``tq1`` and ``tq1-at100`` from before that change).
 
@@ -47,6 +49,7 @@ SETTINGS: Dict[str, Callable[[Any], Any]] = {
     "tq1-warm300": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300)),
     "tq1-warm600": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=600)),
     "tq1-at100": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(max_warmup=1)),
+    "tq1-vfrozen": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(follow_scale=None)),
     "tq1-prev": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(
         momentum=None, sparsity_warmup=100)),
     "tq1-prev-at100": lambda gc: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(
@@ -135,7 +138,7 @@ def gap_table(results: List[Dict[str, Any]], steps: int) -> List[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--settings", default="none,tq1,tq1-prev,tq1-prev-at100")
+    ap.add_argument("--settings", default="none,tq1,tq1-vfrozen,tq1-prev,tq1-prev-at100")
     ap.add_argument("--optimizers", default="adamw,adam")
     ap.add_argument("--wrappers", default="gc,hvd")
     ap.add_argument("--seeds", default="0,1,2")
