@@ -97,14 +97,16 @@ def ab_variants(probe: "SyncBreakdown") -> List[Variant]:
     """Code paths of issue 13, alternated step by step (the same on every rank) by ``--ab``:
     "decoded" (this rank's own payloads decoded while the allgather travels, ``p.grad`` zeroed
     after the wait: session 7's code), "carried" (own parts from the encoder, not decoded) and
-    "new" (also ``p.grad`` zeroed before the wait)."""
+    "prezero" (also ``p.grad`` zeroed before the wait) and "new" (with two ranks, this rank's part
+    also added to it before the wait)."""
     from hvd_gradcomp import exchange
 
-    def use(carried: bool, prezero: bool) -> Any:
+    def use(carried: bool, prezero: bool, add_own: bool) -> Any:
         def apply() -> None:
-            exchange._CARRIED, exchange._PREZERO = carried, prezero
+            exchange._CARRIED, exchange._PREZERO, exchange._ADD_OWN = carried, prezero, add_own
         return apply
-    return [Variant("decoded", use(False, False)), Variant("carried", use(True, False)), Variant("new", use(True, True))]
+    return [Variant("decoded", use(False, False, False)), Variant("carried", use(True, False, False)),
+            Variant("prezero", use(True, True, False)), Variant("new", use(True, True, True))]
 
 
 class SyncBreakdown:

@@ -440,30 +440,53 @@ def sums_in_place(out: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def sum_parts(parts: Parts, average: bool, numel: int, dtype: torch.dtype,
-              out: Optional[torch.Tensor] = None, zeroed: bool = False) -> torch.Tensor:
+              out: Optional[torch.Tensor] = None, zeroed: bool = False, held: Optional[int] = None) -> torch.Tensor:
     """The average (``average=True``) or sum of decoded parts; no collective, any backend.
 
     Every rank runs the same additions in the same order on the same bytes, so every rank
     gets bit-identical results. Sums run in float32 for 16-bit gradients. Sparse parts are
     added straight into one zeroed buffer; with ``out`` (where :func:`sums_in_place`) the result
     is written there. ``zeroed``: ``out`` already holds zeros (see
-    :meth:`FusedAllgatherExchange.before_wait`), so the pass that zeroes it is skipped.
+    :meth:`FusedAllgatherExchange.before_wait`), so the pass that zeroes it is skipped. ``held``:
+    the index of a part that ``out`` holds already, added by :func:`add_part` onto those zeros
+    (two ranks only: see :meth:`FusedAllgatherExchange.before_wait`); it is not added again.
+
+    >>> parts = [(torch.tensor([0, 2]), torch.tensor([1.0, 2.0])), (torch.tensor([2]), torch.tensor([4.0]))]
+    >>> sum_parts(parts, True, 3, torch.float32).tolist()
+    [0.5, 0.0, 3.0]
+    >>> out = add_part(torch.zeros(3), parts[1], 0.5)
+    >>> sum_parts(parts, True, 3, torch.float32, out=out, zeroed=True, held=1).tolist()
+    [0.5, 0.0, 3.0]
     """
     scale = 1.0 / len(parts) if average else 1.0
     acc_dtype = residual_dtype(dtype)
     direct = out is not None and sums_in_place(out, dtype)
+    if held is not None and not (direct and zeroed):
+        raise ValueError("sum_parts(held=...) needs an out that holds the part already (zeroed=True, summed in place)")
     acc = out.view(-1) if direct else torch.empty(numel, dtype=acc_dtype, device=parts[0][1].device)
     if not (direct and zeroed):
         acc.zero_()
-    for idx, vals in parts:
-        if idx is None:
-            acc.add_(vals.to(acc_dtype), alpha=scale)
-        else:
-            acc.index_add_(0, idx, vals.to(acc_dtype), alpha=scale)
+    for i, part in enumerate(parts):
+        if i != held:
+            add_part(acc, part, scale)
     if out is not None and not direct:
         out.copy_(acc.view_as(out))
         return out
     return acc if acc.dtype == dtype else acc.to(dtype)
+
+
+def add_part(acc: torch.Tensor, part: Tuple[Optional[torch.Tensor], torch.Tensor], scale: float) -> torch.Tensor:
+    """``acc += scale * part`` in place (a sparse part's values at its indices, or a dense part),
+    in ``acc``'s dtype; returns ``acc``, flat.
+
+    >>> add_part(torch.zeros(4), (torch.tensor([1, 3]), torch.tensor([2.0, 4.0])), 0.5).tolist()
+    [0.0, 1.0, 0.0, 2.0]
+    """
+    idx, vals = part
+    acc = acc.view(-1)
+    if idx is None:
+        return acc.add_(vals.to(acc.dtype), alpha=scale)
+    return acc.index_add_(0, idx, vals.to(acc.dtype), alpha=scale)
 
 
 def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.Tensor,
@@ -606,6 +629,9 @@ FUSE_MAGIC = 0x47434655  # "GCFU"
 _PREPARE = True
 # FusedAllgatherExchange.before_wait on (False: p.grad is zeroed after the wait). Private, as _PREPARE.
 _PREZERO = True
+# With two ranks, FusedAllgatherExchange.before_wait adds this rank's own part to p.grad before the
+# wait (False: every part after it). Private, as _PREPARE.
+_ADD_OWN = True
 # This rank's sparse parts from what its encoder carried (False: decoded from its payload, as the
 # other ranks decode it). Private, as _PREPARE.
 _CARRIED = True
@@ -772,17 +798,30 @@ class FusedAllgatherExchange:
         and left to ``synchronize()``: issue 13). Done here, that pass overlaps the allgather still
         in flight and a peer still in backward, instead of following them. Only here: no user code
         runs inside ``synchronize()``, so ``p.grad`` is never seen zeroed (see :meth:`_prepare`).
-        If the exchange then fails (ranks disagree), ``p.grad`` is left zeroed, not the local
-        gradient: the error stops the step either way.
+        With two ranks this rank's own sparse part is added there too (the second pass of the
+        scatter, ~0.6-0.8 ms for that gradient, cache-cold), so that only the other rank's part is
+        left after the wait. That is exact with two ranks alone: every index holds zero plus at
+        most one value from each rank (a part names each index once), and ``x + y == y + x`` in
+        IEEE arithmetic, so rank 0's ``(0 + a) + b`` and rank 1's ``(0 + b) + a`` are the same
+        bits. With three ranks or more the order of the additions would differ between ranks,
+        and so would the last bit of the average: there the parts are summed in rank order,
+        after the wait, as before.
+
+        If the exchange then fails (ranks disagree), ``p.grad`` is left zeroed or holding this
+        rank's part, not the local gradient: the error stops the step either way.
         """
         g = p.extra["group"]
         if g.handle is None or g.decoded or not _PREZERO:
             return
+        scale = 1.0 / 2 if is_average(self.op) else 1.0
         for m in g.members:
             out = m.extra.get("out")
             if out is not None and not m.extra.get("zeroed") and sums_in_place(out, m.dtype):
                 out.zero_()
                 m.extra["zeroed"] = True
+                if _ADD_OWN and self.process_set.size() == 2 and m.extra.get("own") is not None:
+                    add_part(out, m.extra["own"], scale)
+                    m.extra["held"] = True
 
     def advance(self, p: Pending) -> None:
         """At synchronize(): launch the group still open; the step's tensor count is learnt."""
@@ -838,7 +877,7 @@ class FusedAllgatherExchange:
             if out is not None:   # scatter now, not in synchronize() (see finish)
                 t0 = time.perf_counter()
                 sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out,
-                          zeroed=member.extra.pop("zeroed", False))
+                          zeroed=member.extra.pop("zeroed", False), held=me if member.extra.pop("held", False) else None)
                 member.extra["summed"] = True
                 if not self.compressor.feedback.moves_parameters:
                     # The policy's rewrite too (momentum correction: a clone and two passes over the

@@ -129,8 +129,8 @@ def test_ranks_draw_independent_noise_with_the_same_seed(backend):
 
 def test_fused_groups_prepared_in_flight_give_the_same_gradients(backend):
     """Issue 13: preparing a fused group while its allgather travels (out of synchronize()),
-    summing this rank's part from its encoder instead of decoding its payload, and zeroing p.grad
-    before the wait change no bit of the gradients or parameters, on any rank, and p.grad still
+    summing this rank's part from its encoder instead of decoding its payload, zeroing p.grad
+    before the wait and (two ranks) adding this rank's part to it there change no bit of the gradients or parameters, on any rank, and p.grad still
     holds the local gradient between backward() and step()."""
     for r in battery(backend, "gradient")["prepared"]:
         assert all(r["same"].values()), r["same"]
@@ -139,6 +139,9 @@ def test_fused_groups_prepared_in_flight_give_the_same_gradients(backend):
         # there (3 members) unless the shortcuts are off
         assert r["zeroed"]["prepare=True,in_flight=True"] == 3 * 3, r["zeroed"]
         assert r["zeroed"]["own payloads decoded, zeroed after the wait"] == 0, r["zeroed"]
+        # and with two ranks each of them got this rank's part there, before the wait
+        assert r["held"]["prepare=True,in_flight=True"] == 3 * 3, r["held"]
+        assert r["held"]["own payloads decoded, zeroed after the wait"] == 0, r["held"]
         # step 1 launches its last group at synchronize() (unprepared); steps 2-3 launch both during
         # backward; with the allgathers held in flight every one of them is prepared
         assert r["prepared"]["prepare=True,in_flight=True"] == [2] + [2, 1] * 2, r["prepared"]

@@ -466,7 +466,8 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
     rank's too, decoded from the bytes once the allgather is done, ``p.grad`` zeroed after the
     wait): the same parameters and gradients, bit for bit, after a few steps with error feedback.
     The shortcuts: groups prepared while their allgather travels (exchange._prepare), this rank's
-    parts taken from its encoder (_CARRIED) and the outputs zeroed before the wait (_PREZERO).
+    parts taken from its encoder (_CARRIED), the outputs zeroed before the wait (_PREZERO) and,
+    with two ranks, this rank's part added to them before the wait too (_ADD_OWN).
     Runs as they come, and with every allgather seen as still in flight during backward (hvd.poll
     answers False there), so that every launched group is prepared and zeroed before its wait;
     then p.grad must still hold the local gradient after backward (never zeros)."""
@@ -483,10 +484,15 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
         road.fusion_bytes = 40_000   # 3 weights (5, 64 and 32 kB of float32) in 2 groups
         real_prepare, poll, prepared, nonzero = road._prepare, hvd.poll, [], True
         road._prepare = lambda g, p: (prepared.append(len(g.members)), real_prepare(g, p))
-        real_before, zeroed = road.before_wait, []
-        road.before_wait = lambda p: (real_before(p), zeroed.append(sum(m.extra.get("zeroed", False)
-                                                                        for m in p.extra["group"].members)))
+        real_before, zeroed, held = road.before_wait, [], []
+
+        def before_wait(p: Any) -> None:
+            real_before(p)
+            zeroed.append(sum(m.extra.get("zeroed", False) for m in p.extra["group"].members))
+            held.append(sum(m.extra.get("held", False) for m in p.extra["group"].members))
+        road.before_wait = before_wait
         exchange._PREPARE, exchange._CARRIED, exchange._PREZERO = prepare, shortcuts, shortcuts
+        exchange._ADD_OWN = shortcuts
         try:
             for step in range(steps):
                 x, y = batch(hvd.rank(), step)
@@ -500,10 +506,11 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
                     hvd.poll = poll
                 opt.step()
         finally:
-            exchange._PREPARE = exchange._CARRIED = exchange._PREZERO = True
+            exchange._PREPARE = exchange._CARRIED = exchange._PREZERO = exchange._ADD_OWN = True
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        return {"grads": grads, "params": params, "prepared": prepared, "nonzero": nonzero, "zeroed": sum(zeroed)}
+        return {"grads": grads, "params": params, "prepared": prepared, "nonzero": nonzero, "zeroed": sum(zeroed),
+                "held": sum(held)}
 
     runs = {f"prepare={prepare},in_flight={in_flight}": train(prepare, in_flight)
             for prepare in (True, False) for in_flight in (True, False)}
@@ -514,6 +521,7 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
             "ranks_equal": all(all_ranks_equal(runs["prepare=True,in_flight=True"][k]) for k in ("params", "grads")),
             "prepared": {k: r["prepared"] for k, r in runs.items()},
             "zeroed": {k: r["zeroed"] for k, r in runs.items()},
+            "held": {k: r["held"] for k, r in runs.items()},
             "moved": (ref["params"] - runs["prepare=True,in_flight=True"]["params"]).abs().max().item(),
             "grads_after_backward_nonzero": runs["prepare=True,in_flight=True"]["nonzero"]}
 
