@@ -5,6 +5,8 @@ sparsity warm-up after the freeze), which then changed.
 
     horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python benchmarks/study/freeze_check.py \\
         --seeds 3 --page docs/FREEZE_CHECK.md
+    horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python benchmarks/study/freeze_check.py \\
+        --seeds 3 --ratio 0.001 --page docs/FREEZE_CHECK_01.md
 
 The model (:class:`Quirky`) applies one hidden layer twice (shared weights), passes through a
 frozen layer (``requires_grad=False``) and uses one layer on even steps only, trained for 300
@@ -16,7 +18,7 @@ FrozenVariance's previous defaults (under these schedules they kept ``v`` frozen
 default with one of them put back (Adam's momentum kept, ``momentum=True``; the 100-step sparsity
 warm-up, ``sparsity_warmup=100``), and the default with the frozen ``v`` following the gradients'
 scale both ways (``follow_scale="both"``: shorter steps where they grew too) or never
-(``follow_scale=None``). Prints the
+(``follow_scale=None``); every compressed row at ``--ratio`` (1% unless given). Prints the
 held-out loss at the freeze, 50 steps after it, at the end, and the highest of the evaluations
 every 10 steps after the freeze (a jump), and checks that the ranks end with identical parameters.
 """
@@ -37,20 +39,31 @@ import torch.nn.functional as F
 import hvd_gradcomp as gc
 
 STEPS, FREEZE = 300, 100   # FREEZE: FrozenVariance's default warmup
-SETTINGS: Dict[str, Callable[[], Optional[gc.GradientCompressor]]] = {
-    "uncompressed": lambda: None,
-    "TopKQSGD(1%, 8), default": lambda: gc.TopKQSGD(ratio=0.01, bits=8),
-    "... previous default (momentum=None, sparsity_warmup=100, follow_scale=None)": lambda: gc.TopKQSGD(
-        ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100, follow_scale=None)),
-    "... FrozenVariance(momentum=True)": lambda: gc.TopKQSGD(
-        ratio=0.01, bits=8, feedback=gc.FrozenVariance(momentum=True)),
-    "... FrozenVariance(sparsity_warmup=100)": lambda: gc.TopKQSGD(
-        ratio=0.01, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100)),
-    "... FrozenVariance(follow_scale='both')": lambda: gc.TopKQSGD(
-        ratio=0.01, bits=8, feedback=gc.FrozenVariance(follow_scale="both")),
-    "... FrozenVariance(follow_scale=None)": lambda: gc.TopKQSGD(
-        ratio=0.01, bits=8, feedback=gc.FrozenVariance(follow_scale=None)),
+SETTINGS: Dict[str, Callable[[float], Optional[gc.GradientCompressor]]] = {
+    "uncompressed": lambda r: None,
+    "default": lambda r: gc.TopKQSGD(ratio=r, bits=8),
+    "... previous default (momentum=None, sparsity_warmup=100, follow_scale=None)": lambda r: gc.TopKQSGD(
+        ratio=r, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100, follow_scale=None)),
+    "... FrozenVariance(momentum=True)": lambda r: gc.TopKQSGD(
+        ratio=r, bits=8, feedback=gc.FrozenVariance(momentum=True)),
+    "... FrozenVariance(sparsity_warmup=100)": lambda r: gc.TopKQSGD(
+        ratio=r, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100)),
+    "... FrozenVariance(follow_scale='both')": lambda r: gc.TopKQSGD(
+        ratio=r, bits=8, feedback=gc.FrozenVariance(follow_scale="both")),
+    "... FrozenVariance(follow_scale=None)": lambda r: gc.TopKQSGD(
+        ratio=r, bits=8, feedback=gc.FrozenVariance(follow_scale=None)),
 }
+"""Row label -> TopKQSGD(ratio, 8) with that feedback policy (``--ratio``; the label "default" is
+shown as ``TopKQSGD(<ratio>, 8), default``)."""
+
+
+def row_label(name: str, ratio: float) -> str:
+    """A setting's row label at ``ratio``.
+
+    >>> row_label("default", 0.01), row_label("default", 0.001), row_label("uncompressed", 0.001)
+    ('TopKQSGD(1%, 8), default', 'TopKQSGD(0.1%, 8), default', 'uncompressed')
+    """
+    return f"TopKQSGD({ratio * 100:g}%, 8), default" if name == "default" else name
 
 
 class Config(NamedTuple):
@@ -188,17 +201,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (the cosine decays over them)")
     ap.add_argument("--configs", default="all", help="comma-separated names of CONFIGS, or 'all'")
     ap.add_argument("--page", default=None, help="also write the table to this markdown file")
+    ap.add_argument("--ratio", type=float, default=0.01, help="TopKQSGD's ratio in every compressed row (default 1%%)")
     args = ap.parse_args()
     hvd.init()
     torch.set_num_threads(1)
+    if not 0 < args.ratio <= 1:
+        ap.error(f"--ratio must be in (0, 1], got {args.ratio}")
     if args.steps <= FREEZE:
         ap.error(f"--steps must be above {FREEZE}, the step at which Adam's second moment is frozen")
     names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)} or 'all'")
-    results = {name: {label: [train(seed, make(), args.steps, CONFIGS[name]) for seed in range(args.seeds)]
-                      for label, make in SETTINGS.items()} for name in names}
+    results = {name: {row_label(setting, args.ratio): [train(seed, make(args.ratio), args.steps, CONFIGS[name])
+                                                   for seed in range(args.seeds)]
+                      for setting, make in SETTINGS.items()} for name in names}
     lines = table(results, args.steps)
     if hvd.rank() == 0:
         print("\n".join(lines), flush=True)
