@@ -193,6 +193,7 @@ def test_freeze_check_writes_its_page(tmp_path: Path) -> None:
         assert r[0] == "| AdamW, one-cycle, lr 0.002, 3 micro-batches", r
         assert 0 < float(r[2]) < 5 and 0 < float(r[3]) <= float(r[4]) < 5, r   # one evaluation after the freeze
     assert rows[0][5].startswith("**+0.0%**"), rows[0]   # uncompressed against itself
-    for bad, said in ((["--steps", "50"], "--steps must be above 100"), (["--configs", "sgd"], "unknown ['sgd']")):
+    for bad, said in ((["--steps", "50"], "--steps must be above 100"), (["--configs", "sgd"], "unknown ['sgd']"),
+                      (["--ratio", "0"], "--ratio must be in (0, 1]")):
         res = launch([sys.executable, script] + bad, 60, rank_env())
         assert res.returncode == 2 and said in res.output, res.output
