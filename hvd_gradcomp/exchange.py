@@ -813,14 +813,14 @@ class FusedAllgatherExchange:
         g = p.extra["group"]
         if g.handle is None or g.decoded or not _PREZERO:
             return
-        scale = 1.0 / 2 if is_average(self.op) else 1.0
+        add_own = _ADD_OWN and self.process_set.size() == 2
         for m in g.members:
             out = m.extra.get("out")
             if out is not None and not m.extra.get("zeroed") and sums_in_place(out, m.dtype):
                 out.zero_()
                 m.extra["zeroed"] = True
-                if _ADD_OWN and self.process_set.size() == 2 and m.extra.get("own") is not None:
-                    add_part(out, m.extra["own"], scale)
+                if add_own and m.extra.get("own") is not None:   # scaled as sum_parts scales it
+                    add_part(out, m.extra["own"], 0.5 if is_average(self.op) else 1.0)
                     m.extra["held"] = True
 
     def advance(self, p: Pending) -> None:
