@@ -87,6 +87,8 @@ Ratio = Union[float, Callable[[int], float]]
 
 WARMUP_PACE_RATIO = 0.01
 """The ratio at which a feedback policy's ``sparsity_warmup`` is its length (see :func:`sparsity_warmup_steps`)."""
+LOW_RATIO_FROZEN = {"sparsity_warmup": 100, "momentum": fb.WHILE_DENSE}
+"""``feedback="auto"``'s ``FrozenVariance`` settings below :data:`WARMUP_PACE_RATIO` (see :meth:`TopK._auto_policy`)."""
 
 
 def sparsity_warmup_steps(steps: int, ratio: float, pace: str = "same") -> int:
@@ -387,7 +389,7 @@ class GradientCompressor:
         if self.feedback_choice == "auto" and not self._restored:
             key, why = fb.choose(optimizer, isinstance(self, QSGD), self._contracting)
             if key != self.feedback.key:
-                self._set_policy(fb.make(key))
+                self._set_policy(self._auto_policy(key))
         self.bind_groups(optimizer, names)
         if rank == 0:
             fb.announce(f"{self!r} with {type(optimizer).__name__}: feedback '{self.feedback.key}' "
@@ -463,6 +465,7 @@ class GradientCompressor:
         if self._binding is None:
             return
         optimizer, names = self._binding
+        self.feedback.share_sent = getattr(self, "share", None)   # a top-k codec's share, for the policy
         self._groups_bound = len(getattr(optimizer, "param_groups", ()))
         for group in getattr(optimizer, "param_groups", []):
             for p in group["params"]:
@@ -472,6 +475,10 @@ class GradientCompressor:
     def _caution(self) -> str:
         """What the user should know about these settings, said with the choice (empty: nothing)."""
         return ""
+
+    def _auto_policy(self, key: str) -> Feedback:
+        """The policy ``feedback="auto"`` chose, as this compressor's settings want it (see :meth:`TopK._auto_policy`)."""
+        return fb.make(key)
 
     @property
     def _restored(self) -> bool:
@@ -1072,6 +1079,28 @@ class TopK(GradientCompressor):
         if self._min_ratio:
             extra += f", min_ratio={self._min_ratio!r}"
         return super()._extra_repr() + extra
+
+    def _auto_policy(self, key: str) -> Feedback:
+        """``feedback="auto"``'s policy; with Adam (``"frozen"``) below ratio 1% and without a ratio
+        schedule of the user's: :data:`LOW_RATIO_FROZEN`'s sparsity warm-up after the freeze, sending
+        Adam's momentum while it is dense.
+
+        Why below 1% only: at 0.1% each coordinate is sent at most about once in the study's runs
+        (docs/STUDY_RUN_LENGTH.md), and starting from 25% after the freeze sends most of them early
+        (TopKQSGD(0.1%, 8): transformer-const's gap +3.6% -> +1.4%, docs/STUDY.md); with each rank's
+        gradient sent at that share the freeze check's model jumped (see
+        :meth:`hvd_gradcomp.feedback.FrozenVariance._dense_share`), with the momentum while the share
+        is above 1 - b1 it did not. At 1% the default without a warm-up meets every target.
+
+        >>> low = TopK(ratio=0.001)._auto_policy("frozen")
+        >>> low.sparsity_warmup, low.momentum
+        (100, 'while dense')
+        >>> TopK(ratio=0.01)._auto_policy("frozen").sparsity_warmup
+        0
+        """
+        if key != "frozen" or self.schedule is not None or self.ratio >= WARMUP_PACE_RATIO:
+            return fb.make(key)
+        return fb.FrozenVariance(**LOW_RATIO_FROZEN)
 
     def _caution(self) -> str:
         if self.ratio >= MEASURED_RATIO:

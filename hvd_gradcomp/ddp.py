@@ -1260,7 +1260,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
             key, why = "classic", (f"{why}; the Horovod road would use feedback {key!r}, which steps a private "
                                    "copy of the optimizer on each rank; in the DDP hook error feedback is classic")
         if key != comp.feedback.key:
-            comp._set_policy(fb.make(key))
+            comp._set_policy(comp._auto_policy(key))
     comp.bind_groups(optimizer, names)
     if rank == 0:
         fb.announce(f"{comp!r} in the DDP hook with {type(optimizer).__name__}: feedback '{comp.feedback.key}' "

@@ -44,7 +44,7 @@ import inspect
 import logging
 import sys
 import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -396,6 +396,9 @@ class Feedback:
     :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`); 0: none.
     ``warmup_pace``: how much longer below 1%: ``"same"`` (the share falls at the pace it has at
     1%) or ``"sqrt"`` (``sqrt(1% / ratio)`` times the steps).
+    ``share_sent``: set by a top-k compressor on the policy it binds: the share of tensor ``name``
+    it sends at the exchange being prepared (its ratio, its schedule's value, a sparsity warm-up's);
+    None for a dense codec.
     """
 
     key = "none"
@@ -407,6 +410,7 @@ class Feedback:
 
     def __init__(self) -> None:
         self.residuals = ResidualStore()  # also the per-name shape check of every policy
+        self.share_sent: Optional[Callable[[str], float]] = None
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """The flat tensor to encode for ``grad`` (``grad`` itself is never modified)."""
@@ -1029,9 +1033,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                              f"where the gradients shrank since the freeze; 'both': shorter ones too where they grew; "
                              f"None: v frozen for good), got {follow_scale!r}")
         self.follow_scale = follow_scale
-        if momentum is not None and not isinstance(momentum, bool):
+        if momentum is not None and not isinstance(momentum, bool) and momentum != WHILE_DENSE:
             raise ValueError(f"FrozenVariance momentum must be None (Adam's first moment kept while the learning rate "
-                             f"changes), True (always kept) or False (never: error feedback's residual sums the "
+                             f"changes), {WHILE_DENSE!r} (kept while the sparsity warm-up sends more than 1 - b1 of "
+                             f"a tensor), True (always kept) or False (never: error feedback's residual sums the "
                              f"gradients), got {momentum!r}")
         self.momentum = momentum
         self._flat: Dict[str, Tuple[float, int]] = {}   # each tensor's rate, and the step it was first seen at
@@ -1250,10 +1255,33 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
     def _keeps_momentum(self, name: str, t: int) -> bool:
         """Whether ``name`` sends Adam's momentum at step ``t`` (see :data:`FLAT_RATE_STEPS`)."""
+        if self.momentum == WHILE_DENSE:
+            return self._dense_share(name)
         if self.momentum is not None:
             return self.momentum
         since = self._flat.get(name)
         return since is None or t - since[1] < FLAT_RATE_STEPS
+
+    def _dense_share(self, name: str) -> bool:
+        """Whether the exchange being prepared sends more than ``1 - b1`` of ``name`` (``momentum="while
+        dense"``). Why that line: above it a coordinate goes out more often than every ``1 / (1 - b1)``
+        steps, the span Adam's momentum averages, so the residual no longer averages its gradient's
+        noise as the momentum would: each rank's gradient over ``denom`` sent at a 25% share made the
+        freeze check's model jump right after the freeze (docs/FREEZE_CHECK_01.md), as plain SGD does
+        at a rate that heavy-ball momentum takes in its stride. Below it, the momentum sent through
+        error feedback is late twice (the momentum's own delay, then the residual's) and swung the
+        same model's loss; the gradient is not.
+
+        >>> fv = FrozenVariance(momentum="while dense")
+        >>> fv._bound["w"] = (None, {"betas": (0.9, 0.999)}, None)
+        >>> fv.share_sent = lambda name: 0.25; fv._dense_share("w")
+        True
+        >>> fv.share_sent = lambda name: 0.01; fv._dense_share("w")
+        False
+        """
+        if self.share_sent is None:
+            return False   # a dense codec: no warm-up
+        return self.share_sent(name) > 1.0 - float(self._bound[name][1]["betas"][0])
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         if self.needs_optimizer_state(name):   # the DDP hook sends such a tensor dense instead
@@ -1352,7 +1380,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                    False: "each rank's gradient through error feedback, whose residual takes the first moment's place",
                    None: "each rank's momentum through error feedback (1-bit Adam style) while the learning rate "
                          f"changes, its gradient once the rate has stayed the same {FLAT_RATE_STEPS} steps (error "
-                         "feedback's residual then takes the first moment's place: docs/STUDY.md, transformer-const)"
+                         "feedback's residual then takes the first moment's place: docs/STUDY.md, transformer-const)",
+                   WHILE_DENSE: "each rank's momentum through error feedback while the sparsity warm-up sends more than "
+                                "1 - b1 of a tensor, its gradient after (whose residual takes the first moment's place)"
                    }[self.momentum]
                 + {"down": ", the frozen v following the gradients' scale where it shrinks (docs/STUDY.md)",
                    "both": ", the frozen v following the gradients' scale", None: ", v frozen for good"
@@ -1407,6 +1437,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
 
 FOLLOW_SCALE = ("down", "both", None)
+WHILE_DENSE = "while dense"
+"""``FrozenVariance(momentum=WHILE_DENSE)``: Adam's momentum while the share sent is above ``1 - b1``."""
 """The choices of :class:`FrozenVariance`'s ``follow_scale`` (see its docstring)."""
 
 FLAT_RATE_STEPS = 50

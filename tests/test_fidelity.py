@@ -233,6 +233,38 @@ def test_frozen_variance_drops_adams_momentum_once_the_rate_has_stayed_the_same(
     assert set(restored.velocity) == set(c.feedback.velocity)
 
 
+def test_frozen_variance_keeps_adams_momentum_while_the_sparsity_warmup_is_dense():
+    """Issue 9, ``momentum="while dense"``: through the sparsity warm-up after the freeze a tensor sends
+    Adam's momentum while the share sent is above 1 - b1 (here 0.25, 0.167, 0.112 of it: 3 exchanges),
+    then its gradient for good. A checkpoint carries the choice; a dense codec (no share, no
+    warm-up) sends the gradient from the start."""
+    p = torch.zeros(4000, requires_grad=True)
+    opt = torch.optim.Adam([p], lr=1e-2)
+    c = TopK(ratio=0.01, feedback=gc.FrozenVariance(warmup=1, sparsity_warmup=8, momentum="while dense"), seed=0)
+    c.attach(opt, {p: "w"})
+    p.grad = torch.randn(4000, generator=gen(0))
+    opt.step()
+    kept = []
+    for s in range(6):
+        before = p.detach().clone()
+        p.grad = exchange([c], "w", [torch.randn(4000, generator=gen(s + 1))]).view_as(p)
+        kept.append("w" in c.feedback.velocity)
+        opt.step()
+        assert not torch.equal(p.detach(), before)
+    assert kept == [True, True, True, False, False, False], kept
+    restored = gc.FrozenVariance()
+    restored.load_state_dict(c.feedback.state_dict())
+    assert restored.momentum == "while dense" and "w" not in restored.velocity
+    q = torch.zeros(4000, requires_grad=True)
+    adam = torch.optim.Adam([q], lr=1e-2)
+    dense = gc.QSGD(bits=8, feedback=gc.FrozenVariance(warmup=1, momentum="while dense"))
+    dense.attach(adam, {q: "w"})
+    q.grad = torch.randn(4000, generator=gen(0))
+    adam.step()
+    dense.compress_named("w", torch.randn(4000, generator=gen(1)))
+    assert "w" not in dense.feedback.velocity
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, 0.0])
 def test_frozen_variance_momentum_takes_only_none_true_or_false(bad):
     """A wrong ``momentum=`` is refused at construction, naming the three choices."""

@@ -36,10 +36,13 @@ SETTINGS = {
     "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
     # The residual kept at the rate it was computed (before it followed the learning rate)
     "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", loop.fixed_rate_topkqsgd),
+    "tq01-nowarm": ("TopKQSGD(0.1%, 8), no sparsity warm-up after the freeze",
+                    lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance())),
     "tq1-prev": ("TopKQSGD(1%, 8), previous default", lambda opt: loop.previous_default(0.01)),
     "tq01-prev": ("TopKQSGD(0.1%, 8), previous default", lambda opt: loop.previous_default(0.001)),
 }
-DEFAULT_SETTINGS = ("none", "tq1", "tq01", "tq1-classic", "tq1-fixedlr", "tq01-spw100", "tq1-prev", "tq01-prev")
+DEFAULT_SETTINGS = ("none", "tq1", "tq01", "tq1-classic", "tq1-fixedlr", "tq01-spw100", "tq1-prev", "tq01-prev",
+                    "tq01-nowarm")
 
 
 def run(task_name: str, setting: str, seed: int, steps: int = 0, clip: float = 0.0) -> Dict[str, Any]:

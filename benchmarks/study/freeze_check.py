@@ -18,7 +18,9 @@ FrozenVariance's previous defaults (under these schedules they kept ``v`` frozen
 default with one of them put back (Adam's momentum kept, ``momentum=True``; the 100-step sparsity
 warm-up, ``sparsity_warmup=100``), and the default with the frozen ``v`` following the gradients'
 scale both ways (``follow_scale="both"``: shorter steps where they grew too) or never
-(``follow_scale=None``); every compressed row at ``--ratio`` (1% unless given). Prints the
+(``follow_scale=None``); below ratio 1%, where the default has a sparsity warm-up after the freeze
+with Adam's momentum while it is dense, also ``FrozenVariance()`` without it (the default before);
+every compressed row at ``--ratio`` (1% unless given). Prints the
 held-out loss at the freeze, 50 steps after it, at the end, and the highest of the evaluations
 every 10 steps after the freeze (a jump), and checks that the ranks end with identical parameters.
 """
@@ -37,8 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_gradcomp as gc
+from hvd_gradcomp.compressors import WARMUP_PACE_RATIO
 
 STEPS, FREEZE = 300, 100   # FREEZE: FrozenVariance's default warmup
+NO_WARMUP = "... FrozenVariance() (no sparsity warm-up after the freeze)"
 SETTINGS: Dict[str, Callable[[float], Optional[gc.GradientCompressor]]] = {
     "uncompressed": lambda r: None,
     "default": lambda r: gc.TopKQSGD(ratio=r, bits=8),
@@ -52,9 +56,23 @@ SETTINGS: Dict[str, Callable[[float], Optional[gc.GradientCompressor]]] = {
         ratio=r, bits=8, feedback=gc.FrozenVariance(follow_scale="both")),
     "... FrozenVariance(follow_scale=None)": lambda r: gc.TopKQSGD(
         ratio=r, bits=8, feedback=gc.FrozenVariance(follow_scale=None)),
+    # below ratio 1% the default has a sparsity warm-up after the freeze, with Adam's momentum while it
+    # is dense (compressors.LOW_RATIO_FROZEN); this row is the default before (at 1%: the default)
+    NO_WARMUP: lambda r: gc.TopKQSGD(ratio=r, bits=8, feedback=gc.FrozenVariance()),
 }
 """Row label -> TopKQSGD(ratio, 8) with that feedback policy (``--ratio``; the label "default" is
 shown as ``TopKQSGD(<ratio>, 8), default``)."""
+
+
+def settings_at(ratio: float) -> Dict[str, Callable[[float], Optional[gc.GradientCompressor]]]:
+    """The rows run at ``ratio``: all of :data:`SETTINGS`, less :data:`NO_WARMUP` at 1% and above,
+    where it is the default.
+
+    >>> NO_WARMUP in settings_at(0.001), NO_WARMUP in settings_at(0.01)
+    (True, False)
+    """
+    low = ratio < WARMUP_PACE_RATIO
+    return {k: v for k, v in SETTINGS.items() if low or k != NO_WARMUP}
 
 
 def row_label(name: str, ratio: float) -> str:
@@ -215,7 +233,7 @@ def main() -> None:
         ap.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)} or 'all'")
     results = {name: {row_label(setting, args.ratio): [train(seed, make(args.ratio), args.steps, CONFIGS[name])
                                                    for seed in range(args.seeds)]
-                      for setting, make in SETTINGS.items()} for name in names}
+                      for setting, make in settings_at(args.ratio).items()} for name in names}
     lines = table(results, args.steps)
     if hvd.rank() == 0:
         print("\n".join(lines), flush=True)

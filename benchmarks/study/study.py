@@ -37,8 +37,10 @@ from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
 # feedback beside momentum correction; for the char-MLP, its output layer kept at 1% at ratio 0.1%
 # (min_ratio=: the other tasks' output layers are at min_k's floor already); for the CNN with Adam,
 # Adam's second moment frozen after a third of the run ("warm200") rather than the default 100 steps,
-# and v frozen for good ("vfrozen": the default before the frozen v followed shrinking gradients).
-PREVIOUS = ("tq1-prev", "tq01-prev")
+# and v frozen for good ("vfrozen": the default before the frozen v followed shrinking gradients);
+# at 0.1% with Adam, FrozenVariance without the sparsity warm-up after the freeze ("tq01-nowarm": the
+# default before it had one below 1%).
+PREVIOUS = ("tq1-prev", "tq01-prev", "tq01-nowarm")   # tq01-nowarm: Adam tasks only
 TASK_SETTINGS = {"char-mlp": DEFAULT_SETTINGS + ("qsgd4", "tq1-nospw", "tq01-spw172", "tq01-out1"),
                  "transformer": DEFAULT_SETTINGS + ("tq1-update", "tq1-nomom", "tq01-nomom") + PREVIOUS,
                  "transformer-const": ("none", "tq1", "tq01", "tq1-mom", "tq01-mom", "tq1-update") + PREVIOUS,

@@ -61,6 +61,10 @@ SETTINGS = {
                   lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100))),
     "tq01-nomom": ("TopKQSGD(0.1%, 8), sparsity warm-up after the freeze",
                    lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance(sparsity_warmup=100))),
+    # Below 1% with Adam, "auto" gives FrozenVariance a sparsity warm-up after the freeze, sending
+    # Adam's momentum while it is dense (compressors.LOW_RATIO_FROZEN); before, it had neither:
+    "tq01-nowarm": ("TopKQSGD(0.1%, 8), no sparsity warm-up after the freeze",
+                    lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance())),
     # The frozen v never following the gradients' scale (the default follows it where it shrinks):
     # under a schedule, the default before it did
     "tq1-vfrozen": ("TopKQSGD(1%, 8), v frozen for good",
