@@ -988,6 +988,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       momentum; on its CNN with Adam further (above the 1% target on every seed, inside
       that task's seed spread, while ``v`` stayed frozen for good under a schedule; the
       *previous default* and *v frozen for good* rows).
+      ``momentum="while dense"`` keeps it while a sparsity warm-up sends more than ``1 - b1`` of
+      a tensor, then sends the gradient (see :meth:`_dense_share`): below ratio 1%,
+      ``feedback="auto"`` chooses ``FrozenVariance(sparsity_warmup=100, momentum="while dense")``
+      (:meth:`hvd_gradcomp.compressors.TopK._auto_policy`).
       ``momentum=True`` keeps Adam's momentum for every tensor: each rank's
       ``u = b1*u + (1-b1)*g``, started from Adam's, sends ``u / denom``, and the parameter
       moves by ``-lr * D / (1 - b1**t)`` (1-bit Adam's and DGC's way; at ratio 1 this is

@@ -190,7 +190,7 @@ def previous_default_bullet(runs: Dict[Tuple[str, str], List[dict]]) -> str:
             "the held-out loss jump after the freeze and swing to the end, with Adam and AdamW under cosine, "
             "linear and one-cycle schedules; with each rank's gradient sent from the first compressed step at "
             "the full ratio it ended near uncompressed training in every configuration there. So that is the "
-            "default now (`FrozenVariance(momentum=False, sparsity_warmup=0)`). The gap to uncompressed "
+            "default now (`FrozenVariance(momentum=False, sparsity_warmup=0)`; below ratio 1%, see the last point). The gap to uncompressed "
             "training, default against previous default (*previous default* rows; the seed spreads are in "
             "the targets table): TopKQSGD(1%, 8): " + gap_pairs(runs, "tq1", "tq1-prev") + ". TopKQSGD(0.1%, 8): "
             + gap_pairs(runs, "tq01", "tq01-prev") + ".")
