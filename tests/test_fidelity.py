@@ -467,11 +467,27 @@ def test_ratios_below_the_measured_ones_are_cautioned_once(ratio, cautioned, cap
     assert ("min_ratio={name pattern: share}" in said[0]) == cautioned
     assert "min_ratio" not in TopKQSGD(ratio=0.001, min_ratio={"^out": 0.01})._caution()
     assert QSGD(bits=8)._caution() == ""
-    # the warm-up's length at this ratio (a short run may end inside it); none for a schedule of the user's
-    assert "sparsity warm-up lasts" not in said[0]   # "frozen" has none by default (docs/FREEZE_CHECK.md)
+    # the warm-up's length at this ratio (a short run may end inside it): "auto" gives "frozen" one below
+    # 1% (TopK._auto_policy), none at 1% and above; none for a schedule of the user's
+    assert ("sparsity warm-up lasts 172 compressed steps" in said[0]) == (ratio == 0.001)
     asked = TopKQSGD(ratio=0.001, feedback=gc.FrozenVariance(sparsity_warmup=100))
     asked.attach(opt, {opt.param_groups[0]["params"][0]: "w"})
     assert "sparsity warm-up lasts 172 compressed steps" in asked._caution()
+
+
+@pytest.mark.parametrize("ratio, warm", [(0.001, 100), (0.005, 100), (0.01, 0), (0.05, 0),
+                                         (SparsityWarmup(0.001, steps=10), 0)])
+def test_auto_gives_adam_a_dense_momentum_warmup_below_one_percent(ratio, warm):
+    """Issue 9: with Adam, ``feedback="auto"`` below ratio 1% (without a schedule of the user's) is
+    ``FrozenVariance(sparsity_warmup=100, momentum="while dense")``; at 1% and above the class's
+    defaults (no warm-up after the freeze, the gradient sent); SGD keeps momentum correction."""
+    c = TopKQSGD(ratio=ratio)
+    c.attach(_opt(torch.optim.Adam), {})
+    assert c.feedback.key == "frozen" and c.feedback.sparsity_warmup == warm
+    assert c.feedback.momentum == ("while dense" if warm else False)
+    sgd = TopKQSGD(ratio=ratio)
+    sgd.attach(_opt(torch.optim.SGD, lr=0.1, momentum=0.9), {})
+    assert sgd.feedback.key == "momentum"
 
 
 def test_a_forced_policy_is_kept_and_only_rank_zero_speaks(caplog):
