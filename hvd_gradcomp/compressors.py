@@ -1087,10 +1087,11 @@ class TopK(GradientCompressor):
 
         Why below 1% only: at 0.1% each coordinate is sent at most about once in the study's runs
         (docs/STUDY_RUN_LENGTH.md), and starting from 25% after the freeze sends most of them early
-        (TopKQSGD(0.1%, 8): transformer-const's gap +3.6% -> +1.4%, docs/STUDY.md); with each rank's
-        gradient sent at that share the freeze check's model jumped (see
-        :meth:`hvd_gradcomp.feedback.FrozenVariance._dense_share`), with the momentum while the share
-        is above 1 - b1 it did not. At 1% the default without a warm-up meets every target.
+        (docs/STUDY.md: TopKQSGD(0.1%, 8) against its *no sparsity warm-up after the freeze* rows);
+        with each rank's gradient sent at that share the freeze check's model jumped, hence the
+        momentum while the share is above 1 - b1 (see
+        :meth:`hvd_gradcomp.feedback.FrozenVariance._dense_share`, docs/FREEZE_CHECK_01.md). At 1%
+        the default without a warm-up meets every target.
 
         >>> low = TopK(ratio=0.001)._auto_policy("frozen")
         >>> low.sparsity_warmup, low.momentum
