@@ -1106,11 +1106,11 @@ class TopK(GradientCompressor):
     def _caution(self) -> str:
         if self.ratio >= MEASURED_RATIO:
             return ""
-        # issue 9: at 0.1% some of the study's tasks end more than 2% above uncompressed at their length,
-        # every one tried in 3x longer runs; say it once rather than let a user find out at the end of a run
+        # issue 9: at 0.1% one of the study's tasks ends more than 2% above uncompressed at its length,
+        # some in 3x longer runs; say it once rather than let a user find out at the end of a run
         return (f" Note: ratio {self.ratio:g} is below {MEASURED_RATIO:g}, the ratio hvd-gradcomp's study measures every task "
                 "at (docs/STUDY.md); below it the held-out loss ended more than 2% above "
-                "uncompressed training on some tasks, and on every task tried in 3x longer runs (docs/STUDY.md, "
+                "uncompressed training on some tasks, at the study's length or in 3x longer runs (docs/STUDY.md, "
                 "docs/STUDY_RUN_LENGTH.md)." + self._warmup_note() + ("" if self._min_ratio else
                 " A layer that trains worse than the rest, often the output layer, can keep a larger share: "
                 "min_ratio={name pattern: share}."))
