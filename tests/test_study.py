@@ -63,13 +63,14 @@ def test_run_length_page_sets_each_gap_beside_the_longer_runs() -> None:
     page = run_length.page(runs(400, 2.0, 2.1), runs(1200, 1.5, 1.8), [0, 1], "python benchmarks/study/run_length.py")
     rows = [ln for ln in page.splitlines() if ln.startswith("| transformer |")]
     # losses 2.0/2.1 (seeds 0, 1) against 2.1/2.2: +5% and +4.76%; spread stdev 0.0707 / mean 2.05
-    assert rows[0] == "| transformer | 400 | 0.8 | 2.0500 | 2.00% | +-3.45% | " + " | ".join(["+4.88%"] * 6) + " |"
-    assert rows[1] == "| transformer | 1200 | 2.4 | 1.5500 | 2.00% | +-4.56% | " + " | ".join(["+19.38%"] * 6) + " |"
+    assert rows[0] == "| transformer | 400 | 0.8 | 2.0500 | 2.00% | +-3.45% | " + " | ".join(["+4.88%"] * 7) + " |"
+    assert rows[1] == "| transformer | 1200 | 2.4 | 1.5500 | 2.00% | +-4.56% | " + " | ".join(["+19.38%"] * 7) + " |"
     assert "- transformer, TopKQSGD(1%, 8): +4.88% (400 steps) -> +19.38% (1200 steps): above the 1% target" in page
     assert "| transformer-const | 1200 | 2.4 | 1.5500 | 2.00% |" in page
     partial = run_length.page(runs(400, 2.0, 2.0), {k: v for k, v in runs(1200, 1.5, 1.5).items() if k[1] != "tq1"},
                               [0, 1], "c")
-    assert "| transformer | 1200 | 2.4 | 1.5500 | 2.00% | +-4.56% | +0.00% | +0.00% | +0.00% | - | +0.00% | +0.00% |" in partial
+    assert "| transformer | 1200 | 2.4 | 1.5500 | 2.00% | +-4.56% | +0.00% | +0.00% | +0.00% | +0.00% | - | +0.00% | +0.00% |" \
+        in partial
     assert "`python benchmarks/study/run_length.py`" in page
 
 
