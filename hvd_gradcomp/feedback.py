@@ -1441,9 +1441,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
 
 FOLLOW_SCALE = ("down", "both", None)
+"""The choices of :class:`FrozenVariance`'s ``follow_scale`` (see its docstring)."""
 WHILE_DENSE = "while dense"
 """``FrozenVariance(momentum=WHILE_DENSE)``: Adam's momentum while the share sent is above ``1 - b1``."""
-"""The choices of :class:`FrozenVariance`'s ``follow_scale`` (see its docstring)."""
 
 FLAT_RATE_STEPS = 50
 """Steps at one learning rate after which a tensor under :class:`FrozenVariance` (``momentum=None``)
