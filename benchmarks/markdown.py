@@ -107,7 +107,9 @@ def _condition_lines(plan: Plan, speed: Dict[str, Any], conv: Optional[Dict[str,
         "is the part of it spent before the last rank arrived (the mean over ranks minus, per step, the least "
         "time any rank spent there): one rank's backward ending later, not the network; bytes are those each rank "
         "handed to Horovod per step. Horovod rows use `hvd.DistributedOptimizer`, the others "
-        "`hvd_gradcomp.DistributedOptimizer`.",
+        "`hvd_gradcomp.DistributedOptimizer`; *No exchange (reference)* (`--optimizer none`) is no way to train: "
+        "each rank steps its own SGD after a 1-float allreduce, so its time in synchronize() is what any "
+        "synchronous step waits here for the slower rank with nothing to send.",
         _convergence_conditions(plan, conv),
         _policy_line(conv),
         f"- Each row is one run with seed {plan.seed}: the spread between seeds is not measured by this command, "

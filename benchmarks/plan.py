@@ -43,6 +43,7 @@ class Setting:
     label: str
     flags: Tuple[str, ...]
     error_feedback: Optional[bool] = None
+    reference: bool = False   # a yardstick, not a way to train: no speedup, never Auto's "best fixed setting"
 
 
 SPEED_SETTINGS = (
@@ -58,7 +59,13 @@ SPEED_SETTINGS = (
     # of it and the check against each road alone (step 14); then it keeps its decisions. The page
     # also shows its step time with that start counted.
     Setting("auto", "Auto", ("--compression", "auto", "--ratio", "0.01", "--bits", "8", "--warmup", "14"), True),
+    # The floor of time in synchronize() on this machine: the same model's step with a 1-float
+    # allreduce in place of the exchange (nothing to send, the ranks' models part ways), so the
+    # wait for the slower rank's backward that any synchronous step has here is measured, not
+    # argued (issue 13: the ranks' backward times vary step to step by 10-20% on this 2-core VM).
+    Setting("barrier", "No exchange (reference)", ("--optimizer", "none", "--compression", "none"), reference=True),
 )
+REFERENCE_KEYS = frozenset(s.key for s in SPEED_SETTINGS if s.reference)
 # Every compressed row uses the library's defaults (feedback="auto", chosen from the wrapped
 # optimizer), as a user who follows the README gets them; the page lists what each row ran.
 CONVERGENCE_SETTINGS = (

@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.study import report  # noqa: E402
+from benchmarks.plan import REFERENCE_KEYS  # noqa: E402
 
 BEGIN, END = "<!-- readme_figures: begin -->", "<!-- readme_figures: end -->"
-HOROVOD_ROWS = ("horovod", "fp16", "topkqsgd", "auto")
+HOROVOD_ROWS = ("horovod", "fp16", "topkqsgd", "auto", "barrier")   # barrier: the floor, no exchange
 DDP_ROWS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "auto")
 
 
@@ -52,7 +53,7 @@ def horovod_section(bench: Dict[str, Any]) -> List[str]:
             r = res.get(key)
             if r is None:
                 continue
-            speedup = f"{base / r['step_s']:.2f}x" if base else "-"
+            speedup = f"{base / r['step_s']:.2f}x" if base and key not in REFERENCE_KEYS else "-"
             wait = f" ({100 * r['imbalance_s'] / r['step_s']:.1f}%)" if r.get("imbalance_s") is not None else ""
             lines.append(f"| {rate} | {r['label']} | {r['step_s'] * 1e3:.0f} ms | "
                          f"{100 * r['comm_s'] / r['step_s']:.1f}%{wait} "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from .plan import (SPEED_LABELS, SPEED_SETTINGS, TARGET_AUTO, TARGET_COMM_SHARE, TARGET_LOSS_GAP,
+from .plan import (REFERENCE_KEYS, SPEED_LABELS, SPEED_SETTINGS, TARGET_AUTO, TARGET_COMM_SHARE, TARGET_LOSS_GAP,
                    TARGET_SPEEDUP_VS_FP16, TARGET_SPEEDUP_VS_HOROVOD, CONVERGENCE_SETTINGS, Setting)
 
 
@@ -12,7 +12,8 @@ def speed_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) 
 
     The step splits into compute, codec (encode + decode) and exposed communication; a run
     without ``codec_s``/``exposed_comm_s`` (uncompressed Horovod) counts all of ``comm_s`` as
-    exposed. ``auto`` is Auto's summary of its decisions, when the row is Auto.
+    exposed. ``auto`` is Auto's summary of its decisions, when the row is Auto. A reference row
+    (no exchange at all) has no speedup: it does not train the same model on every rank.
 
     >>> rs = speed_rows({"horovod": {"step_s": 2.0, "comm_s": 1.0, "bytes_per_step": 8, "ratio": 1.0,
     ...                  "samples_per_s_total_mean": 4.0, "samples_per_s_total_conf": 0.1}},
@@ -36,8 +37,8 @@ def speed_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) 
                      "comm_share": r["comm_s"] / r["step_s"], "bytes_per_step": r["bytes_per_step"],
                      "ratio": r["ratio"], "samples_s": r["samples_per_s_total_mean"],
                      "samples_s_conf": r["samples_per_s_total_conf"],
-                     "speedup": base / r["step_s"] if base else None,
-                     "speedup_fp16": fp16 / r["step_s"] if fp16 else None})
+                     "speedup": base / r["step_s"] if base and not s.reference else None,
+                     "speedup_fp16": fp16 / r["step_s"] if fp16 and not s.reference else None})
     return rows
 
 
@@ -136,6 +137,12 @@ def target_lines(speed: Dict[str, Any], conv_rows: List[Dict[str, Any]]) -> List
             lines.append(f"  - of it, {1e3 * t['imbalance_s']:.1f} ms per step is the ranks waiting for the last one to "
                          f"finish its backward (load imbalance); the last rank's own time in synchronize() is "
                          f"{100 * last:.1f}% of the step")
+        floor = rows.get("barrier")
+        if floor is not None:
+            lines.append(f"  - with nothing to exchange (the *{floor['label']}* row: the same model's step with a "
+                         f"1-float allreduce in place of the exchange) the ranks spent {100 * floor['comm_share']:.1f}% "
+                         f"of the step ({1e3 * floor['comm_s']:.1f} ms) waiting there for the slower one: the floor "
+                         f"any synchronous step has on this machine")
     lines += auto_target_lines(speed)
     c = {r["key"]: r for r in conv_rows}
     if "topkqsgd" in c and c["topkqsgd"]["val_rel"] is not None:
@@ -159,7 +166,7 @@ def auto_target_lines(speed: Dict[str, Any]) -> List[str]:
         results = speed.get(rate, {}).get("results", {})
         if "auto" not in results:
             continue
-        fixed = {k: v["step_s"] for k, v in results.items() if k != "auto"}
+        fixed = {k: v["step_s"] for k, v in results.items() if k != "auto" and k not in REFERENCE_KEYS}
         key = min(fixed, key=fixed.get) if against == "best" and fixed else against
         if key not in fixed:
             continue

@@ -51,8 +51,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
                              "(from the last warm-up step's time; fast settings otherwise get few samples)")
     parser.add_argument("--max-iters", type=int, default=60, help="most timed iterations --min-seconds may ask for")
     parser.add_argument("--batches-per-iter", type=int, default=1, help="optimizer steps per iteration")
-    parser.add_argument("--optimizer", choices=("gc", "stock"), default="gc",
-                        help="gc: hvd_gradcomp.DistributedOptimizer; stock: hvd.DistributedOptimizer")
+    parser.add_argument("--optimizer", choices=("gc", "stock", "none"), default="gc",
+                        help="gc: hvd_gradcomp.DistributedOptimizer; stock: hvd.DistributedOptimizer; none: no "
+                             "exchange, each rank's own SGD step after a 1-float allreduce (the time a synchronous "
+                             "step waits here for the slower rank with nothing to send: a reference, not training)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", default=None, help="write the results (rank 0) to this JSON file")
     parser.add_argument("--label", default=None, help="name of this setting in the JSON")
@@ -70,8 +72,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     if args.min_seconds < 0 or args.max_iters < args.iters:
         parser.error(f"--min-seconds must be >= 0 and --max-iters >= --iters, got {args.min_seconds}, {args.max_iters}")
     cfg = resolve_config(args, parser)
-    if args.optimizer == "stock" and cfg.accumulate != 1:
-        parser.error("--optimizer stock is timed with --accumulate 1")
+    if args.optimizer != "gc" and cfg.accumulate != 1:
+        parser.error(f"--optimizer {args.optimizer} is timed with --accumulate 1")
+    if args.optimizer == "none" and cfg.compression != "none":
+        parser.error(f"--optimizer none sends nothing to compress: use --compression none, got {cfg.compression!r}")
     return args, cfg
 
 
@@ -83,7 +87,9 @@ def make_optimizer(model: nn.Module, cfg: CompressionConfig, kind: str, min_nume
     compression = cfg.make_compressor() if args is None else make_compression(
         cfg, "momentum" if args.momentum_correction else args.feedback, args.momentum_masking,
         args.warmup_steps, args.warmup_ratio)
-    if kind == "stock":
+    if kind == "none":
+        pass  # no exchange: the ranks' models part ways (a timing reference, see StepTimer._barrier_step)
+    elif kind == "stock":
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=compression or hvd.Compression.none)
     else:
@@ -112,6 +118,8 @@ class StepTimer:
         t0 = time.perf_counter()
         if self.kind == "stock":
             return (*self._stock_step(t0), 0.0, 0.0)
+        if self.kind == "none":
+            return (*self._barrier_step(t0), 0.0, 0.0)
         before, timing = self.opt.comm_wait_s, self.opt.exchange_timing
         codec0, sync0 = timing.codec_s, timing.codec_sync_s
         for _ in range(self.cfg.accumulate):
@@ -129,6 +137,19 @@ class StepTimer:
             self.opt.step()
         fp16 = self.cfg.compression == "fp16"
         return time.perf_counter() - t0, comm, self.raw_bytes // 2 if fp16 else self.raw_bytes
+
+
+    def _barrier_step(self, t0: float) -> Tuple[float, float, int]:
+        """Backward, then a 1-float allreduce in place of the exchange (timed as "in
+        synchronize()"), then the local step: what every synchronous step waits for the slower
+        rank on this machine with (almost) nothing to send."""
+        self.opt.zero_grad()
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        t1 = time.perf_counter()
+        hvd.allreduce(torch.zeros(1), name="bench.barrier")
+        comm = time.perf_counter() - t1
+        self.opt.step()
+        return time.perf_counter() - t0, comm, 4
 
 
 def timed_iterations(args: argparse.Namespace, warm: Sequence[float]) -> int:

@@ -92,7 +92,7 @@ def test_rank_env_drops_stray_settings() -> None:
 
 def test_plan_defaults_full_and_quick(tmp_path: Path) -> None:
     full = bplan.build_plan(False, None, None, None, None, None, 0, False, False, None, 300, "auto")
-    assert full.rates == ["100mbit", "1gbit", "10gbit"] and len(full.speed) == 7 and len(full.convergence) == 7
+    assert full.rates == ["100mbit", "1gbit", "10gbit"] and len(full.speed) == 8 and len(full.convergence) == 7
     assert full.params == 25e6 and full.docs_dir == bplan.ROOT / "docs"
     quick = bplan.build_plan(True, "500mbit", None, 2, None, None, 0, False, True, None, 300, "auto")
     assert quick.rates == ["500mbit"] and quick.iters == 2 and quick.convergence == []
@@ -142,6 +142,26 @@ def test_waiting_for_the_last_rank_is_reported_apart() -> None:
     assert lines[2].endswith("8.0% (target < 5%): **MISSED**")
     assert lines[3] == ("  - of it, 30.0 ms per step is the ranks waiting for the last one to finish its backward "
                         "(load imbalance); the last rank's own time in synchronize() is 2.0% of the step")
+
+
+def test_the_no_exchange_row_is_a_floor_not_a_setting() -> None:
+    """Issue 13: the reference row (a 1-float allreduce in place of the exchange) gives the time
+    any synchronous step waits here for the slower rank; it gets no speedup, is never Auto's
+    best fixed setting even when fastest, and its share is printed under the < 5% target."""
+    auto = {**_speed_result(0.52, 0.05, 0.7e6, 150.0)}
+    floor = {**_speed_result(0.4, 0.03, 4, 27e6)}
+    timed = {"1gbit": {**SPEED["1gbit"], "results": {**SPEED["1gbit"]["results"], "auto": auto, "barrier": floor}}}
+    rows = {r["key"]: r for r in tables.speed_rows(timed["1gbit"]["results"], bplan.SPEED_SETTINGS)}
+    assert rows["barrier"]["speedup"] is None and rows["barrier"]["speedup_fp16"] is None
+    assert rows["barrier"]["comm_share"] == pytest.approx(0.075)
+    assert "| No exchange (reference) | 400.0 | 30.0 | n/a | 7.5% | 0.000 |" in tables.render_speed_table(list(rows.values()))
+    lines = tables.target_lines(timed, [])
+    assert lines[3] == ("  - with nothing to exchange (the *No exchange (reference)* row: the same model's step with "
+                        "a 1-float allreduce in place of the exchange) the ranks spent 7.5% of the step (30.0 ms) "
+                        "waiting there for the slower one: the floor any synchronous step has on this machine")
+    # Auto against TopKQSGD (0.5 s), not against the faster reference row (0.4 s)
+    assert lines[4] == "- Auto step time vs best fixed setting (TopKQSGD(1%, 8)) at 1gbit: 0.96x (target >= 0.95x): **MET**"
+    assert bplan.REFERENCE_KEYS == {"barrier"}
 
 
 def test_convergence_rows_and_targets() -> None:

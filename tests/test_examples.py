@@ -135,6 +135,18 @@ def test_synthetic_benchmark_stock_fp16_bytes(tmp_path: Path) -> None:
     assert r["optimizer"] == "stock" and r["bytes_per_step"] == r["raw_bytes_per_step"] // 2
 
 
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_synthetic_benchmark_no_exchange_reference(tmp_path: Path) -> None:
+    """``--optimizer none``: the benchmark's floor row sends one float per step and times the wait for it."""
+    out = tmp_path / "bench.json"
+    _run_2_ranks([BENCH, "--params", "1e5", "--width", "128", "--warmup", "1", "--iters", "3",
+                  "--optimizer", "none", "--compression", "none", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["optimizer"] == "none" and r["bytes_per_step"] == 4 and r["codec_s"] == 0.0
+    assert 0 < r["comm_s"] < r["step_s"] and len(r["sync_s_per_rank"]) == 2 and len(r["sync_s_per_rank"][0]) == 3
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv, message", [
     (["--ratio", "2"], "ratio must be in (0, 1]"),
@@ -146,6 +158,17 @@ def test_synthetic_benchmark_stock_fp16_bytes(tmp_path: Path) -> None:
 def test_train_bad_flags_are_usage_errors(argv: List[str], message: str) -> None:
     res = subprocess.run([sys.executable, TRAIN, *argv], capture_output=True, text=True, timeout=50,
                          env=rank_env())
+    assert res.returncode == 2
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer", "none", "--compression", "topk"], "--optimizer none sends nothing to compress"),
+    (["--optimizer", "none", "--accumulate", "2"], "--optimizer none is timed with --accumulate 1"),
+])
+def test_synthetic_benchmark_bad_flags_are_usage_errors(argv: List[str], message: str) -> None:
+    res = subprocess.run([sys.executable, BENCH, *argv], capture_output=True, text=True, timeout=50, env=rank_env())
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr
 
