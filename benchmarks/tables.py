@@ -30,7 +30,7 @@ def speed_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) 
             continue
         codec = r.get("codec_s", 0.0)
         exposed = r.get("exposed_comm_s", r["comm_s"])
-        rows.append({"key": s.key, "label": s.label, "step_s": r["step_s"], "comm_s": r["comm_s"],
+        rows.append({"key": s.key, "label": s.label, "reference": s.reference, "step_s": r["step_s"], "comm_s": r["comm_s"],
                      "imbalance_s": r.get("imbalance_s"),
                      "codec_s": codec, "exposed_s": exposed, "compute_s": max(r["step_s"] - codec - exposed, 0.0),
                      "auto": (r.get("auto") or {}).get("summary"),
@@ -60,8 +60,9 @@ def render_speed_table(rows: List[Dict[str, Any]]) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         wait = "n/a" if r.get("imbalance_s") is None else f"{r['imbalance_s'] * 1e3:.1f}"
+        ratio = "n/a" if r.get("reference") else f"{r['ratio']:.1f}x"   # 4 bytes sent: no compression ratio
         lines.append(f"| {r['label']} | {r['step_s'] * 1e3:.1f} | {r['comm_s'] * 1e3:.1f} | {wait} | "
-                     f"{100 * r['comm_share']:.1f}% | {r['bytes_per_step'] / 1e6:.3f} | {r['ratio']:.1f}x | "
+                     f"{100 * r['comm_share']:.1f}% | {r['bytes_per_step'] / 1e6:.3f} | {ratio} | "
                      f"{r['samples_s']:.1f} +- {r['samples_s_conf']:.1f} | {_x(r['speedup'])} | "
                      f"{_x(r['speedup_fp16'])} |")
     return "\n".join(lines)

@@ -154,7 +154,7 @@ def test_the_no_exchange_row_is_a_floor_not_a_setting() -> None:
     rows = {r["key"]: r for r in tables.speed_rows(timed["1gbit"]["results"], bplan.SPEED_SETTINGS)}
     assert rows["barrier"]["speedup"] is None and rows["barrier"]["speedup_fp16"] is None
     assert rows["barrier"]["comm_share"] == pytest.approx(0.075)
-    assert "| No exchange (reference) | 400.0 | 30.0 | n/a | 7.5% | 0.000 |" in tables.render_speed_table(list(rows.values()))
+    assert "| No exchange (reference) | 400.0 | 30.0 | n/a | 7.5% | 0.000 | n/a |" in tables.render_speed_table(list(rows.values()))
     lines = tables.target_lines(timed, [])
     assert lines[3] == ("  - with nothing to exchange (the *No exchange (reference)* row: the same model's step with "
                         "a 1-float allreduce in place of the exchange) the ranks spent 7.5% of the step (30.0 ms) "
