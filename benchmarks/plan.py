@@ -62,7 +62,7 @@ SPEED_SETTINGS = (
     # The floor of time in synchronize() on this machine: the same model's step with a 1-float
     # allreduce in place of the exchange (nothing to send, the ranks' models part ways), so the
     # wait for the slower rank's backward that any synchronous step has here is measured, not
-    # argued (issue 13: the ranks' backward times vary step to step by 10-20% on this 2-core VM).
+    # argued (issue 13; docs/AUTO.md, *The floor*: the ranks' backward times vary step to step here).
     Setting("barrier", "No exchange (reference)", ("--optimizer", "none", "--compression", "none"), reference=True),
 )
 REFERENCE_KEYS = frozenset(s.key for s in SPEED_SETTINGS if s.reference)
