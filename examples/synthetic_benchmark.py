@@ -17,6 +17,7 @@ communication time is measured around an explicit ``synchronize()``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -88,7 +89,7 @@ def make_optimizer(model: nn.Module, cfg: CompressionConfig, kind: str, min_nume
         cfg, "momentum" if args.momentum_correction else args.feedback, args.momentum_masking,
         args.warmup_steps, args.warmup_ratio)
     if kind == "none":
-        pass  # no exchange: the ranks' models part ways (a timing reference, see StepTimer._barrier_step)
+        pass  # no exchange: the ranks' models part ways (a timing reference, see StepTimer._plain_step)
     elif kind == "stock":
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=compression or hvd.Compression.none)
@@ -116,10 +117,8 @@ class StepTimer:
         """(seconds, seconds in synchronize, bytes this rank handed to Horovod, codec seconds, codec
         seconds inside synchronize); Horovod's own optimizer: no codec time is measured."""
         t0 = time.perf_counter()
-        if self.kind == "stock":
-            return (*self._stock_step(t0), 0.0, 0.0)
-        if self.kind == "none":
-            return (*self._barrier_step(t0), 0.0, 0.0)
+        if self.kind != "gc":
+            return (*self._plain_step(t0), 0.0, 0.0)
         before, timing = self.opt.comm_wait_s, self.opt.exchange_timing
         codec0, sync0 = timing.codec_s, timing.codec_sync_s
         for _ in range(self.cfg.accumulate):
@@ -127,29 +126,24 @@ class StepTimer:
         return (time.perf_counter() - t0, self.opt.comm_wait_s - before, self.opt.last_step_bytes,
                 timing.codec_s - codec0, timing.codec_sync_s - sync0)
 
-    def _stock_step(self, t0: float) -> Tuple[float, float, int]:
+    def _plain_step(self, t0: float) -> Tuple[float, float, int]:
+        """A step of a plain optimizer: backward, its exchange (timed as "in synchronize()"), the step.
+        ``stock``: Horovod's optimizer; ``none``: a 1-float allreduce in place of the exchange and
+        each rank's own step, what every synchronous step waits for the slower rank on this machine
+        with (almost) nothing to send."""
+        stock = self.kind == "stock"
         self.opt.zero_grad()
         F.cross_entropy(self.model(self.x), self.y).backward()
         t1 = time.perf_counter()
-        self.opt.synchronize()
+        if stock:
+            self.opt.synchronize()
+        else:
+            hvd.allreduce(torch.zeros(1), name="bench.barrier")
         comm = time.perf_counter() - t1
-        with self.opt.skip_synchronize():
+        with self.opt.skip_synchronize() if stock else contextlib.nullcontext():
             self.opt.step()
-        fp16 = self.cfg.compression == "fp16"
-        return time.perf_counter() - t0, comm, self.raw_bytes // 2 if fp16 else self.raw_bytes
-
-
-    def _barrier_step(self, t0: float) -> Tuple[float, float, int]:
-        """Backward, then a 1-float allreduce in place of the exchange (timed as "in
-        synchronize()"), then the local step: what every synchronous step waits for the slower
-        rank on this machine with (almost) nothing to send."""
-        self.opt.zero_grad()
-        F.cross_entropy(self.model(self.x), self.y).backward()
-        t1 = time.perf_counter()
-        hvd.allreduce(torch.zeros(1), name="bench.barrier")
-        comm = time.perf_counter() - t1
-        self.opt.step()
-        return time.perf_counter() - t0, comm, 4
+        sent = 4 if not stock else self.raw_bytes // 2 if self.cfg.compression == "fp16" else self.raw_bytes
+        return time.perf_counter() - t0, comm, sent
 
 
 def timed_iterations(args: argparse.Namespace, warm: Sequence[float]) -> int:

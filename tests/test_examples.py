@@ -13,7 +13,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -94,13 +94,17 @@ def test_train_digits_epoch_flushes_partial_window(tmp_path: Path) -> None:
     assert summary["val_accuracy"] > 0.3  # 10 classes: chance is 0.1
 
 
+def _bench(tmp_path: Path, *flags: str) -> Tuple[dict, str]:
+    """The synthetic benchmark on 2 ranks with a tiny model: (its JSON, its output)."""
+    out = tmp_path / "bench.json"
+    text = _run_2_ranks([BENCH, "--params", "1e5", "--width", "128", *flags, "--json", str(out)])
+    return json.loads(out.read_text()), text
+
+
 @pytest.mark.multirank
 @pytest.mark.timeout(90)
 def test_synthetic_benchmark_tiny_json(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    text = _run_2_ranks([BENCH, "--params", "1e5", "--width", "128", "--warmup", "1", "--iters", "3",
-                         "--compression", "topk-qsgd", "--ratio", "0.01", "--json", str(out)])
-    r = json.loads(out.read_text())
+    r, text = _bench(tmp_path, "--warmup", "1", "--iters", "3", "--compression", "topk-qsgd", "--ratio", "0.01")
     assert r["ranks"] == 2 and r["iters"] == 3 and len(r["step_times_s"]) == 3
     assert r["params"] == 6 * (128 * 128 + 128) + 128 * 1000 + 1000
     assert r["raw_bytes_per_step"] == 4 * r["params"]
@@ -114,10 +118,7 @@ def test_synthetic_benchmark_tiny_json(tmp_path: Path) -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_synthetic_benchmark_auto_decides_during_warmup(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    text = _run_2_ranks([BENCH, "--params", "1e5", "--width", "128", "--warmup", "9", "--iters", "2",
-                         "--compression", "auto", "--json", str(out)])
-    r = json.loads(out.read_text())
+    r, text = _bench(tmp_path, "--warmup", "9", "--iters", "2", "--compression", "auto")
     auto = r["auto"]
     assert auto["step"] >= 11 and auto["link"]["bandwidth_Bps"] > 0   # 8 exploring steps, then decided
     assert len(auto["decisions"]) == 7 and set(auto["decisions"].values()) <= {"sparse", "qsgd", "fp16", "dense"}
@@ -128,10 +129,7 @@ def test_synthetic_benchmark_auto_decides_during_warmup(tmp_path: Path) -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(90)
 def test_synthetic_benchmark_stock_fp16_bytes(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    _run_2_ranks([BENCH, "--params", "1e5", "--width", "128", "--warmup", "0", "--iters", "2",
-                  "--optimizer", "stock", "--compression", "fp16", "--json", str(out)])
-    r = json.loads(out.read_text())
+    r, _ = _bench(tmp_path, "--warmup", "0", "--iters", "2", "--optimizer", "stock", "--compression", "fp16")
     assert r["optimizer"] == "stock" and r["bytes_per_step"] == r["raw_bytes_per_step"] // 2
 
 
@@ -139,10 +137,7 @@ def test_synthetic_benchmark_stock_fp16_bytes(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_synthetic_benchmark_no_exchange_reference(tmp_path: Path) -> None:
     """``--optimizer none``: the benchmark's floor row sends one float per step and times the wait for it."""
-    out = tmp_path / "bench.json"
-    _run_2_ranks([BENCH, "--params", "1e5", "--width", "128", "--warmup", "1", "--iters", "3",
-                  "--optimizer", "none", "--compression", "none", "--json", str(out)])
-    r = json.loads(out.read_text())
+    r, _ = _bench(tmp_path, "--warmup", "1", "--iters", "3", "--optimizer", "none", "--compression", "none")
     assert r["optimizer"] == "none" and r["bytes_per_step"] == 4 and r["codec_s"] == 0.0
     assert 0 < r["comm_s"] < r["step_s"] and len(r["sync_s_per_rank"]) == 2 and len(r["sync_s_per_rank"][0]) == 3
 
