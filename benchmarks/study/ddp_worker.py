@@ -21,28 +21,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import hvd_gradcomp as gc  # noqa: E402
-from benchmarks.study import loop  # noqa: E402
+from benchmarks.study import loop, settings as shared  # noqa: E402
 from benchmarks.study.tasks import make_task  # noqa: E402
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
 
-SETTINGS = {
-    "none": ("uncompressed", lambda opt: None),
-    "tq1": ("TopKQSGD(1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8)),
-    "tq01": ("TopKQSGD(0.1%, 8)", lambda opt: gc.TopKQSGD(ratio=0.001, bits=8)),
-    # The sparsity warm-up of 100 steps whatever the ratio (before it kept its pace below 1%): as a
-    # schedule of the user's own, which counts the same compressed steps as the policy's
-    "tq01-spw100": ("TopKQSGD(0.1%, 8), 100-step sparsity warm-up",
-                    lambda opt: gc.TopKQSGD(ratio=gc.SparsityWarmup(0.001, steps=100), bits=8)),
-    "tq1-classic": ("TopKQSGD(1%, 8), classic EF", lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback="classic")),
-    # The residual kept at the rate it was computed (before it followed the learning rate)
-    "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", loop.fixed_rate_topkqsgd),
-    "tq01-nowarm": ("TopKQSGD(0.1%, 8), no sparsity warm-up after the freeze",
-                    lambda opt: gc.TopKQSGD(ratio=0.001, bits=8, feedback=gc.FrozenVariance())),
-    "tq1-prev": ("TopKQSGD(1%, 8), previous default", lambda opt: loop.previous_default(0.01)),
-    "tq01-prev": ("TopKQSGD(0.1%, 8), previous default", lambda opt: loop.previous_default(0.001)),
-}
 DEFAULT_SETTINGS = ("none", "tq1", "tq01", "tq1-classic", "tq1-fixedlr", "tq01-spw100", "tq1-prev", "tq01-prev",
                     "tq01-nowarm")
+SETTINGS = {key: shared.SETTINGS[key] for key in DEFAULT_SETTINGS}   # the rows the DDP task has
 
 
 def run(task_name: str, setting: str, seed: int, steps: int = 0, clip: float = 0.0) -> Dict[str, Any]:

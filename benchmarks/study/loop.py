@@ -14,30 +14,6 @@ import torch
 from benchmarks.study.tasks import TASKS, Task, evaluate, lr_factor
 
 
-def fixed_rate_topkqsgd(optimizer: Any) -> Any:
-    """TopKQSGD(1%, 8) with the policy ``feedback="auto"`` picks for ``optimizer``, except that its
-    residual stays at the learning rate it was computed at (``follow_lr = False``): the recipe
-    before residuals followed the rate, so the study shows what that gained."""
-    import hvd_gradcomp as gc
-    from hvd_gradcomp import feedback as fb
-
-    policy = fb.make(fb.choose(optimizer, False, False)[0])
-    policy.follow_lr = False
-    return gc.TopKQSGD(ratio=0.01, bits=8, feedback=policy)
-
-
-def previous_default(ratio: float) -> Any:
-    """TopKQSGD(ratio, 8) with ``FrozenVariance``'s defaults before they changed (Adam's momentum kept
-    while the learning rate changes, a 100-step sparsity warm-up after the freeze; see
-    docs/FREEZE_CHECK.md), so the study shows what the change did. Under a schedule ``v`` was then
-    frozen for good (``follow_scale=None``); at a constant rate it followed the gradients' scale both
-    ways, averaged as Adam averages, which no option does now: those tasks' rows are older runs."""
-    import hvd_gradcomp as gc
-
-    return gc.TopKQSGD(ratio=ratio, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100,
-                                                                        follow_scale=None))
-
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
