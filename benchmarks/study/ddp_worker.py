@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import hvd_gradcomp as gc  # noqa: E402
 from benchmarks.study import loop, settings as shared  # noqa: E402
 from benchmarks.study.tasks import make_task  # noqa: E402
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402

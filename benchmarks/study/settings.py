@@ -13,14 +13,13 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Tuple
 
 import hvd_gradcomp as gc
+from hvd_gradcomp import feedback as fb
 
 
 def fixed_rate_topkqsgd(optimizer: Any) -> Any:
     """TopKQSGD(1%, 8) with the policy ``feedback="auto"`` picks for ``optimizer``, except that its
     residual stays at the learning rate it was computed at (``follow_lr = False``): the recipe
     before residuals followed the rate, so the study shows what that gained."""
-    from hvd_gradcomp import feedback as fb
-
     policy = fb.make(fb.choose(optimizer, False, False)[0])
     policy.follow_lr = False
     return gc.TopKQSGD(ratio=0.01, bits=8, feedback=policy)
