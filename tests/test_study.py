@@ -84,6 +84,16 @@ def test_run_length_refuses_an_unknown_task(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists() and not (tmp_path / "page.md").exists()
 
 
+def test_study_refuses_an_unknown_setting(tmp_path: Path) -> None:
+    """study.py --settings names the setting it does not know, and trains and writes nothing."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/study/study.py"), "--tasks", "cnn-adam",
+                          "--settings", "tq01,nope", "--out", str(tmp_path / "runs"), "--docs", str(tmp_path / "docs")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "unknown settings ['nope']; choose from ['none', 'fp16'," in res.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "docs").exists()
+
+
 def test_outside_check_trains_both_wrappers_and_tables_the_gaps(tmp_path: Path) -> None:
     """benchmarks/study/outside_check.py, 20 steps: uncompressed once, TopKQSGD through both wrappers,
     a table row each with a finite gap; a rerun trains nothing again."""

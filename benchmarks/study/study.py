@@ -74,6 +74,17 @@ def of_task(entry: str, task: str) -> bool:
     return entry.startswith(f"{task}-") and entry[len(task) + 1:].rsplit("-s", 1)[0] in SETTINGS
 
 
+def plan_of(tasks: list, seeds: list, only: set = frozenset()) -> list:
+    """The runs (``task-setting-sSEED``) of ``tasks`` x ``seeds``: each task's settings, or those of
+    them in ``only`` when given; ONE_SEED's settings on seed 0 only.
+
+    >>> plan_of(["cnn-adam"], [0, 12], {"none", "tq01", "fp16"})
+    ['cnn-adam-none-s0', 'cnn-adam-fp16-s0', 'cnn-adam-tq01-s0', 'cnn-adam-none-s12', 'cnn-adam-tq01-s12']
+    """
+    return [f"{task}-{s}-s{seed}" for seed in seeds for task in tasks
+            for s in settings_of(task) if (seed == 0 or s not in ONE_SEED) and (not only or s in only)]
+
+
 def command(task: str, seed: int, settings: list, out: Path, steps: int = 0) -> list:
     """horovodrun (or, for a DDP task, torchrun) with 2 ranks over one task and seed; ``steps``:
     instead of the task's own (0: the task's)."""
@@ -113,6 +124,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", default=",".join(ALL_TASKS))
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--settings", default="",
+                    help="only these of each task's settings, comma-separated (default: all of them), "
+                         "e.g. to add seeds to a few rows")
     ap.add_argument("--out", default=str(ROOT / "runs/study"))
     ap.add_argument("--docs", default=str(ROOT / "docs"))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per horovodrun job")
@@ -123,12 +137,14 @@ def main() -> int:
     unknown = sorted(set(tasks) - set(ALL_TASKS))
     if unknown:
         ap.error(f"unknown tasks {unknown}; choose from {list(ALL_TASKS)}")
+    only = set(args.settings.split(",")) - {""}
+    if only - set(SETTINGS):
+        ap.error(f"unknown settings {sorted(only - set(SETTINGS))}; choose from {list(SETTINGS)}")
     t0 = time.time()
     ok = True
     if not args.report_only:
         seeds = [int(x) for x in args.seeds.split(",")]
-        plan = [f"{task}-{s}-s{seed}" for seed in seeds for task in tasks
-                for s in settings_of(task) if seed == 0 or s not in ONE_SEED]
+        plan = plan_of(tasks, seeds, only)
         out.mkdir(parents=True, exist_ok=True)
         old = out / "plan.json"  # a run over some tasks and seeds replaces their part of the plan
         kept = [p for p in (json.loads(old.read_text()) if old.exists() else [])   # (plan's entries are theirs too)
