@@ -1156,7 +1156,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if self.follow_scale is None:
             return
         weight = 1.0 / self.window if self.window is not None else 1.0 - float(self._bound[name][1]["betas"][1])
-        ms = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square() / max(grad.numel(), 1)
+        ms = _squared_norm(grad) / max(grad.numel(), 1)
         old = self.scale.get(name)
         if old is None:
             new = torch.where(torch.isfinite(ms), ms, torch.zeros_like(ms))
@@ -1189,7 +1189,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if name in self._last_v and name not in self.denom and self.window is not None:
             param, _, optimizer = self._bound[name]
             t = int(optimizer.state.get(param, {}).get("step", 0)) + 1   # the Adam step about to use it
-            self._delivered[name] = (t, torch.linalg.vector_norm(avg.detach(), dtype=torch.float32).square())
+            self._delivered[name] = (t, _squared_norm(avg))
 
     def _unscale(self, name: str, t: int, squared: torch.Tensor) -> None:
         """Undo, in the squared gradient of Adam's step ``t``, a scaling done by the user's code
@@ -1555,3 +1555,15 @@ def announce(message: str) -> None:
     log.info(message)
     if not log.hasHandlers():
         print(f"hvd_gradcomp: {message}", file=sys.stderr, flush=True)
+
+
+def _squared_norm(t: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of ``t`` as a float32 0-dim tensor, summed in float32 or wider, whatever
+    ``t``'s floating dtype. Why not ``vector_norm(t, dtype=torch.float32)``: it refuses to narrow a
+    float64 tensor (a float64 layer goes uncompressed, but its dense steps still reach the policy).
+
+    >>> _squared_norm(torch.tensor([3.0, 4.0], dtype=torch.float64)), _squared_norm(torch.tensor([3.0, 4.0]).half())
+    (tensor(25.), tensor(25.))
+    """
+    t = t.detach()
+    return torch.linalg.vector_norm(t, dtype=None if t.dtype == torch.float64 else torch.float32).float().square()

@@ -46,7 +46,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from . import kernels
+from . import kernels, wire
 from .auto import Auto
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
 from .exchange import DenseExchange, HalfExchange, JoinGuard, Pending, SparseExchange, choose_exchange
@@ -154,8 +154,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self._compressed.progress(pending)
 
     def _is_small(self, p: torch.Tensor) -> bool:
-        """Exchanged uncompressed: small, not floating point, or excluded by the compressor's policy."""
-        if (not p.is_floating_point()) or p.numel() < self.min_compress_numel:
+        """Exchanged uncompressed: small, of a dtype the wire cannot encode (float64: it travels as it
+        is, as on stock Horovod's road), or excluded by the compressor's policy."""
+        if p.dtype not in wire.DTYPES or p.numel() < self.min_compress_numel:
             return True
         return isinstance(self.compression, GradientCompressor) and \
             not self.compression.compresses(self._parameter_names[p])

@@ -287,6 +287,36 @@ def bfloat16_model(stock: bool = False, kind: str = "topkqsgd") -> Dict[str, Any
             "ranks_equal": all(all_ranks_equal(p.detach().float()) for p in model.parameters())}
 
 
+def float64_layer(stock: bool = False, kind: str = "topkqsgd") -> Dict[str, Any]:
+    """A float32 model with one large float64 layer (fc1, 8192 elements: compressed were it float32),
+    AdamW with its second moment frozen after 2 steps: fc1 travels as it is (the wire encodes
+    float32, float16 and bfloat16), so its average must be every rank's float64 gradient averaged;
+    fc2 is compressed; every rank must hold the same parameters after 5 steps."""
+    model = make_model()
+    model.fc1.double()
+    feedback = {"feedback": gc.FrozenVariance(warmup=2)} if kind != "auto" else {}
+    comp = gc.Auto(named_parameters=model.named_parameters() if stock else None) if kind == "auto" \
+        else gc.TopKQSGD(ratio=0.05, bits=8, seed=3, **feedback)
+    wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+               compression=comp)
+    worst, losses = 0.0, []
+    for step in range(5):
+        x, y = batch(hvd.rank(), step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model.fc2(model.act(model.fc1(x.double())).float()), y)
+        loss.backward()
+        local = model.fc1.weight.grad.detach().clone()
+        opt.synchronize()
+        want = hvd.allgather(local.unsqueeze(0), name=f"f64.{step}.{stock}.{kind}").mean(0)
+        worst = max(worst, float((model.fc1.weight.grad - want).abs().max() / want.abs().max()))
+        with opt.skip_synchronize():
+            opt.step()
+        losses.append(float(loss))
+    return {"worst_rel": worst, "losses": losses, "dtype": str(model.fc1.weight.dtype),
+            "ranks_equal": all(all_ranks_equal(p.detach()) for p in model.parameters())}
+
+
 # ---------------------------------------------------------------- (d) checkpoint / resume
 def _train(model, acc, steps: int, start: int, n: int, sched=None) -> None:
     for step in range(start, start + steps):
