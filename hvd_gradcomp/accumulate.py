@@ -195,8 +195,7 @@ class GradientAccumulator:
                 raise ValueError("checkpoint holds compressor state but this optimizer has no hvd_gradcomp "
                                  "compressor: build it with the same compression, or set "
                                  "state['compression'] = None. Nothing was changed.")
-            from .compressors import _check_compressor_state
-            _check_compressor_state(comp, state["compression"])
+            comp.check_state(state["compression"])   # a fixed compressor's or Auto's checks
         self.optimizer.load_state_dict(state["optimizer"])
         if state["compression"] is not None:
             comp.load_state_dict(state["compression"])

@@ -707,7 +707,30 @@ class Auto:
                               "codec_s": dict(c.codec_s)} for n, c in self.costs.items()},
                 "skipped": {r: dict(v) for r, v in self.skipped.items()}}
 
+    def check_state(self, state: Any) -> None:
+        """Raise ``ValueError`` naming what keeps ``state`` from loading (:meth:`load_state_dict` checks
+        everything before it changes anything; so does ``GradientAccumulator.load_state_dict``).
+
+        >>> Auto().check_state(TopKQSGD().state_dict())
+        Traceback (most recent call last):
+        ...
+        ValueError: state lacks ['counts', 'decisions', 'qsgd', 'sparse', 'step']: not a state_dict() of Auto (it was saved by TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True)). Build the optimizer with the compression the checkpoint was taken with, or set state['compression'] = None to restart error feedback. Nothing was changed.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"Auto's state must be the dict state_dict() returns, got {type(state).__name__}. "
+                             "Nothing was changed.")
+        missing = sorted({"sparse", "qsgd", "step", "counts", "decisions"} - set(state))
+        if missing:
+            saved = f" (it was saved by {state['compressor']})" if "compressor" in state else ""
+            raise ValueError(f"state lacks {missing}: not a state_dict() of Auto{saved}. Build the optimizer with "
+                             "the compression the checkpoint was taken with, or set state['compression'] = None "
+                             "to restart error feedback. Nothing was changed.")
+        self.sparse.check_state(state["sparse"])
+        self.qsgd.check_state(state["qsgd"])
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`, checked first (:meth:`check_state`)."""
+        self.check_state(state)
         self.sparse.load_state_dict(state["sparse"])
         self.qsgd.load_state_dict(state["qsgd"])
         self.step, self._counts = int(state["step"]), dict(state["counts"])

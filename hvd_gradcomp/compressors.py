@@ -895,6 +895,11 @@ class GradientCompressor:
                 "residuals": state.pop("residuals"), "shapes": state.pop("shapes"),
                 "feedback": state, "relay": self._relay.state_dict(), "half": self._half.state_dict()}
 
+    def check_state(self, state: Any) -> None:
+        """Raise ``ValueError`` naming every way ``state`` cannot be loaded (:meth:`load_state_dict`
+        checks it before changing anything; so does ``GradientAccumulator.load_state_dict``)."""
+        _check_compressor_state(self, state)
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; checks everything before changing anything.
 
@@ -904,7 +909,7 @@ class GradientCompressor:
         the rest of the checkpoint without it (``state["compression"] = None`` for
         :class:`~hvd_gradcomp.GradientAccumulator`).
         """
-        _check_compressor_state(self, state)
+        self.check_state(state)
         if self._owner is not None and state.get("stream", self.stream) != self.stream:
             warnings.warn(f"compressor state saved by the rank with stream {state['stream']} is loaded "
                           f"on stream {self.stream}: residuals differ per rank, so each rank should load "

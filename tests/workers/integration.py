@@ -45,7 +45,7 @@ def make_compressor(kind: str, **kw: Any):
         return None
     if kind == "fp16":
         return hvd.Compression.fp16
-    return {"qsgd": gc.QSGD, "topk": gc.TopK, "topkqsgd": gc.TopKQSGD}[kind](**kw)
+    return {"qsgd": gc.QSGD, "topk": gc.TopK, "topkqsgd": gc.TopKQSGD, "auto": gc.Auto}[kind](**kw)
 
 
 def grads_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -335,7 +335,8 @@ def _fresh(kind: str, n: int, stock: bool = False, schedule: bool = False, warmu
     # those of their float16 road, exempt="fp16"). warmup=4, window=4: the checkpoint falls inside
     # the warm-up, with the window's running average under way.
     frozen = {"feedback": gc.FrozenVariance(warmup=warmup, window=window)} if kind in ("topk", "topkqsgd") else {}
-    comp = make_compressor(kind, seed=7, **frozen) if kind != "none" else None
+    named = {"named_parameters": model.named_parameters()} if kind == "auto" and stock else {}
+    comp = make_compressor(kind, seed=7, **frozen, **named) if kind != "none" else None
     wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
     opt = wrap(torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
                compression=comp or hvd.Compression.none, backward_passes_per_step=n)
@@ -361,7 +362,7 @@ def checkpoint_resume(kind: str, ckpt_dir: str, n: int = 2, steps: int = 6, stoc
     torch.save({"model": model.state_dict(), "acc": acc.state_dict(),
                 "sched": sched.state_dict() if sched is not None else None}, path)
     owed = {k: v.numel() for k, v in acc.state_dict()["compression"]["half"]["residuals"].items()} \
-        if kind != "none" else {}
+        if kind not in ("none", "auto") else {}   # Auto's small tensors go as float32 (exempt="fp32")
     del model, acc
     model, _, acc, sched = _fresh(kind, n, **setup)       # new objects, new (same-seeded) compressor
     state = torch.load(path)
