@@ -1291,6 +1291,21 @@ def _scatter(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
+def refuse_class(compression: Any, where: str) -> None:
+    """Refuse an hvd_gradcomp compressor class where an instance belongs: the optimizer wrapper and the
+    DDP hook call it when built, instead of failing at the first step on a method called without ``self``.
+
+    >>> refuse_class(TopKQSGD, "DistributedOptimizer")
+    Traceback (most recent call last):
+    ...
+    TypeError: DistributedOptimizer(compression=TopKQSGD) got the class: pass an instance, compression=TopKQSGD(...), e.g. TopKQSGD(ratio=0.01, bits=8)
+    """
+    if isinstance(compression, type) and compression.__module__.startswith("hvd_gradcomp"):
+        name = compression.__name__
+        raise TypeError(f"{where}(compression={name}) got the class: pass an instance, compression={name}(...), "
+                        "e.g. TopKQSGD(ratio=0.01, bits=8)")
+
+
 def _compressible(tensor: torch.Tensor) -> bool:
     return (tensor.layout == torch.strided and tensor.is_floating_point() and tensor.dtype in wire.DTYPES
             and tensor.numel() > 0)

@@ -64,7 +64,7 @@ from . import feedback as fb
 from . import kernels, settings, wire
 from .accumulate import check_clippable, check_max_grad_norm
 from .auto import Auto
-from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, QSGD, GradientCompressor, TopKQSGD, payload_size
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, QSGD, GradientCompressor, TopKQSGD, payload_size, refuse_class
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
 from .policy import DENSE, FP16, QSGD_AR, SPARSE
 from .stats import ByteStats
@@ -1046,6 +1046,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
                         f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
     if compression is _DEFAULT_COMPRESSION:
         compression = copy.deepcopy(_DEFAULT_COMPRESSION)
+    _check_compression(compression)   # before the rank-0-only warning reads it: the same error on every rank
     group = process_group if process_group is not None else ddp_model.process_group
     _warn_unread_settings(compression, dist.get_rank(group) if dist.is_initialized() else 0)
     state = GradCompState(group, compression, named_parameters=ddp_model.module.named_parameters(),
@@ -1268,10 +1269,14 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
 
 
 def _check_compression(compression: Any) -> None:
+    refuse_class(compression, "register")
     if compression is None or isinstance(compression, (GradientCompressor, Auto)) or compression in DENSE_DTYPES:
         return
     hint = " (for Horovod's fp16 compressor use torch.float16)" if "Compress" in type(compression).__name__ or \
         "Compress" in getattr(compression, "__name__", "") else ""
+    if isinstance(compression, str):
+        hint = (f"; names such as {compression!r} are for hvdgc-launch --compression (HVDGC_COMPRESSION): "
+                "hvd_gradcomp.ddp.compression_from_env() builds one from them")
     raise ValueError(f"compression must be an hvd_gradcomp compressor (TopKQSGD, TopK, QSGD), gc.Auto(), None or "
                      f"torch.float16/torch.bfloat16, got {compression!r}{hint}")
 

@@ -48,7 +48,7 @@ import torch
 
 from . import kernels, wire
 from .auto import Auto
-from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, refuse_class
 from .exchange import DenseExchange, HalfExchange, JoinGuard, Pending, SparseExchange, choose_exchange
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from .stats import ByteStats
@@ -402,6 +402,7 @@ def _check_compression(compression: Any) -> None:
     ...
     ValueError: compression must be an hvd_gradcomp compressor (e.g. TopKQSGD(ratio=0.01, bits=8), QSGD(bits=8)), hvd_gradcomp.Auto(), a Horovod compressor (hvd.Compression.none / fp16) or None, got 'topk' (str); names such as 'topk' are for hvdgc-launch --compression (HVDGC_COMPRESSION): hvd_gradcomp.config.from_env().make_compressor() builds one from them
     """
+    refuse_class(compression, "DistributedOptimizer")
     if compression is None or isinstance(compression, (GradientCompressor, Auto)) \
             or (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
         return

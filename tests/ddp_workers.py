@@ -418,6 +418,7 @@ def errors() -> Dict[str, Any]:
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
     catch("not_ddp", lambda: gc_ddp.register(net()))
     catch("bad_compression", lambda: gc_ddp.register(model, compression="topk"))
+    catch("class_compression", lambda: gc_ddp.register(model, compression=gc.TopKQSGD))
     catch("bad_start", lambda: gc_ddp.GradCompState(None, None, start_compress_iter=-1))
     catch("no_names", lambda: gc_ddp.GradCompState(None, gc.TopK()))
     shared = gc.TopK()

@@ -446,6 +446,16 @@ def test_distributed_optimizer_refuses_what_is_not_a_compressor(bad: Any) -> Non
     assert ("make_compressor()" in text) == isinstance(bad, str)
 
 
+@pytest.mark.parametrize("cls", ["TopKQSGD", "TopK", "QSGD", "Auto"])
+def test_distributed_optimizer_refuses_a_compressor_class(cls: str) -> None:
+    """compression=TopKQSGD (no parentheses) is refused when the optimizer is built, naming the fix
+    (it failed at the first step: compress() called without self)."""
+    import hvd_gradcomp as gc
+    from hvd_gradcomp.optimizer import _check_compression
+    with pytest.raises(TypeError, match=rf"compression={cls}\) got the class: pass an instance, compression={cls}\(\.\.\.\)"):
+        _check_compression(getattr(gc, cls))
+
+
 def test_distributed_optimizer_accepts_every_kind_of_compressor() -> None:
     """None, ours, Auto and Horovod's compressors (classes with compress/decompress) pass."""
     from hvd_gradcomp.optimizer import _check_compression
