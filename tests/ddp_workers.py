@@ -466,6 +466,9 @@ def momentum(steps: int = 5) -> Dict[str, Any]:
                                   ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-3), True),
                                   ("no-optimizer", sgd_m, False)):
         policies[label] = run(gc.TopK(ratio=0.5), make_opt, bind)[1].compression.feedback.key
+    for bits in (8, 4, 2):   # a dense codec's choice, with and without optimizer=
+        for label, bind in (("", True), ("-no-optimizer", False)):
+            policies[f"qsgd{bits}{label}"] = run(gc.QSGD(bits=bits), sgd_m, bind)[1].compression.feedback.key
     return {"policies": policies, "rel_exact": rel(exact, ref), "rel_mc": rel(sparse_mc, ref),
             "rel_classic": rel(sparse_classic, ref), "velocities": len(st_mc.compression.feedback.velocity)}
 
