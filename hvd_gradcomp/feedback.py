@@ -1060,6 +1060,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._recent: Dict[str, Tuple[torch.Tensor, int]] = {}     # EMA of the squared average, samples
         self._delivered: Dict[str, Tuple[int, torch.Tensor]] = {}  # step, squared norm of the average exchanged
         self._rescaled: Dict[str, torch.Tensor] = {}               # least ratio seen: clipped / exchanged
+        self._idle: Dict[str, torch.Tensor] = {}                   # dense steps with an all-zero average
         self.clipping_seen = False
         self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "FrozenVariance")
         if not 0.0 <= floor <= 1.0:
@@ -1096,6 +1097,9 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         rising = self._lr_rising(name, t, float(group["lr"]))
         if t < self.warmup or "exp_avg_sq" not in state or (rising and t < self._longest_warmup):
             return True
+        idle = self._idle.get(name)
+        if idle is not None and t - int(idle) < self.warmup:
+            return True   # fewer than warmup steps with a gradient (a layer unused at first): see dense_average
         return not bool(state["exp_avg_sq"].any())  # no gradient yet: nothing to freeze
 
     def needs_optimizer_state(self, name: str) -> bool:
@@ -1185,7 +1189,18 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         return (ratio.clamp(min=1.0) if self.follow_scale == "down" else ratio).sqrt()
 
     def dense_average(self, name: str, avg: torch.Tensor) -> None:
-        """Keep the squared norm of a warm-up step's average as exchanged (see :meth:`_unscale`)."""
+        """Keep the squared norm of a warm-up step's average as exchanged (see :meth:`_unscale`), and
+        count the warm-up steps whose average was all zero (no rank had a gradient: a layer not used
+        yet, sent as zeros), which :meth:`dense` does not count as warm-up.
+
+        Why: Adam steps such a tensor (``exp_avg_sq`` stays zero, ``step`` grows), so a layer first
+        used after ``warmup`` steps froze after its first gradient, its ``v`` a tenth of the
+        gradient's square: each compressed step then moved it about ten times too far (its weights
+        20x uncompressed training's within 10 steps). On the device, no host sync here."""
+        if name in self._lr_seen and name not in self.denom:   # asked by dense(): a tensor to freeze
+            zero = (avg == 0).all().to(torch.int64)
+            idle = self._idle.get(name)
+            self._idle[name] = zero if idle is None else idle + zero.to(idle.device)
         if name in self._last_v and name not in self.denom and self.window is not None:
             param, _, optimizer = self._bound[name]
             t = int(optimizer.state.get(param, {}).get("step", 0)) + 1   # the Adam step about to use it
@@ -1408,7 +1423,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
                 "lr_seen": dict(self._lr_seen),
                 "delivered": {n: (t, x.clone()) for n, (t, x) in self._delivered.items()},
                 "rescaled": _clone_tensors(self._rescaled), "clipping_seen": self.clipping_seen,
-                "scale": _clone_tensors(self.scale), "scale_at_freeze": _clone_tensors(self.scale_at_freeze)}
+                "scale": _clone_tensors(self.scale), "scale_at_freeze": _clone_tensors(self.scale_at_freeze),
+                "idle": _clone_tensors(self._idle)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -1428,6 +1444,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._lr_seen = {n: (int(t), float(lr), bool(up)) for n, (t, lr, up) in state.get("lr_seen", {}).items()}
         self._delivered = {n: (int(t), x.clone()) for n, (t, x) in state.get("delivered", {}).items()}
         self._rescaled = _clone_tensors(state.get("rescaled", {}))
+        # Checkpoints from before idle steps were counted: those steps count as warm-up, as they did.
+        self._idle = _clone_tensors(state.get("idle", {}))
         self.clipping_seen = bool(state.get("clipping_seen", False))
         # Checkpoints from before the scale was followed (or followed at a constant rate only, averaged
         # as Adam averages; their "scale_rate" is ignored): followed from the next step on.

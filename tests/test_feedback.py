@@ -521,6 +521,41 @@ def test_frozen_variance_stays_dense_while_the_learning_rate_rises():
     assert not fv.dense("w")
 
 
+def test_frozen_variance_warms_up_a_layer_first_used_late():
+    """A layer no rank uses for its first steps goes as zeros that Adam steps (``step`` grows,
+    ``exp_avg_sq`` stays zero): those steps are not warm-up. It froze after its first gradient, its
+    v a fraction of the gradient's square, and each compressed step then moved it ~10x too far; now
+    it gets ``warmup`` steps with a gradient first, and its frozen v is the gradients' scale. The
+    count of idle steps is checkpointed (a resumed run freezes at the same step)."""
+    from hvd_gradcomp import FrozenVariance
+
+    def freeze_step(idle_steps, fv=None, steps=60):
+        w = torch.nn.Parameter(torch.zeros(64))
+        opt = torch.optim.Adam([w], lr=0.01)
+        fv = fv or FrozenVariance(warmup=5, window=4, floor=0.0)
+        fv.bind("w", opt.param_groups[0], w, opt)
+        for t in range(steps):
+            if not fv.dense("w"):
+                fv.prepare("w", torch.zeros(64))   # the first compressed step freezes v
+                return t, fv
+            avg = torch.zeros(64) if t < idle_steps else torch.randn(64, generator=torch.Generator().manual_seed(t))
+            fv.dense_average("w", avg)
+            w.grad = avg.clone()
+            opt.step()
+            if t == idle_steps + 2:   # a checkpoint inside the late warm-up, loaded into a fresh policy
+                resumed = FrozenVariance(warmup=5, window=4, floor=0.0)
+                resumed.load_state_dict(fv.state_dict())
+                resumed.bind("w", opt.param_groups[0], w, opt)
+                fv = resumed
+        return None, fv
+
+    assert freeze_step(0)[0] == 5
+    t, fv = freeze_step(12)
+    assert t == 12 + 5, t
+    # unit-variance gradients: the frozen sqrt(v) near 1 (it was about 0.1 after one gradient)
+    assert 0.6 < float(fv.denom["w"].mean()) < 1.5, fv.denom["w"].mean()
+
+
 def test_frozen_variance_freezes_the_average_of_the_warmups_last_window():
     """The frozen v is the average of the last ``window`` squared averaged gradients of the dense
     warm-up, recovered from Adam's own v step by step (written out here as an EMA of g**2), not
