@@ -1243,7 +1243,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
         if key != comp.feedback.key:
             comp._set_policy(comp._auto_policy(key))
         if rank == 0:
-            fb.announce(f"{comp!r} in the DDP hook: feedback '{key}' ({why}).")
+            fb.announce(f"{comp!r} in the DDP hook: feedback '{key}' ({why})." + comp._caution())
         return
     if optimizer is None:
         if isinstance(comp.feedback, fb.MomentumCorrection) and comp.feedback.momentum is None:
@@ -1274,7 +1274,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
     comp.bind_groups(optimizer, names)
     if rank == 0:
         fb.announce(f"{comp!r} in the DDP hook with {type(optimizer).__name__}: feedback '{comp.feedback.key}' "
-                    f"({comp.feedback.describe()}; {why}).")
+                    f"({comp.feedback.describe()}; {why})." + comp._caution())
 
 
 def _check_compression(compression: Any) -> None:

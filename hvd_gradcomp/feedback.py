@@ -725,6 +725,25 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
         self._pending: Dict[str, torch.Tensor] = {}
         self._terms: Dict[str, Optional[List[Tuple[torch.Tensor, torch.Tensor]]]] = {}   # see received_terms
         self._undo = None  # see _RoundUndo
+        self._said_no_momentum = False
+
+    def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
+             optimizer: Any = None) -> None:
+        """As :meth:`ErrorFeedback.bind`; warns once when the momentum is read from an optimizer that
+        has none (Adam, AdamW, RMSprop...): correction with momentum 0 is classic error feedback.
+
+        >>> w = torch.zeros(4, requires_grad=True); opt = torch.optim.AdamW([w])
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always"); MomentumCorrection().bind("w", opt.param_groups[0], w, opt)
+        >>> "AdamW has no momentum" in str(caught[0].message)
+        True
+        """
+        super().bind(name, group, param, optimizer)
+        if self.momentum is None and optimizer is not None and "momentum" not in group and not self._said_no_momentum:
+            self._said_no_momentum = True
+            warnings.warn(f"feedback='momentum' reads the momentum from the optimizer, and {type(optimizer).__name__} "
+                          "has no momentum: it runs as classic error feedback. For Adam and AdamW leave "
+                          "feedback='auto' (it picks 'frozen'); for SGD build SGD(momentum=m).", UserWarning, stacklevel=2)
 
     def _coefficients(self, name: str) -> Tuple[float, float]:
         group = self._groups.get(name, {})
@@ -1487,12 +1506,13 @@ def check_frozen_variance(optimizer: Any) -> None:
     >>> check_frozen_variance(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     Traceback (most recent call last):
     ...
-    ValueError: feedback='frozen' needs torch.optim.Adam or AdamW, got SGD: use feedback='momentum' for SGD, 'update' for other adaptive optimizers
+    ValueError: feedback='frozen' needs torch.optim.Adam or AdamW, got SGD: use feedback='momentum' for SGD with momentum, 'classic' for plain SGD, and for other adaptive optimizers 'update' (the Horovod wrappers) or 'classic' (the DDP hook)
     """
     why = frozen_variance_unsupported(optimizer)
     if why:
         raise ValueError(f"feedback='frozen' needs torch.optim.Adam or AdamW, got {why}: use feedback='momentum' "
-                         "for SGD, 'update' for other adaptive optimizers")
+                         "for SGD with momentum, 'classic' for plain SGD, and for other adaptive optimizers 'update' "
+                         "(the Horovod wrappers) or 'classic' (the DDP hook)")
 
 
 def frozen_variance_unsupported(optimizer: Any) -> str:
