@@ -223,8 +223,9 @@ class GradCompState:
         self.auto: Optional["_AutoRoads"] = None
         if isinstance(compression, (GradientCompressor, Auto)):
             if compression in _CLAIMED:
-                raise ValueError(f"this {type(compression).__name__} already serves another hook state; "
-                                 "give every model its own compressor (its residuals are per model)")
+                raise ValueError(f"this {type(compression).__name__} already serves another hook state (register() "
+                                 "was called with it before, on this model or another): register once per model, "
+                                 "and give every model its own compressor (its residuals are per model)")
             if named_parameters is None:
                 raise ValueError("named_parameters is required with a compressor (residuals are kept per "
                                  "parameter name): pass module.named_parameters() of the wrapped module")

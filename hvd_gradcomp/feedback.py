@@ -956,6 +956,8 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
     * For the first ``warmup`` optimizer steps of a tensor, :meth:`dense` is True: the tensor
       goes uncompressed through the dense allreduce and the wrapped optimizer runs exact Adam.
+      Steps where no rank had a gradient for it (a layer first used later, sent as zeros) do not
+      count: it gets ``warmup`` steps with gradients (see :meth:`dense_average`).
       While the learning rate still rises from one step to the next (a scheduler's warm-up:
       ``LinearLR``, ``OneCycleLR``, a ``LambdaLR`` ramp), the dense warm-up goes on, up to
       ``max_warmup`` steps (``warmup`` when larger): the gradients' scale settles with the rate,
