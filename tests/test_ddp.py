@@ -23,7 +23,11 @@ WORKERS = str(ROOT / "tests" / "ddp_workers.py")
 _cache: Dict[str, List[Any]] = {}
 
 # Relative error of one exchange against the uncompressed average (measured ~0.49, 0.065, 0.6).
-ONE_STEP_TOL = {"topkqsgd": 0.6, "qsgd8": 0.1, "qsgd4": 0.8}
+# qsgd4: unbiased, without error feedback (the default, with or without optimizer=; it used to get
+# classic error feedback without one, whose payloads shrink by 1/(1+w)): one average's relative error
+# is within sqrt(w / ranks) = sqrt(3.2 / 2) = 1.26 in expectation, w being QSGD's variance bound at
+# 4 bits and 512-value buckets (qsgd_ef_scale); measured 1.18 on the CI machine
+ONE_STEP_TOL = {"topkqsgd": 0.6, "qsgd8": 0.1, "qsgd4": 1.3}
 SCENARIOS: Dict[str, Dict[str, Any]] = {
     "none": {"fn": "one_step", "kind": "none"},
     "fp16": {"fn": "one_step", "kind": "fp16"},
