@@ -105,6 +105,12 @@ class GradientAccumulator:
         self.steps = steps
         self.micro_batch = micro_batch
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        comp = _compressor(optimizer)
+        if self.max_grad_norm is not None and (getattr(comp, "_attached", None) is not None
+                                               or type(comp).__name__ == "Auto"):
+            # hvd_gradcomp.DistributedOptimizer chose the policy when it was built: refuse now, not at
+            # the first step (inside stock Horovod's optimizer the choice waits for that step)
+            check_clippable(comp)
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.pending = 0
         self.optimizer_steps = 0

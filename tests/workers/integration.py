@@ -228,15 +228,18 @@ def accumulation_clipped(stock: bool = False, kind: str = "topkqsgd", n: int = 2
         return model, opt
 
     model, opt = build()
-    acc = gc.GradientAccumulator(opt, steps=n, max_grad_norm=max_norm)
     if kind != "none" and optimizer == "sgd":
+        at = "construction"
         try:
+            acc = gc.GradientAccumulator(opt, steps=n, max_grad_norm=max_norm)
+            at = "step"
             for i in range(n):
                 x, y = batch(hvd.rank(), i)
                 acc.backward(F.cross_entropy(model(x), y))
         except ValueError as err:
-            return {"refused": str(err)}
+            return {"refused": str(err), "at": at}
         return {"refused": None}
+    acc = gc.GradientAccumulator(opt, steps=n, max_grad_norm=max_norm)
     norms = []
     for step in range(steps):
         for i in range(n):
