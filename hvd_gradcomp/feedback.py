@@ -1112,7 +1112,11 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
             return False  # not bound (yet): prepare() says what is missing
         param, group, optimizer = self._bound[name]
         state = optimizer.state.get(param, {})
-        if self.window is not None and "exp_avg_sq" in state and not group.get("amsgrad"):
+        if self.window is not None and "exp_avg_sq" in state and not group.get("amsgrad") \
+                and state["exp_avg_sq"].dtype in (torch.float32, torch.float64):
+            # Not from a float16/bfloat16 v (a half-precision model's Adam state): each step's squared
+            # gradient, recovered as v_t - b2 * v_(t-1), is lost to rounding there (a spurious "scaled
+            # by the user's code" warning showed it); Adam's own v is frozen instead (see _frozen_v).
             self._track(name, state, group)
         t = int(state.get("step", 0))
         rising = self._lr_rising(name, t, float(group["lr"]))

@@ -556,6 +556,32 @@ def test_frozen_variance_warms_up_a_layer_first_used_late():
     assert 0.6 < float(fv.denom["w"].mean()) < 1.5, fv.denom["w"].mean()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_frozen_variance_freezes_adams_own_v_of_a_half_precision_model(dtype):
+    """A float16/bfloat16 parameter's Adam state is half precision too: the window's per-step squared
+    gradients (v_t - b2 * v_(t-1)) drown in its rounding, and the clipping check warned on runs that
+    clipped nothing. Such a tensor freezes Adam's own v, bias-corrected, and nothing is said."""
+    import warnings as _warnings
+    from hvd_gradcomp import FrozenVariance
+
+    w = torch.nn.Parameter(torch.zeros(64, dtype=dtype))
+    opt = torch.optim.Adam([w], lr=0.01)
+    fv = FrozenVariance(warmup=8, window=4, floor=0.0)
+    fv.bind("w", opt.param_groups[0], w, opt)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")
+        for t in range(8):
+            assert fv.dense("w")
+            avg = torch.randn(64, generator=torch.Generator().manual_seed(t)).to(dtype)
+            fv.dense_average("w", avg)
+            w.grad = avg.clone()
+            opt.step()
+        assert not fv.dense("w")
+        fv.prepare("w", torch.zeros(64, dtype=dtype))
+    want = (opt.state[w]["exp_avg_sq"].float() / (1 - 0.999 ** 8)).sqrt()
+    torch.testing.assert_close(fv.denom["w"].float(), want, rtol=2e-2, atol=1e-3)
+
+
 def test_frozen_variance_freezes_the_average_of_the_warmups_last_window():
     """The frozen v is the average of the last ``window`` squared averaged gradients of the dense
     warm-up, recovered from Adam's own v step by step (written out here as an EMA of g**2), not
