@@ -1152,6 +1152,10 @@ class GradientAccumulator:
             raise ValueError(f"steps must be an int >= 1 (micro-batches per optimizer step), got {steps!r}")
         self.model, self.optimizer, self.steps, self.micro_batch = ddp_model, optimizer, steps, micro_batch
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        if self.max_grad_norm is not None and ddp_model in _STATES:
+            # register() chose the hook's policy: refuse now rather than at the first step (a hook
+            # registered after this accumulator is checked then)
+            check_clippable(_STATES[ddp_model].compression)
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.pending = 0
         self.optimizer_steps = 0

@@ -153,8 +153,8 @@ def accumulation_clipped(micro: int = 2, steps: int = 3, max_norm: float = 0.05,
                          ) -> Dict[str, Any]:
     """gc_ddp.GradientAccumulator(max_grad_norm=...) against the loop written out (no_sync, clip,
     step), TopKQSGD with AdamW (frozen, in its dense warm-up): the same parameters bit for bit and
-    the same norms. With SGD with momentum (momentum correction) the first step refuses: the
-    message is returned."""
+    the same norms. With SGD with momentum (momentum correction) the accumulator refuses when built:
+    the message is returned."""
     rank = dist.get_rank()
 
     def build():
@@ -165,15 +165,18 @@ def accumulation_clipped(micro: int = 2, steps: int = 3, max_norm: float = 0.05,
         return model, opt
 
     model, opt = build()
-    acc = gc_ddp.GradientAccumulator(model, opt, steps=micro, max_grad_norm=max_norm)
     if optimizer == "sgd":
+        at = "construction"   # register() came first: the policy is known when the accumulator is built
         try:
+            acc = gc_ddp.GradientAccumulator(model, opt, steps=micro, max_grad_norm=max_norm)
+            at = "step"
             for i in range(micro):
                 with acc.accumulate():
                     acc.backward(loss_of(model, *batch(rank, i)))
         except ValueError as err:
-            return {"refused": str(err)}
+            return {"refused": str(err), "at": at}
         return {"refused": None}
+    acc = gc_ddp.GradientAccumulator(model, opt, steps=micro, max_grad_norm=max_norm)
     norms = []
     for step in range(steps):
         for i in range(micro):

@@ -437,6 +437,7 @@ def test_accumulator_clips_the_averaged_gradients(battery):
         assert r["norms"] == r["ref_norms"] and min(r["norms"]) > 0.05, r
     for r in battery["acc-clipped-sgd"]:   # momentum correction: refused, pointing at clip=
         assert r["refused"] and "clip=" in r["refused"] and "feedback 'momentum'" in r["refused"], r
+        assert r["at"] == "construction", r
 
 
 def test_min_ratio_raises_the_share_of_the_named_tensor(battery):
