@@ -436,6 +436,13 @@ class GradientCompressor:
         return {**self.__dict__, "_rebind_hook": None, "_handed_hook": None}
 
     @property
+    def policy_settled(self) -> bool:
+        """Whether the feedback policy is chosen on a Horovod road: the compressor is attached to the
+        wrapped optimizer (``hvd_gradcomp.DistributedOptimizer`` attaches it when built, inside stock
+        ``hvd.DistributedOptimizer`` at its first step). The DDP hook chooses in ``register()``."""
+        return self._attached is not None
+
+    @property
     def carries_held_back(self) -> bool:
         """Whether each sent value of the average carries the updates of the steps it was held
         back (a sparse compressor under error feedback on gradients or DGC's momentum correction):
