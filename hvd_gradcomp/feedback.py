@@ -1082,6 +1082,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._delivered: Dict[str, Tuple[int, torch.Tensor]] = {}  # step, squared norm of the average exchanged
         self._rescaled: Dict[str, torch.Tensor] = {}               # least ratio seen: clipped / exchanged
         self._idle: Dict[str, torch.Tensor] = {}                   # dense steps with an all-zero average
+        self._scale_checked: set = set()                            # tensors checked for a loss scale
         self.clipping_seen = False
         self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "FrozenVariance")
         if not 0.0 <= floor <= 1.0:
@@ -1246,10 +1247,27 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         if got is None or got[0] != t:
             return
         ratio = squared.sum() / got[1].to(squared.device)
+        if name not in self._scale_checked:   # once per tensor: one read to the host
+            self._scale_checked.add(name)
+            self._refuse_loss_scale(name, float(ratio))
         scaled = (ratio - 1.0).abs() > CLIP_DETECT_TOLERANCE
         squared.div_(torch.where(scaled & (ratio > 0), ratio, torch.ones_like(ratio)))
         least = self._rescaled.get(name)
         self._rescaled[name] = ratio if least is None else torch.minimum(least, ratio)
+
+    def _refuse_loss_scale(self, name: str, ratio: float) -> None:
+        """Refuse, in the warm-up's first steps, gradients exchanged over :data:`SCALED_GRADIENT_RATIO`
+        times larger than the optimizer then used (``ratio``: the squared sums' quotient): a loss
+        scaler's ``unscale_``. Why here: after the warm-up this policy applies the update itself,
+        before the scaler unscales; :meth:`_check_scale` refuses it then, but only after ``warmup``
+        steps (up to ``max_warmup`` under a rising rate) of a run that cannot go on. The averages and
+        Adam's state are the same on every rank, so every rank raises at the same step."""
+        if 0.0 < ratio * SCALED_GRADIENT_RATIO ** 2 < 1.0:
+            raise ValueError(
+                f"feedback='frozen': the gradients of {name!r} were exchanged {ratio ** -0.5:.3g}x larger than the "
+                "optimizer used them: a loss scaler's unscale_ (torch.amp.GradScaler)? After its dense warm-up this "
+                "policy applies the update itself, before the scaler unscales, so it cannot follow a loss scale. "
+                "Use bf16 autocast without a scaler, or build the compressor with feedback='classic'.")
 
     def _frozen_v(self, name: str, v: torch.Tensor, b2: float, t: int) -> torch.Tensor:
         """The second moment to freeze: the average of the warm-up's last ~``window`` squared

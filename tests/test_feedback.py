@@ -582,6 +582,31 @@ def test_frozen_variance_freezes_adams_own_v_of_a_half_precision_model(dtype):
     torch.testing.assert_close(fv.denom["w"].float(), want, rtol=2e-2, atol=1e-3)
 
 
+def test_frozen_variance_refuses_a_loss_scale_in_its_first_warmup_steps():
+    """A GradScaler's gradients are exchanged scaled and unscaled before Adam's step: the warm-up's
+    third step (its first with an earlier v to compare with) raises, naming the fix, rather than
+    the first compressed step ``warmup`` steps later. Without a scaler nothing is said."""
+    from hvd_gradcomp import FrozenVariance
+
+    def run(scale):
+        w = torch.nn.Parameter(torch.zeros(64))
+        opt = torch.optim.Adam([w], lr=0.01)
+        fv = FrozenVariance(warmup=100)
+        fv.bind("w", opt.param_groups[0], w, opt)
+        for t in range(6):
+            assert fv.dense("w")
+            g = torch.randn(64, generator=torch.Generator().manual_seed(t))
+            fv.dense_average("w", g * scale)   # as exchanged
+            w.grad = g                         # as the scaler's unscale_ left it
+            opt.step()
+        return t
+
+    assert run(1.0) == 5
+    with pytest.raises(ValueError, match=r"exchanged 6.55e\+04x larger than the optimizer used them: a loss "
+                                         r"scaler's unscale_.*feedback='classic'"):
+        run(65536.0)
+
+
 def test_frozen_variance_freezes_the_average_of_the_warmups_last_window():
     """The frozen v is the average of the last ``window`` squared averaged gradients of the dense
     warm-up, recovered from Adam's own v step by step (written out here as an EMA of g**2), not
