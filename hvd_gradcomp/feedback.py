@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import sys
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -1257,12 +1258,15 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
     def _refuse_loss_scale(self, name: str, ratio: float) -> None:
         """Refuse, in the warm-up's first steps, gradients exchanged over :data:`SCALED_GRADIENT_RATIO`
-        times larger than the optimizer then used (``ratio``: the squared sums' quotient): a loss
-        scaler's ``unscale_``. Why here: after the warm-up this policy applies the update itself,
+        times larger than the optimizer then used, by a power of two (``ratio``: the squared sums'
+        quotient): a loss scaler's ``unscale_``. Why here: after the warm-up this policy applies the update itself,
         before the scaler unscales; :meth:`_check_scale` refuses it then, but only after ``warmup``
         steps (up to ``max_warmup`` under a rising rate) of a run that cannot go on. The averages and
         Adam's state are the same on every rank, so every rank raises at the same step."""
-        if 0.0 < ratio * SCALED_GRADIENT_RATIO ** 2 < 1.0:
+        # A loss scale is a power of two (GradScaler's growth and backoff factors are 2 and 0.5); a
+        # clip_grad_norm_ of a huge gradient, also >1000x, is not, and is said at the freeze instead.
+        power = math.log2(ratio) if ratio > 0.0 else 0.5
+        if ratio * SCALED_GRADIENT_RATIO ** 2 < 1.0 and abs(power - round(power)) < 1e-2:
             raise ValueError(
                 f"feedback='frozen': the gradients of {name!r} were exchanged {ratio ** -0.5:.3g}x larger than the "
                 "optimizer used them: a loss scaler's unscale_ (torch.amp.GradScaler)? After its dense warm-up this "

@@ -585,7 +585,8 @@ def test_frozen_variance_freezes_adams_own_v_of_a_half_precision_model(dtype):
 def test_frozen_variance_refuses_a_loss_scale_in_its_first_warmup_steps():
     """A GradScaler's gradients are exchanged scaled and unscaled before Adam's step: the warm-up's
     third step (its first with an earlier v to compare with) raises, naming the fix, rather than
-    the first compressed step ``warmup`` steps later. Without a scaler nothing is said."""
+    the first compressed step ``warmup`` steps later. Without a scaler nothing is said, nor for a
+    factor that is not a power of two (clipping a huge gradient)."""
     from hvd_gradcomp import FrozenVariance
 
     def run(scale):
@@ -602,6 +603,7 @@ def test_frozen_variance_refuses_a_loss_scale_in_its_first_warmup_steps():
         return t
 
     assert run(1.0) == 5
+    assert run(3000.0) == 5   # >1000x but not a power of two: a clip_grad_norm_ of a huge gradient
     with pytest.raises(ValueError, match=r"exchanged 6.55e\+04x larger than the optimizer used them: a loss "
                                          r"scaler's unscale_.*feedback='classic'"):
         run(65536.0)
