@@ -105,10 +105,11 @@ class GradientAccumulator:
         self.steps = steps
         self.micro_batch = micro_batch
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        if self.max_grad_norm is not None and _policy_settled(_compressor(optimizer)):
+        comp = _compressor(optimizer)
+        if self.max_grad_norm is not None and getattr(comp, "policy_settled", False):
             # hvd_gradcomp.DistributedOptimizer chose the policy when it was built: refuse now, not at
             # the first step (inside stock Horovod's optimizer the choice waits for that step)
-            check_clippable(_compressor(optimizer))
+            check_clippable(comp)
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.pending = 0
         self.optimizer_steps = 0
@@ -216,13 +217,6 @@ def _compressor(optimizer: Any) -> Any:
 
     comp = compressor_of(optimizer)
     return comp if callable(getattr(comp, "state_dict", None)) else None
-
-
-def _policy_settled(comp: Any) -> bool:
-    """Whether ``comp``'s feedback policy is known (Auto's sparse road is always classic)."""
-    from .auto import Auto
-
-    return isinstance(comp, Auto) or bool(getattr(comp, "policy_settled", False))
 
 
 def _compression_state(optimizer: Any) -> Optional[Dict[str, Any]]:

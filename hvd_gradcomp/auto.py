@@ -211,6 +211,9 @@ class Auto:
         return (f"Auto(roads={self.roads or OURS_ROADS}, ratio={self.sparse.ratio}, bits={self.sparse.bits}, "
                 f"qsgd_bits={self.qsgd.bits}, interval={self.interval})")
 
+    # Its sparse road's error feedback is classic whatever the optimizer (see GradientCompressor.policy_settled)
+    policy_settled = True
+
     def note_optimizer(self, optimizer: Any, rank: int) -> None:
         """Say once, on rank 0, when ``optimizer`` has a feedback recipe of its own (momentum
         correction for SGD with momentum, ``frozen`` for Adam/AdamW, see

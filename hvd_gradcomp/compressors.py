@@ -1024,8 +1024,7 @@ class QSGD(_Quantiser, GradientCompressor):
         >>> "Note: at 2 bits" in QSGD(bits=2)._caution(), QSGD(bits=4)._caution()
         (True, '')
         """
-        s = (1 << (self.bits - 1)) - 1
-        w = min(self.bucket_size / s**2, math.sqrt(self.bucket_size) / s)   # as in qsgd_ef_scale
+        w = qsgd_variance_bound(self.bits, self.bucket_size)
         if w < QSGD_NOISY:
             return ""
         return (f" Note: at {self.bits} bits with buckets of {self.bucket_size} values, each bucket a rank sends "
@@ -1288,9 +1287,19 @@ def qsgd_ef_scale(bits: int, bucket_size: int) -> float:
     >>> qsgd_ef_scale(8, 512), round(qsgd_ef_scale(4, 512), 3)
     (1.0, 0.236)
     """
-    s = (1 << (bits - 1)) - 1
-    w = min(bucket_size / s**2, math.sqrt(bucket_size) / s)
+    w = qsgd_variance_bound(bits, bucket_size)
     return 1.0 if w < 1.0 else 1.0 / (1.0 + w)
+
+
+def qsgd_variance_bound(bits: int, bucket_size: int) -> float:
+    """QSGD's w in E||Q(v)-v||^2 <= w ||v||^2: min(d/s^2, sqrt(d)/s), d the bucket size,
+    s = 2**(bits-1) - 1 levels (Alistarh et al., Lemma 3.1).
+
+    >>> round(qsgd_variance_bound(4, 512), 1), round(qsgd_variance_bound(2, 512), 1)
+    (3.2, 22.6)
+    """
+    s = (1 << (bits - 1)) - 1
+    return min(bucket_size / s**2, math.sqrt(bucket_size) / s)
 
 
 def _shrunk(norms: torch.Tensor, contract: bool, bits: int, bucket: int) -> torch.Tensor:

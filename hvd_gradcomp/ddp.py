@@ -1241,15 +1241,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
                          "copy of the optimizer on each rank, which only the Horovod roads do): use feedback="
                          "'frozen' for Adam/AdamW, 'momentum' for SGD with momentum, or 'classic'")
     auto = comp.feedback_choice == "auto" and not comp._restored
-    if optimizer is None and auto and isinstance(comp, QSGD):
-        # A dense codec's choice does not depend on the optimizer: low-bit QSGD goes without error
-        # feedback here too (classic error feedback shrank a 2-bit average to 1.5% of the gradient).
-        key, why = fb.choose(None, True, comp._contracting)
-        if key != comp.feedback.key:
-            comp._set_policy(comp._auto_policy(key))
-        if rank == 0:
-            fb.announce(f"{comp!r} in the DDP hook: feedback '{key}' ({why})." + comp._caution())
-        return
+    dense_codec = isinstance(comp, QSGD)   # its choice does not depend on the optimizer (feedback.choose)
     if optimizer is None:
         if isinstance(comp.feedback, fb.MomentumCorrection) and comp.feedback.momentum is None:
             raise ValueError("feedback='momentum' reads the momentum from the optimizer: pass optimizer= to "
@@ -1257,28 +1249,31 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
         if comp.feedback.moves_parameters:
             raise ValueError(f"feedback={comp.feedback.key!r} freezes and steps the optimizer's Adam state: pass "
                              "optimizer= to register() / GradCompState")
-        if auto and rank == 0:  # said once: with Adam/AdamW classic error feedback trains far worse
-            fb.announce(f"{comp!r} in the DDP hook: classic error feedback, because no optimizer was given. Pass "
-                        "optimizer=opt to register() so the hook picks the policy for it: momentum correction for "
-                        "SGD(momentum > 0), 'frozen' for Adam/AdamW (see docs/STUDY.md).")
-        return
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    groups = [(names[p], g, p) for g in optimizer.param_groups for p in g["params"] if p in names]
-    if not groups:
-        raise ValueError("the optimizer steps none of the wrapped module's parameters: pass the optimizer "
-                         "built on this model's parameters")
+        if not (auto and dense_codec):   # (low-bit QSGD gets 'none' here too: classic shrank 2-bit averages)
+            if auto and rank == 0:  # said once: with Adam/AdamW classic error feedback trains far worse
+                fb.announce(f"{comp!r} in the DDP hook: classic error feedback, because no optimizer was given. "
+                            "Pass optimizer=opt to register() so the hook picks the policy for it: momentum "
+                            "correction for SGD(momentum > 0), 'frozen' for Adam/AdamW (see docs/STUDY.md).")
+            return
+    else:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not any(p in names for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("the optimizer steps none of the wrapped module's parameters: pass the optimizer "
+                             "built on this model's parameters")
     why = "chosen by the user"
     if auto:
-        key, why = fb.choose(optimizer, isinstance(comp, QSGD), comp._contracting)
+        key, why = fb.choose(optimizer, dense_codec, comp._contracting)
         if key not in HOOK_POLICIES:  # 'update' (adaptive optimizers other than Adam/AdamW)
             key, why = "classic", (f"{why}; the Horovod road would use feedback {key!r}, which steps a private "
                                    "copy of the optimizer on each rank; in the DDP hook error feedback is classic")
         if key != comp.feedback.key:
             comp._set_policy(comp._auto_policy(key))
-    comp.bind_groups(optimizer, names)
+    if optimizer is not None:
+        comp.bind_groups(optimizer, names)
     if rank == 0:
-        fb.announce(f"{comp!r} in the DDP hook with {type(optimizer).__name__}: feedback '{comp.feedback.key}' "
+        with_opt = f" with {type(optimizer).__name__}" if optimizer is not None else ""
+        fb.announce(f"{comp!r} in the DDP hook{with_opt}: feedback '{comp.feedback.key}' "
                     f"({comp.feedback.describe()}; {why})." + comp._caution())
 
 

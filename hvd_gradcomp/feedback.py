@@ -1259,10 +1259,10 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     def _refuse_loss_scale(self, name: str, ratio: float) -> None:
         """Refuse, in the warm-up's first steps, gradients exchanged over :data:`SCALED_GRADIENT_RATIO`
         times larger than the optimizer then used, by a power of two (``ratio``: the squared sums'
-        quotient): a loss scaler's ``unscale_``. Why here: after the warm-up this policy applies the update itself,
-        before the scaler unscales; :meth:`_check_scale` refuses it then, but only after ``warmup``
-        steps (up to ``max_warmup`` under a rising rate) of a run that cannot go on. The averages and
-        Adam's state are the same on every rank, so every rank raises at the same step."""
+        quotient): a loss scaler's ``unscale_``. Why here: after the warm-up this policy applies the
+        update itself, before the scaler unscales; :meth:`_check_scale` refuses it then, but only after
+        ``warmup`` steps (up to ``max_warmup`` under a rising rate) of a run that cannot go on. The
+        averages and Adam's state are the same on every rank, so every rank raises at the same step."""
         # A loss scale is a power of two (GradScaler's growth and backoff factors are 2 and 0.5); a
         # clip_grad_norm_ of a huge gradient, also >1000x, is not, and is said at the freeze instead.
         power = math.log2(ratio) if ratio > 0.0 else 0.5
@@ -1286,6 +1286,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
         self._last_v.pop(name, None)
         self._lr_seen.pop(name, None)
         self._delivered.pop(name, None)
+        self._idle.pop(name, None)
         if recent is not None and self.window is not None and n >= max(2, self.window // 5):
             return (recent / (1.0 - (1.0 - 1.0 / self.window) ** n)).to(v.dtype)
         return v / (1.0 - b2 ** t)
