@@ -26,7 +26,7 @@ demo: setup
 	@$(PY) examples/demo.py
 
 test: setup slurm-up two-hosts-up
-	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp launchers examples benchmarks
+	@$(VENV)/bin/pytest -ra --doctest-modules tests hvd_gradcomp examples benchmarks
 
 bench: setup
 	@$(PY) -m benchmarks

@@ -5,7 +5,7 @@ package. One module per concern, in the order a run goes:
 
 - :mod:`benchmarks.plan`: the settings compared, targets, the plan and each job's command line;
 - :mod:`benchmarks.netns`: rate-limited network namespaces (``ip netns`` + ``tc tbf``);
-- :mod:`benchmarks.runner`: runs the jobs (:mod:`launchers.jobs`) and collects their JSON;
+- :mod:`benchmarks.runner`: runs the jobs (:mod:`hvd_gradcomp.launchers.jobs`) and collects their JSON;
 - :mod:`benchmarks.tables`: tables and targets from the raw figures;
 - :mod:`benchmarks.plots`: the PNG plots;
 - :mod:`benchmarks.markdown`: the page, from the run's data only;

@@ -5,7 +5,7 @@
 
 Runs ``examples/synthetic_benchmark.py`` (25M parameters, 2 Gloo ranks on this machine, no rate
 limit) for uncompressed Horovod and TopKQSGD(1%, 8), each with and without
-``hvdgc-launch --bind-cores`` (:mod:`launchers.bind`), alternating bound and unbound runs so that
+``hvdgc-launch --bind-cores`` (:mod:`hvd_gradcomp.launchers.bind`), alternating bound and unbound runs so that
 a drift of the machine touches both alike. Prints, per setting, the mean over repeats of the step
 time and of the share in ``synchronize()``, and the ratio unbound/bound; writes the figures to
 ``docs/data/binding.json``. Run it on a quiet machine: it is a timing.
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.generated import replace_between  # noqa: E402
-from launchers.jobs import CAPTURE, local_horovodrun, run_job  # noqa: E402
+from hvd_gradcomp.launchers.jobs import CAPTURE, local_horovodrun, run_job  # noqa: E402
 
 SETTINGS = {"uncompressed": ["--optimizer", "stock", "--compression", "none"],
             "TopKQSGD(1%, 8)": ["--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8"]}

@@ -104,7 +104,7 @@ def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Opti
 
 def execute(plan: Plan, command: str, ddp: Optional[ddp_half.DdpPlan] = None) -> Dict[str, Any]:
     """Run the plan (and the DDP half, when given), write the report(s); returns the raw figures."""
-    from launchers.progress import progress
+    from hvd_gradcomp.launchers.progress import progress
 
     start = time.perf_counter()
     total = len(plan.rates) * len(plan.speed) * plan.rounds + len(plan.convergence) + (ddp.jobs if ddp else 0)

@@ -1,6 +1,6 @@
 """The DDP half of ``make bench``: torch's own hooks against hvd-gradcomp's, under ``torchrun``.
 
-Two parts, each a list of 2-rank ``torchrun`` jobs (:func:`launchers.jobs.run_job`), written to
+Two parts, each a list of 2-rank ``torchrun`` jobs (:func:`hvd_gradcomp.launchers.jobs.run_job`), written to
 their own page, ``DOCS_DIR/ddp/BENCHMARKS.md`` (raw figures in ``DOCS_DIR/ddp/data.json``):
 
 1. Speed: ``benchmarks/bench_ddp.py`` on the synthetic model of the Horovod rows (25M
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from launchers.command import LaunchSpec, build_command
-from launchers.jobs import BIN
+from hvd_gradcomp.launchers.command import LaunchSpec, build_command
+from hvd_gradcomp.launchers.jobs import BIN
 
 from .netns import LINK_MODES, TBF, in_netns, netns_setup_commands, netns_teardown_command
 from .plan import ROOT, TARGET_LOSS_GAP, Plan, Setting, speed_path

@@ -31,7 +31,7 @@ def render_markdown(plan: Plan, machine: Dict[str, str], speed: Dict[str, Any], 
         f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['memory']} memory, GPU: {machine['gpu']}",
         f"- {machine['os']}, Python {machine['python']}, PyTorch {machine['torch']}, Horovod {machine['horovod']} (Gloo)",
         f"- 2 ranks on this one machine, `torch.set_num_threads(1)` per rank, `HVDGC_COMPILE={plan.compile_mode}`"
-        + ("; each rank bound to its own core (`hvdgc-launch --bind-cores`, `launchers/bind.py`), for every row"
+        + ("; each rank bound to its own core (`hvdgc-launch --bind-cores`, `hvd_gradcomp/launchers/bind.py`), for every row"
            if machine.get("bind_cores") and not plan.two_hosts else "")
         + _allocator_clause(machine), "",
         "## Conditions", "",

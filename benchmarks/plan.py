@@ -14,9 +14,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from launchers.command import KEEP_FREED_MEMORY
-from launchers.jobs import local_horovodrun
-from launchers.two_hosts import down_command, horovodrun_across, up_command
+from hvd_gradcomp.launchers.command import KEEP_FREED_MEMORY
+from hvd_gradcomp.launchers.jobs import local_horovodrun
+from hvd_gradcomp.launchers.two_hosts import down_command, horovodrun_across, up_command
 
 from .netns import in_netns, netns_setup_commands, netns_teardown_command
 

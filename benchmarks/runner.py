@@ -1,5 +1,5 @@
 """Running the plan: every speed setting at every rate, then every convergence setting,
-each a 2-rank job through :func:`launchers.jobs.run_job`; a failed job is recorded, not fatal.
+each a 2-rank job through :func:`hvd_gradcomp.launchers.jobs.run_job`; a failed job is recorded, not fatal.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
-from launchers.jobs import rank_env, run_job, tail
-from launchers.two_hosts import horovodrun_across, two_hosts
+from hvd_gradcomp.launchers.jobs import rank_env, run_job, tail
+from hvd_gradcomp.launchers.two_hosts import horovodrun_across, two_hosts
 
 from .netns import in_netns, rate_limited_netns
 from .plan import (BIND_CORES, CPU_ALLOCATOR, ROOT, Plan, Setting, fastest, horovodrun, repeats, speed_path,

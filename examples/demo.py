@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from launchers.jobs import BIN, local_horovodrun, rank_env, run_job
+from hvd_gradcomp.launchers.jobs import BIN, local_horovodrun, rank_env, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = (

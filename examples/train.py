@@ -242,8 +242,8 @@ class RunLog:
         self._csv = csv.DictWriter(self._file, fieldnames=CSV_FIELDS)
         self._csv.writeheader()
         self.tb = _tensorboard(out_dir / "tb" / name)
-        if progress:  # a bar on a terminal, plain periodic lines under horovodrun (launchers.progress)
-            from launchers.progress import progress as make_progress
+        if progress:  # a bar on a terminal, plain periodic lines under horovodrun (hvd_gradcomp.launchers.progress)
+            from hvd_gradcomp.launchers.progress import progress as make_progress
             self.bar = make_progress(total=total, desc=name, unit="step")
 
     def step(self, row: Dict[str, Any]) -> None:

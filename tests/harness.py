@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from launchers.jobs import BIN, CAPTURE, JobResult, local_horovodrun, run_job
-from launchers.jobs import rank_env as _rank_env
+from hvd_gradcomp.launchers.jobs import BIN, CAPTURE, JobResult, local_horovodrun, run_job
+from hvd_gradcomp.launchers.jobs import rank_env as _rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = str(BIN / "horovodrun")
@@ -27,7 +27,7 @@ BACKENDS = ("gloo", "mpi")
 
 
 def rank_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """Environment for rank processes (see :func:`launchers.jobs.rank_env`), eager kernels by default."""
+    """Environment for rank processes (see :func:`hvd_gradcomp.launchers.jobs.rank_env`), eager kernels by default."""
     return _rank_env(ROOT, {"HVDGC_COMPILE": "0", **(extra or {})})  # tests use small tensors
 
 

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from benchmarks import cli, markdown, netns, runner, tables
 from benchmarks import plan as bplan
-from launchers import bench as bench_entry
-from launchers import jobs
+from hvd_gradcomp.launchers import bench as bench_entry
+from hvd_gradcomp.launchers import jobs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,8 +68,8 @@ def test_netns_commands_are_exact() -> None:
 def test_horovodrun_and_programs(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     argv = bplan.horovodrun(["python", "x.py"], bin_dir=Path("/v/bin"))
-    # every rank bound to its own core (launchers/bind.py), then the program unchanged
-    assert argv == ["/v/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "python", "-m", "launchers.bind",
+    # every rank bound to its own core (hvd_gradcomp/launchers/bind.py), then the program unchanged
+    assert argv == ["/v/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "python", "-m", "hvd_gradcomp.launchers.bind",
                     "python", "x.py"]
     topkqsgd = next(s for s in bplan.SPEED_SETTINGS if s.key == "topkqsgd")
     prog = bplan.speed_program(plan, topkqsgd, tmp_path / "o.json")

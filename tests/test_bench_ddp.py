@@ -153,7 +153,7 @@ def test_timed_out_job_leaves_no_worker_of_its_own_session(tmp_path: Path) -> No
     (run_job sends SIGTERM first, which torchrun forwards), or a hung DDP rank outlives the benchmark."""
     import os
 
-    from launchers.jobs import CAPTURE, run_job
+    from hvd_gradcomp.launchers.jobs import CAPTURE, run_job
 
     pid_file = tmp_path / "worker.pid"
     script = tmp_path / "launcher.py"

@@ -1,4 +1,4 @@
-"""``hvdgc-launch --bind-cores`` (launchers/bind.py): each local rank gets its own slice of the cores.
+"""``hvdgc-launch --bind-cores`` (hvd_gradcomp/launchers/bind.py): each local rank gets its own slice of the cores.
 
 The slicing and the variable lookup are checked as functions; then real 2-rank launches under
 horovodrun (Gloo) and mpirun report their affinity, which must be disjoint and cover the cores.
@@ -12,8 +12,8 @@ import sys
 import pytest
 from hypothesis import given, strategies as st
 
-from launchers.bind import BindError, core_share, local_rank
-from launchers.command import LaunchSpec, build_command
+from hvd_gradcomp.launchers.bind import BindError, core_share, local_rank
+from hvd_gradcomp.launchers.command import LaunchSpec, build_command
 from tests.harness import BIN, HOROVODRUN, ROOT, launch, rank_env
 
 
@@ -47,11 +47,11 @@ def test_commands_bind_through_the_module_or_srun():
     spec = dict(command=("train.py",), np=2, python="py", bind_cores=True)
     for launcher in ("horovodrun", "mpirun", "torchrun"):
         argv, _ = build_command(LaunchSpec(launcher=launcher, **spec))
-        assert argv[-5:] == ["py", "-m", "launchers.bind", "py", "train.py"], argv
+        assert argv[-5:] == ["py", "-m", "hvd_gradcomp.launchers.bind", "py", "train.py"], argv
     argv, _ = build_command(LaunchSpec(launcher="srun", hosts=(("n1", 2),), **spec))
-    assert "--cpu-bind=cores" in argv and "launchers.bind" not in argv
+    assert "--cpu-bind=cores" in argv and "hvd_gradcomp.launchers.bind" not in argv
     argv, _ = build_command(LaunchSpec(command=("train.py",), np=2, python="py"))
-    assert "launchers.bind" not in argv, "off unless asked for"
+    assert "hvd_gradcomp.launchers.bind" not in argv, "off unless asked for"
 
 
 def test_without_a_launcher_it_exits_with_the_reason_and_runs_nothing(tmp_path):
@@ -59,7 +59,7 @@ def test_without_a_launcher_it_exits_with_the_reason_and_runs_nothing(tmp_path):
         ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"), ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
         ("LOCAL_RANK", "LOCAL_WORLD_SIZE")] for n in pair}}
     marker = tmp_path / "ran"
-    res = subprocess.run([sys.executable, "-m", "launchers.bind", sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+    res = subprocess.run([sys.executable, "-m", "hvd_gradcomp.launchers.bind", sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and "--bind-cores" in res.stderr and "HOROVOD_LOCAL_RANK" in res.stderr, res.stderr
     assert not marker.exists()
@@ -75,7 +75,7 @@ def test_two_ranks_get_disjoint_slices_covering_the_cores(flags, tmp_path):
         pytest.skip("Horovod not built yet (bash scripts/setup.sh)")
     script = tmp_path / "affinity.py"
     script.write_text(AFFINITY + "\n")
-    launcher = [str(BIN / "hvdgc-launch")] if (BIN / "hvdgc-launch").exists() else [sys.executable, "-m", "launchers.cli"]
+    launcher = [str(BIN / "hvdgc-launch")] if (BIN / "hvdgc-launch").exists() else [sys.executable, "-m", "hvd_gradcomp.launchers.cli"]
     res = launch([*launcher, "-np", "2", *flags, "--bind-cores", str(script)], timeout=120, env=rank_env())
     assert res.returncode == 0, res.stdout
     found = {int(r): ast.literal_eval(c) for r, c in re.findall(r"rank=(\d) cores=(\[[\d, ]*\])", res.stdout)}

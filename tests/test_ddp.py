@@ -323,7 +323,7 @@ def test_compression_from_env_maps_the_settings():
 
 # ---------------------------------------------------------------- launcher and example
 def test_torchrun_command_is_exact():
-    from launchers.command import LaunchSpec, build_command
+    from hvd_gradcomp.launchers.command import LaunchSpec, build_command
 
     argv, env = build_command(LaunchSpec(command=("train_ddp.py", "--steps", "3"), np=2, launcher="torchrun",
                                          python="/py", env={"HVDGC_COMPRESSION": "qsgd"}))
@@ -338,7 +338,7 @@ def test_torchrun_command_is_exact():
     ({"hostfile": "h"}, "--hostfile does not apply"),
     ({"start_timeout": 5}, "--start-timeout is a horovodrun option")])
 def test_torchrun_rejects_horovod_only_options(kwargs, words):
-    from launchers.command import LaunchError, LaunchSpec, build_command
+    from hvd_gradcomp.launchers.command import LaunchError, LaunchSpec, build_command
 
     with pytest.raises(LaunchError, match=words):
         build_command(LaunchSpec(command=("t.py",), launcher="torchrun", **kwargs))
@@ -346,7 +346,7 @@ def test_torchrun_rejects_horovod_only_options(kwargs, words):
 
 def test_cli_torchrun_flag(monkeypatch):
     from click.testing import CliRunner
-    from launchers import cli
+    from hvd_gradcomp.launchers import cli
 
     monkeypatch.setattr(cli, "_find_tool", lambda name: f"/opt/bin/{name}")
     monkeypatch.chdir(ROOT)
@@ -364,7 +364,7 @@ def test_cli_torchrun_flag(monkeypatch):
 
 def test_hvdgc_launch_torchrun_runs_the_ddp_example(tmp_path):
     out = tmp_path / "summary.json"
-    argv = [sys.executable, "-m", "launchers.cli", "--torchrun", "-np", "2", "--compression", "topk-qsgd",
+    argv = [sys.executable, "-m", "hvd_gradcomp.launchers.cli", "--torchrun", "-np", "2", "--compression", "topk-qsgd",
             "--accumulate", "2", str(ROOT / "examples" / "train_ddp.py"), "--data", "digits", "--steps", "12",
             "--micro-batch", "16", "--log-every", "4", "--out", str(out)]
     res = launch(argv, 180, rank_env())

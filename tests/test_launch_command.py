@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launchers import cli
-from launchers.command import LaunchError, LaunchSpec, build_command, format_hosts, parse_hostfile_text, \
+from hvd_gradcomp.launchers import cli
+from hvd_gradcomp.launchers.command import LaunchError, LaunchSpec, build_command, format_hosts, parse_hostfile_text, \
     parse_hosts, program_argv, resolve_np
 
 SCRIPT = "tests/scripts/launch_target.py"

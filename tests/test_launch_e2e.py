@@ -1,6 +1,6 @@
 """hvdgc-launch end to end: real 2-rank runs of tests/scripts/launch_target.py under Gloo and MPI.
 
-Each test starts the installed console script (or ``python -m launchers.cli`` before the
+Each test starts the installed console script (or ``python -m hvd_gradcomp.launchers.cli`` before the
 editable install) in its own process group with a timeout; a failure shows every rank's
 output.
 """
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.multirank
 
 def _launcher() -> List[str]:
     script = BIN / "hvdgc-launch"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "launchers.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "hvd_gradcomp.launchers.cli"]
 
 
 def _require_horovodrun() -> None:

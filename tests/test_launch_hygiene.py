@@ -19,8 +19,8 @@ from typing import List
 import pytest
 from click.testing import CliRunner
 
-from launchers import cli
-from launchers.slurm import SlurmError, allocation_from_env, expand_nodelist
+from hvd_gradcomp.launchers import cli
+from hvd_gradcomp.launchers.slurm import SlurmError, allocation_from_env, expand_nodelist
 from tests.harness import ROOT, launch, rank_env
 from tests.test_launch_e2e import TARGET, _alive, _launcher, _require_horovodrun
 
@@ -95,7 +95,7 @@ def test_item10_child_gets_sigterm_when_launcher_dies(tmp_path):
     """The mechanism alone, without Horovod: a grandchild of a killed launcher process ends."""
     marker = tmp_path / "child.pid"
     child_code = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from launchers import cli; "
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from hvd_gradcomp.launchers import cli; "
             f"cli.run([sys.executable, '-c', {child_code!r}], {{}})")
     parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
@@ -152,7 +152,7 @@ def test_item10_guard_ends_a_launcher_that_ignores_signals_and_its_rank_in_anoth
     """hvdgc-launch killed (or interrupted three times): the guard ends the launcher and, as a
     subreaper, its rank in another session, both ignoring SIGTERM (SIGKILL after the grace)."""
     argv, launcher_pid, rank_pid = _stubborn_job(tmp_path)
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from launchers import cli; "
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from hvd_gradcomp.launchers import cli; "
             f"sys.exit(cli.run({argv!r}, {{}}, kill_after=1.0))")
     parent = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     pids = []
@@ -297,7 +297,7 @@ def test_item13_huge_nodelist_in_a_real_launch_fails_fast_in_bounded_memory():
     env = rank_env({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "node[1-1000000000]", "SLURM_TASKS_PER_NODE": "1"})
     env.pop("SLURM_JOB_NUM_NODES", None)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "launchers.cli", "--dry-run", TARGET], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "hvd_gradcomp.launchers.cli", "--dry-run", TARGET], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60, preexec_fn=cap)
     assert time.monotonic() - start < 30
     assert proc.returncode == 2, proc.stderr
@@ -349,7 +349,7 @@ def test_item14_sbatch_carries_mapped_and_passed_through_options(invoke, monkeyp
 
 # ---------------------------------------------------------------- the job watch (no Horovod)
 def test_watch_names_the_host_of_the_first_failed_rank():
-    from launchers.watch import JobWatch, rank_hosts
+    from hvd_gradcomp.launchers.watch import JobWatch, rank_hosts
     watch = JobWatch(rank_hosts([("a", 2), ("b", 2)], 4))
     watch.scan(b"Process 3 exit with status code 255.")
     watch.scan(b"Process name: 2")
@@ -363,7 +363,7 @@ def test_watch_names_the_host_of_the_first_failed_rank():
 
 def test_watch_ends_the_job_when_a_host_that_answered_stops_answering():
     import socket
-    from launchers.watch import JobWatch
+    from hvd_gradcomp.launchers.watch import JobWatch
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)

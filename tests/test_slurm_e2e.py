@@ -12,7 +12,7 @@ from typing import Tuple
 
 import pytest
 
-from launchers.slurm import job_state
+from hvd_gradcomp.launchers.slurm import job_state
 from tests.harness import launch, rank_env
 from tests.test_launch_e2e import NASTY_ARGS, TARGET, _assert_compressed_run, _launcher, _require_horovodrun
 

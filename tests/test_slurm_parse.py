@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from launchers import cli
-from launchers.slurm import Allocation, BatchJob, SlurmError, allocation_from_env, expand_nodelist, \
+from hvd_gradcomp.launchers import cli
+from hvd_gradcomp.launchers.slurm import Allocation, BatchJob, SlurmError, allocation_from_env, expand_nodelist, \
     launcher_args, parse_tasks_per_node, render_sbatch
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = sorted((ROOT / "launchers" / "slurm").glob("*.sbatch"))
+TEMPLATES = sorted((ROOT / "hvd_gradcomp" / "launchers" / "slurm").glob("*.sbatch"))
 
 
 @pytest.mark.parametrize("spec, hosts", [

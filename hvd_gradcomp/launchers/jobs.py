@@ -4,7 +4,7 @@ harness (tests/harness.py), ``make demo`` (examples/demo.py) and ``make bench`` 
 * :func:`rank_env`: the environment of the ranks: the checkout importable, Open MPI allowed
   as root, one thread per rank, no stray ``HVDGC_*`` settings from the caller's shell.
 * :func:`local_horovodrun`: ``horovodrun -np N -H localhost:N --gloo|--mpi PROGRAM``, built by
-  :func:`launchers.command.build_command` like every other launch command.
+  :func:`hvd_gradcomp.launchers.command.build_command` like every other launch command.
 * :func:`run_job`: run it in its own process group with a timeout; on timeout, Ctrl-C or any
   error the whole group is killed, so no rank is left behind.
 
@@ -82,7 +82,7 @@ def rank_env(root: Path, settings: Optional[Mapping[str, str]] = None,
 def local_horovodrun(program: Sequence[str], np: int = 2, backend: str = "gloo", bin_dir: Path = BIN,
                      bind_cores: bool = False) -> List[str]:
     """horovodrun (of this Python's environment) starting ``program`` on ``np`` local ranks
-    (``bind_cores``: each on its own slice of the cores, see :mod:`launchers.bind`)."""
+    (``bind_cores``: each on its own slice of the cores, see :mod:`hvd_gradcomp.launchers.bind`)."""
     argv, _ = build_command(LaunchSpec(command=tuple(program), np=np, backend=backend, bind_cores=bind_cores))
     return [str(bin_dir / argv[0]), *argv[1:]]
 

@@ -2,7 +2,7 @@
 
 Nothing here reads the process environment, touches the file system or uses a shell, so
 every branch is tested with exact expected lists (tests/test_launch_command.py). The CLI
-(:mod:`launchers.cli`) gathers the facts (tool paths, euid, Slurm allocation) and runs the
+(:mod:`hvd_gradcomp.launchers.cli`) gathers the facts (tool paths, euid, Slurm allocation) and runs the
 result without a shell.
 
 Example::
@@ -66,7 +66,7 @@ class LaunchSpec:
     ``btl tcp,self``), ``timeline`` (horovodrun ``--timeline-filename``, else
     ``HOROVOD_TIMELINE``). ``launcher_args`` go to the launcher verbatim, before the program.
     ``bind_cores``: each rank on a machine gets its own slice of the cores (srun
-    ``--cpu-bind=cores``, elsewhere the program starts through :mod:`launchers.bind`).
+    ``--cpu-bind=cores``, elsewhere the program starts through :mod:`hvd_gradcomp.launchers.bind`).
     """
 
     command: Tuple[str, ...]
@@ -221,7 +221,7 @@ def build_command(spec: LaunchSpec) -> Tuple[List[str], Dict[str, str]]:
         env.update(_mca_env(spec))
     program = program_argv(spec.command, spec.python)
     if spec.bind_cores and spec.launcher != "srun":   # srun binds itself (_srun_argv)
-        program = [spec.python, "-m", "launchers.bind", *program]
+        program = [spec.python, "-m", "hvd_gradcomp.launchers.bind", *program]
     return argv + program, env
 
 

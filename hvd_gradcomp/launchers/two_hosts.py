@@ -18,7 +18,7 @@ from typing import Any, Iterator, List, Sequence
 
 from .command import LaunchSpec, build_command
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "two_hosts.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "two_hosts.sh"
 HOSTS = ("hvdgc-a", "hvdgc-b")
 INTERFACE = "hvdgc0"
 

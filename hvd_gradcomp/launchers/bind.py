@@ -1,7 +1,7 @@
 """Bind each rank on a machine to its own share of that machine's cores, then run the program.
 
 ``hvdgc-launch --bind-cores`` starts every rank's program through this module
-(``python -m launchers.bind PROGRAM ARGS...``): it finds the rank's index among the ranks of its
+(``python -m hvd_gradcomp.launchers.bind PROGRAM ARGS...``): it finds the rank's index among the ranks of its
 machine from the launcher's variables, restricts itself to one contiguous slice of the cores it
 may use, and replaces itself with the program (``exec``), which inherits the binding, as do its
 threads and data-loader workers.
@@ -17,7 +17,7 @@ MPI's ``mpirun`` binds this way by default for 2 ranks or fewer; ``horovodrun --
 Example::
 
     hvdgc-launch -np 2 --bind-cores examples/train.py
-    # each rank runs: python -m launchers.bind python examples/train.py
+    # each rank runs: python -m hvd_gradcomp.launchers.bind python examples/train.py
 """
 from __future__ import annotations
 
@@ -89,12 +89,12 @@ def bind() -> List[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m launchers.bind PROGRAM [ARGS...]``: bind, then exec the program."""
+    """``python -m hvd_gradcomp.launchers.bind PROGRAM [ARGS...]``: bind, then exec the program."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: python -m launchers.bind PROGRAM [ARGS...]")
+        sys.exit("usage: python -m hvd_gradcomp.launchers.bind PROGRAM [ARGS...]")
     try:
         bind()
     except (BindError, OSError) as err:

@@ -167,7 +167,7 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
 
     Returns the job's exit code (128+N when it died of signal N, or exited 0 after this process
     passed it signal N). argv runs under
-    :mod:`launchers.guard`, which passes those signals on, kills every process of the job on
+    :mod:`hvd_gradcomp.launchers.guard`, which passes those signals on, kills every process of the job on
     the third, and is told by the kernel when this process dies, whatever kills it (even
     SIGKILL, which no handler sees): it then ends every process of the job, those in other
     sessions too, so no rank outlives its launcher.
@@ -199,7 +199,7 @@ def run(argv: List[str], env: Mapping[str, str], unset: Sequence[str] = (), watc
     # Handlers go in before the child starts, so a Ctrl-C in between cannot orphan it.
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        guarded = [sys.executable, "-m", "launchers.guard", "--parent", str(os.getpid()),
+        guarded = [sys.executable, "-m", "hvd_gradcomp.launchers.guard", "--parent", str(os.getpid()),
                    "--grace", str(kill_after), "--", *argv]
         children.append(subprocess.Popen(guarded, env=child_env, start_new_session=True,
                                          stdout=pipes[0][1] if pipes else None,
@@ -236,7 +236,7 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 def _die_with_parent(parent: int):
     """A ``preexec_fn`` asking the kernel to SIGTERM the child when ``parent`` dies.
 
-    The child is :mod:`launchers.guard`, which then ends every process of the job. Linux only;
+    The child is :mod:`hvd_gradcomp.launchers.guard`, which then ends every process of the job. Linux only;
     elsewhere the launcher still forwards the signals it can catch.
     """
     try:
@@ -257,7 +257,7 @@ def _self_command() -> List[str]:
     beside = Path(sys.executable).parent / "hvdgc-launch"
     if beside.is_file():
         return [str(beside)]
-    return [sys.executable, "-m", "launchers.cli"]
+    return [sys.executable, "-m", "hvd_gradcomp.launchers.cli"]
 
 
 @click.command(name="hvdgc-launch", context_settings={
@@ -275,7 +275,7 @@ def _self_command() -> List[str]:
               help="Network interfaces between the hosts (horovodrun --network-interface; "
                    "Open MPI btl_tcp_if_include and oob_tcp_if_include).")
 @click.option("--bind-cores", is_flag=True,
-              help="Give each rank on a machine its own slice of the cores (launchers/bind.py; srun --cpu-bind=cores).")
+              help="Give each rank on a machine its own slice of the cores (hvd_gradcomp/launchers/bind.py; srun --cpu-bind=cores).")
 @click.option("--keep-freed-memory", is_flag=True,
               help="CPU ranks: glibc keeps the memory a rank frees instead of returning it to the kernel each "
                    "step (sets MALLOC_MMAP_MAX_=0 and MALLOC_TRIM_THRESHOLD_ on every rank).")

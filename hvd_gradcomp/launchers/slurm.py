@@ -62,7 +62,7 @@ def expand_nodelist(spec: str, limit: Optional[int] = None) -> List[str]:
     >>> expand_nodelist("node[1-1000000000]", limit=2)
     Traceback (most recent call last):
     ...
-    launchers.slurm.SlurmError: SLURM_JOB_NODELIST='node[1-1000000000]' names 1000000000 nodes, more than 2
+    hvd_gradcomp.launchers.slurm.SlurmError: SLURM_JOB_NODELIST='node[1-1000000000]' names 1000000000 nodes, more than 2
     """
     limit = MAX_NODES if limit is None else limit
     total = count_nodelist(spec)

@@ -1,6 +1,6 @@
 """The guard between ``hvdgc-launch`` and the launcher it runs: no process of a job outlives it.
 
-``hvdgc-launch`` runs ``python -m launchers.guard -- horovodrun ...`` (or mpirun, srun,
+``hvdgc-launch`` runs ``python -m hvd_gradcomp.launchers.guard -- horovodrun ...`` (or mpirun, srun,
 torchrun) rather than the launcher itself::
 
     hvdgc-launch -> guard -> horovodrun -> Horovod's middlemen (own sessions) -> ranks
@@ -21,7 +21,7 @@ under it, whichever sessions they started, and it can always end them all:
 The guard exits with the launcher's exit code (128+N when it died of signal N).
 Linux only (elsewhere it only passes signals on). Example::
 
-    python -m launchers.guard --parent 4242 -- horovodrun -np 2 python train.py
+    python -m hvd_gradcomp.launchers.guard --parent 4242 -- horovodrun -np 2 python train.py
 """
 from __future__ import annotations
 
@@ -131,8 +131,8 @@ class Guard:
 
 
 def main(args: Optional[Sequence[str]] = None) -> int:
-    """``python -m launchers.guard [--parent PID] [--grace S] -- COMMAND...``: run COMMAND guarded."""
-    parser = argparse.ArgumentParser(prog="python -m launchers.guard", description=__doc__.split("\n\n")[0])
+    """``python -m hvd_gradcomp.launchers.guard [--parent PID] [--grace S] -- COMMAND...``: run COMMAND guarded."""
+    parser = argparse.ArgumentParser(prog="python -m hvd_gradcomp.launchers.guard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parent", type=int, default=None,
                         help="pid of hvdgc-launch (default: this process's parent)")
     parser.add_argument("--grace", type=float, default=10.0,
