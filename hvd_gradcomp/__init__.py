@@ -8,6 +8,10 @@
 Importing the package imports neither torch nor Horovod: each public name is loaded from
 its module on first use (PEP 562), so ``hvdgc-launch`` can read :mod:`hvd_gradcomp.config`
 without them.
+
+Horovod is an extra (``pip install 'hvd-gradcomp[horovod]'``, see docs/INSTALL.md): the
+compressors, the DDP hook (:mod:`hvd_gradcomp.ddp`) and ``hvdgc-launch`` work without it;
+:func:`DistributedOptimizer` then raises one ImportError that names the extra.
 """
 from importlib import import_module
 from typing import Any, List

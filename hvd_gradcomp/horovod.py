@@ -90,6 +90,31 @@ class UnreadSettingsWarning(UserWarning):
     """``HVDGC_*`` settings are set, but the script built something else without reading them."""
 
 
+HOROVOD_HOW = ("pip install 'hvd-gradcomp[horovod]' (on torch >= 2.1 Horovod 0.28.1 must be built with C++17: "
+               "see docs/INSTALL.md or scripts/setup.sh)")
+
+
+def require_horovod(what: str) -> Any:
+    """``horovod.torch`` for a road that needs it, or one ImportError that says how to install it.
+
+    Horovod is an extra (``hvd-gradcomp[horovod]``): the compressors, the DDP hook and the
+    launcher work without it, so only the Horovod roads ask for it, when they are used.
+
+    >>> require_horovod("hvd_gradcomp.DistributedOptimizer")     # doctest: +SKIP
+    ImportError: hvd_gradcomp.DistributedOptimizer needs Horovod: pip install 'hvd-gradcomp[horovod]' ...
+    """
+    try:
+        import horovod.torch as hvd
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("horovod", "horovod.torch"):
+            raise
+        raise ImportError(f"{what} needs Horovod: {HOROVOD_HOW}") from None
+    except ImportError as exc:   # installed, but built against another torch (C++ ABI) or without PyTorch
+        raise ImportError(f"{what} needs Horovod, which is installed but does not import ({exc}); rebuild it "
+                          f"against this torch: {HOROVOD_HOW}") from exc
+    return hvd
+
+
 @dataclass
 class HorovodCall:
     """What compress() learned from Horovod's call: the parameter name, reduction and process set."""

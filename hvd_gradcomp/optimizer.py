@@ -439,7 +439,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     ...                            compression=TopKQSGD(ratio=0.01, bits=8),
     ...                            backward_passes_per_step=4)
     """
-    import horovod.torch as hvd
+    from .horovod import require_horovod
+    hvd = require_horovod("hvd_gradcomp.DistributedOptimizer")
 
     if unsupported.get("groups") not in (None, 0) or unsupported.get("num_groups") not in (None, 0):
         raise ValueError("groups/num_groups are not supported: small tensors are fused automatically "
