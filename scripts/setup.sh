@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One set-up for `make demo` and `make test`: Open MPI, .venv, torch, dependencies,
-# Horovod 0.28.1 built from source (patched for PyTorch >= 2.1) and this package.
+# One set-up for `make demo`, `make test` and `make unit`: Open MPI, .venv, torch, Horovod 0.28.1
+# built from source (patched for PyTorch >= 2.1), then this package with its dependencies as
+# pyproject.toml declares them (`pip install -e '.[dev,horovod]'`: no second list here).
+# Root (or sudo) is needed only to install Open MPI when mpicc/mpirun are missing.
 # Idempotent: a second run checks a stamp and returns in seconds.
 set -euo pipefail
 
@@ -32,19 +34,18 @@ ensure_mpi() {
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null
 }
 
-# ---------------------------------------------------------------- venv + deps
+# ---------------------------------------------------------------- venv + torch
 ensure_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
     log "creating virtual environment $VENV"
     "$PY" -m venv "$VENV"
   fi
+  # First and pinned: pyproject's torch>=2.1 then installs nothing more (unpinned, pip would
+  # take PyPI's newest, a CUDA build of several GB).
   if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
     log "installing $TORCH_SPEC"
     "$VENV/bin/pip" install -q "$TORCH_SPEC"
   fi
-  log "installing dependencies"
-  "$VENV/bin/pip" install -q numpy cloudpickle psutil pyyaml packaging cffi wheel setuptools \
-      mpi4py click tqdm matplotlib scikit-learn pytest pytest-timeout hypothesis
 }
 
 # ---------------------------------------------------------------- Horovod
@@ -103,14 +104,27 @@ build_horovod() {
 
 ensure_horovod() {
   if horovod_ok; then return; fi
+  # Horovod's setup.py runs in this venv (--no-build-isolation, so that it builds against this
+  # torch) and imports these while it builds; the cached wheel is installed --no-deps and needs
+  # the last four at run time. They are Horovod's requirements, not hvd-gradcomp's.
+  log "installing Horovod's build requirements"
+  "$VENV/bin/pip" install -q setuptools wheel cffi numpy cloudpickle psutil pyyaml packaging
   build_horovod
   horovod_ok || die "Horovod installed but does not import with MPI and Gloo; see 'horovodrun --check-build'"
   "$VENV/bin/horovodrun" --check-build
 }
 
+# ---------------------------------------------------------------- this package
+install_package() {
+  # With dependencies, from pyproject.toml: Horovod 0.28.1 is already installed (the patched
+  # wheel above), so the [horovod] extra's pin is checked and nothing is built again.
+  log "installing hvd-gradcomp (editable) with pyproject.toml's dependencies: .[dev,horovod]"
+  "$VENV/bin/pip" install -q -e ".[dev,horovod]"
+}
+
 # ---------------------------------------------------------------- main
 STAMP="$VENV/.hvdgc-setup"
-want=$( { cat scripts/setup.sh; cat setup.cfg 2>/dev/null || true; } | sha1sum | cut -c1-16)
+want=$( { cat scripts/setup.sh pyproject.toml; } | sha1sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && command -v mpirun >/dev/null && horovod_ok; then
   log "environment up to date ($VENV)"
   exit 0
@@ -118,9 +132,6 @@ fi
 ensure_mpi
 ensure_venv
 ensure_horovod
-if [ -f setup.cfg ]; then
-  log "installing hvd-gradcomp (editable)"
-  "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e .
-fi
+install_package
 echo "$want" >"$STAMP"
 log "done"
