@@ -1,4 +1,4 @@
-"""Issue 11: mixed precision with a loss scaler, misuse, checkpoints, and Horovod's features
+"""Mixed precision with a loss scaler, misuse, checkpoints, and Horovod's features
 (state broadcast, process sets, join, elastic resets, Horovod's own optimizer test scenarios)
 with both wrappers: hvd_gradcomp.DistributedOptimizer and the stock hvd.DistributedOptimizer.
 
@@ -78,9 +78,9 @@ def res(backend, ckpt_dir):
     return results(backend, ckpt_dir)
 
 
-# ---------------------------------------------------------------- numbered cases
+# ---------------------------------------------------------------- one behaviour per test
 @pytest.mark.parametrize("wrapper,kind", WK)
-def test_issue11_case3_gradscaler_overflow_skipped_on_every_rank(res, wrapper, kind):
+def test_gradscaler_overflow_skipped_on_every_rank(res, wrapper, kind):
     """Rank 1's scaled loss is inf at step 2: every rank sees a non-finite average, every rank's
     scaler skips that step, and no residual, random stream, velocity or parameter moves;
     the compressor warns of the non-finite average at that step, through either wrapper."""
@@ -98,7 +98,7 @@ def test_issue11_case3_gradscaler_overflow_skipped_on_every_rank(res, wrapper, k
 
 
 @pytest.mark.parametrize("wrapper,kind", WK)
-def test_issue11_case15_broadcast_state_after_rank0_resume(res, wrapper, kind):
+def test_broadcast_state_after_rank0_resume(res, wrapper, kind):
     """Rank 0 alone loads the checkpoint, hvd.broadcast_optimizer_state runs Horovod's dummy
     step on rank 1 only: no hang, and both ranks continue with the same state."""
     for r in res[f"rank0_resume-{wrapper}-{kind}"]:
@@ -107,14 +107,14 @@ def test_issue11_case15_broadcast_state_after_rank0_resume(res, wrapper, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_issue11_case5_bytes_exclude_state_broadcast_step(res, kind):
+def test_bytes_exclude_state_broadcast_step(res, kind):
     for r in res[f"broadcast_bytes-{kind}"]:
         assert r["after_broadcast"] == [0, 0, 0], "the state-broadcast dummy step exchanged something"
         assert r["total"] == r["last_step_bytes"] > 0
 
 
 @pytest.mark.parametrize("wrapper,kind", WK)
-def test_issue11_case16_process_set_excluding_rank_trains_locally(res, wrapper, kind):
+def test_process_set_excluding_rank_trains_locally(res, wrapper, kind):
     r0, r1 = res[f"process_set_excluding-{wrapper}-{kind}"]
     assert r1["equals_local"], "rank 1 is outside the process set: it must train like a plain optimizer"
     assert r0["finite"] and r0["moved"] > 1e-4
@@ -122,7 +122,7 @@ def test_issue11_case16_process_set_excluding_rank_trains_locally(res, wrapper, 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("kind", ["qsgd", "topk", "none"])
-def test_issue11_case17_join_with_uneven_data(res, wrapper, kind):
+def test_join_with_uneven_data(res, wrapper, kind):
     """Compressed: a clear error on the rank still training, before Horovod could crash.
     Uncompressed: join works as in Horovod."""
     r0, r1 = res[f"join_uneven-{wrapper}-{kind}"]
@@ -134,14 +134,14 @@ def test_issue11_case17_join_with_uneven_data(res, wrapper, kind):
 
 
 @pytest.mark.parametrize("wrapper,kind", [wk for wk in WK if wk[0] == "ours" and wk[1] != "qsgd"])
-def test_issue11_case18_pending_exchanges_cleared_on_load_state_dict(res, wrapper, kind):
+def test_pending_exchanges_cleared_on_load_state_dict(res, wrapper, kind):
     for r in res[f"elastic_reset-{wrapper}-{kind}"]:
         assert r["errors"] == [], r["errors"]
         assert r["params_equal_across_ranks"]
 
 
 @pytest.mark.parametrize("wrapper,kind", WK)
-def test_issue11_case19_step_after_synchronize_warns_once(res, wrapper, kind):
+def test_step_after_synchronize_warns_once(res, wrapper, kind):
     for r in res[f"step_after_synchronize-{wrapper}-{kind}"]:
         assert len(r["warnings"]) == 1, r["warnings"]
         if wrapper == "ours":  # no second exchange: the synchronized gradients are applied once
@@ -150,7 +150,7 @@ def test_issue11_case19_step_after_synchronize_warns_once(res, wrapper, kind):
 
 @pytest.mark.parametrize("wrapper,kind", WK)
 @pytest.mark.parametrize("dense", [False, True])
-def test_issue11_case19_sparse_gradients_on_both_paths(res, wrapper, kind, dense):
+def test_sparse_gradients_on_both_paths(res, wrapper, kind, dense):
     """nn.Embedding(sparse=True): Horovod's sparse allreduce, or sparse_as_dense=True: dense and
     compressed; the same on both wrappers, ranks identical, gradient sparse again for the step."""
     for r in res[f"sparse_embedding-{wrapper}-{kind}-{dense}"]:
@@ -158,7 +158,7 @@ def test_issue11_case19_sparse_gradients_on_both_paths(res, wrapper, kind, dense
 
 
 @pytest.mark.parametrize("wrapper,kind", WK)
-def test_issue11_case4_one_owner_per_compressor(res, wrapper, kind):
+def test_one_owner_per_compressor(res, wrapper, kind):
     for r in res[f"one_owner-{wrapper}-{kind}"]:
         assert r["error"] and "another optimizer" in r["error"] and "deepcopy" in r["error"], r
         if wrapper == "ours":
@@ -166,14 +166,14 @@ def test_issue11_case4_one_owner_per_compressor(res, wrapper, kind):
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_issue11_rank_out_of_step_stops_the_job_naming_it(res, wrapper):
+def test_rank_out_of_step_stops_the_job_naming_it(res, wrapper):
     """No silent divergence: every payload carries its step; a rank at another step is named."""
     for r in res[f"rank_restarts_alone-{wrapper}"]:
         assert r["error"] and "rank 0 at step 2" in r["error"] and "rank 1 at step 0" in r["error"], r
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_issue11_case6_checkpoint_validation(res, kind):
+def test_checkpoint_validation(res, kind):
     for r in res[f"checkpoint_checks-{kind}"]:
         assert r["mid_window_save"] == r["mid_window_load"] and "flush()" in r["mid_window_save"]
         assert "steps" in r["malformed"] and "Nothing was changed" in r["malformed"], r["malformed"]
@@ -183,7 +183,7 @@ def test_issue11_case6_checkpoint_validation(res, kind):
         assert len(r["stream_warnings"]) == (1 if r["rank"] == 1 else 0), r["stream_warnings"]
 
 
-def test_issue11_case6_resume_at_another_world_size(backend, res, ckpt_dir):
+def test_resume_at_another_world_size(backend, res, ckpt_dir):
     """A 2-rank checkpoint loaded by a 1-rank job: the message names both world sizes."""
     if backend != "gloo":
         pytest.skip("one single-process check is enough")

@@ -1,4 +1,4 @@
-"""Rank-side code of tests/test_issue11_numerics.py (runs under horovodrun; see tests/harness.py)."""
+"""Rank-side code of tests/test_numerics_and_payload_integrity.py (runs under horovodrun; see tests/harness.py)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List

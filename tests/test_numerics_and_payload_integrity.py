@@ -1,5 +1,6 @@
-"""Issue 11, numerics and payload integrity: cases 1, 2, 7, 8, 9 and 20, one test (or more)
-named after each case.
+"""Numerics and payload integrity: half-precision and overflowing values decode finite,
+channels-last and sparse gradients take every road, malformed or forged payloads are refused
+with a WireFormatError, and arguments are validated; each test is named after its behaviour.
 
 Expected values come from the definitions (float64 norms, the error-feedback invariant, the
 documented header layout), never from the code under test.
@@ -39,7 +40,7 @@ def bucket_norms(x: torch.Tensor, bucket: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ case 1: fp16/bf16
-def test_issue11_case1_fp16_topk_error_feedback_never_decodes_inf():
+def test_fp16_topk_error_feedback_never_decodes_inf():
     """The issue's repro: TopK(1%) with error feedback on fp16 values ~1000 went inf at step 65."""
     c = TopK(ratio=0.01)
     top = torch.finfo(torch.float16).max
@@ -53,7 +54,7 @@ def test_issue11_case1_fp16_topk_error_feedback_never_decodes_inf():
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_issue11_case1_qsgd_half_values_near_3000_decode_finite(bits, dtype):
+def test_qsgd_half_values_near_3000_decode_finite(bits, dtype):
     """QSGD(bits=2) on fp16 values ~3000 decoded 106 of 4096 entries to inf (bucket norms past 65504).
 
     The decoded values must be finite and still unbiased: the mean of many draws is within
@@ -102,13 +103,13 @@ def _steady_run(make: Callable[[], object], dtype: torch.dtype, steps: int, n: i
 @pytest.mark.parametrize("make", [lambda: TopK(ratio=0.01), lambda: TopKQSGD(ratio=0.01, bits=8, seed=1),
                                   lambda: QSGD(bits=8, seed=1), lambda: QSGD(bits=2, seed=1)],
                          ids=["topk", "topkqsgd", "qsgd8", "qsgd2"])
-def test_issue11_case1_half_1000_steps_large_steady_gradients_stay_finite(make, dtype):
+def test_half_1000_steps_large_steady_gradients_stay_finite(make, dtype):
     """1,000 steps of gradients ~1000 in fp16/bf16 with error feedback: no inf, nothing lost."""
     worst, _ = _steady_run(make, dtype, 1000)
     assert worst <= torch.finfo(dtype).max
 
 
-def test_issue11_case1_fp16_clamped_values_leave_the_rest_in_the_residual():
+def test_fp16_clamped_values_leave_the_rest_in_the_residual():
     """A residual-compensated value beyond fp16's range is sent as 65504; the rest stays behind."""
     c = TopK(ratio=1e-3)  # k = 1 of 1000
     g = torch.zeros(1000, dtype=torch.float16)
@@ -123,7 +124,7 @@ def test_issue11_case1_fp16_clamped_values_leave_the_rest_in_the_residual():
 
 
 # ------------------------------------------------------------------ cases 2 and 20: norms
-def test_issue11_case2_bucket_norm_overflowing_float32_decodes_finite():
+def test_bucket_norm_overflowing_float32_decodes_finite():
     """QSGD(bits=8).encode([3e38, 3e38, 1.]) decoded to NaN: the norm 4.2e38 overflows float32."""
     x = torch.tensor([3e38, 3e38, 1.0])
     c = QSGD(bits=8, error_feedback=False, seed=0)
@@ -139,7 +140,7 @@ def test_issue11_case2_bucket_norm_overflowing_float32_decodes_finite():
 
 @pytest.mark.parametrize("make", [lambda: QSGD(bits=8, seed=2), lambda: QSGD(bits=4, bucket_size=64, seed=2),
                                   lambda: TopKQSGD(ratio=0.5, bits=8, seed=2)], ids=["qsgd8", "qsgd4", "topkqsgd"])
-def test_issue11_case20_values_near_1e19_decode_correctly(make):
+def test_values_near_1e19_decode_correctly(make):
     """Finite values near 1e19: their squares overflow float32, their norm does not. Decoded within
     one level of the float64 bucket norm; with error feedback the residual stays finite."""
     x = 1e19 * (1 + 0.1 * torch.randn(1000, generator=gen(20)))
@@ -164,7 +165,7 @@ def test_issue11_case20_values_near_1e19_decode_correctly(make):
 
 
 @pytest.mark.slow
-def test_issue11_case2_compiled_kernels_handle_overflowing_norms(monkeypatch):
+def test_compiled_kernels_handle_overflowing_norms(monkeypatch):
     """The compiled kernels (torch.compile) give the same bytes as eager on values near 1e19 and
     3e38, and decode them finite."""
     n = (1 << 20) + 37
@@ -205,7 +206,7 @@ def numerics_battery() -> dict:
 @pytest.mark.multirank
 @pytest.mark.parametrize("road", ["ours", "stock"])
 @pytest.mark.parametrize("kind", ["qsgd", "topk", "topkqsgd", "none"])
-def test_issue11_case7_channels_last_gradients_on_every_road(kind, road):
+def test_channels_last_gradients_on_every_road(kind, road):
     """A channels_last conv model: QSGD's compressed allreduce raised 'view size is not compatible'.
     Every road gives the reference average, identical on both ranks."""
     if kind == "none" and road == "stock":
@@ -219,7 +220,7 @@ def test_issue11_case7_channels_last_gradients_on_every_road(kind, road):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["topk", "qsgd2", "topkqsgd"])
-def test_issue11_case1_fp16_model_in_distributed_optimizer_stays_finite(kind):
+def test_fp16_model_in_distributed_optimizer_stays_finite(kind):
     """An fp16 Linear in gc.DistributedOptimizer with large steady gradients: the averaged
     gradient had 100 non-finite entries at step 65. 100 steps, every one finite on both ranks."""
     for r in numerics_battery()[f"fp16-{kind}"]:
@@ -297,7 +298,7 @@ def address_space_limit(extra: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def test_issue11_case8_fuzz_every_malformed_payload_raises_wire_format_error():
+def test_fuzz_every_malformed_payload_raises_wire_format_error():
     """10,000 malformed payloads (truncations, forged huge numel, byte flips), with and without
     CRC32: only WireFormatError ever escapes, nothing allocates beyond 512 MB, checksummed
     payloads with flipped bytes always raise, and whatever decodes is finite and shaped."""
@@ -322,7 +323,7 @@ def test_issue11_case8_fuzz_every_malformed_payload_raises_wire_format_error():
     assert raised > FUZZ_CASES * 0.9 and decoded > 0, (raised, decoded)
 
 
-def test_issue11_case8_decoded_indices_checked_against_header():
+def test_decoded_indices_checked_against_header():
     """Without a checksum, index sections that disagree with numel/k raise (they gave IndexError
     or silently other values): a bitmap with an extra bit, a delta pointing past numel."""
     x = torch.randn(100, generator=gen(3))
@@ -342,7 +343,7 @@ def test_issue11_case8_decoded_indices_checked_against_header():
         TopK(ratio=0.001, checksum=False).decode(torch.frombuffer(b, dtype=torch.uint8))
 
 
-def test_issue11_case8_forged_huge_numel_allocates_nothing():
+def test_forged_huge_numel_allocates_nothing():
     """A forged header claiming 2**31 elements (8 GB of float32) with a valid CRC is refused."""
     p = TopK(ratio=0.01).encode(torch.randn(1000, generator=gen(4)))
     b = bytearray(p.numpy().tobytes())
@@ -351,7 +352,7 @@ def test_issue11_case8_forged_huge_numel_allocates_nothing():
         TopK(ratio=0.01).decode(torch.frombuffer(b, dtype=torch.uint8))
 
 
-def test_issue11_case8_crc32_detects_changed_bytes_and_is_on_by_default_for_sparse():
+def test_crc32_detects_changed_bytes_and_is_on_by_default_for_sparse():
     x = torch.randn(300, generator=gen(5))
     for c in (TopK(ratio=0.1), TopKQSGD(ratio=0.1, seed=0), QSGD(seed=0, checksum=True)):
         p = c.encode(x)
@@ -371,7 +372,7 @@ def test_issue11_case8_crc32_detects_changed_bytes_and_is_on_by_default_for_spar
                        TopK(ratio=0.1).decode(TopK(ratio=0.1).encode(x)))
 
 
-def test_issue11_case8_version_1_payloads_still_decode_and_newer_ones_are_refused_clearly():
+def test_version_1_payloads_still_decode_and_newer_ones_are_refused_clearly():
     x = torch.randn(3, 50, generator=gen(6))
     for c in (QSGD(bits=4, seed=0, checksum=False), TopK(ratio=0.1, checksum=False)):
         p = c.encode(x)
@@ -388,7 +389,7 @@ def test_issue11_case8_version_1_payloads_still_decode_and_newer_ones_are_refuse
         TopK(ratio=0.1).decode(p)
 
 
-def test_issue11_case8_corrupt_values_never_decode_non_finite():
+def test_corrupt_values_never_decode_non_finite():
     """A QSGD norm or a TopK value replaced by NaN/inf, or a norm beyond the dtype: refused."""
     x = torch.randn(64, generator=gen(7))
     body = wire.padded(48)
@@ -411,7 +412,7 @@ def test_issue11_case8_corrupt_values_never_decode_non_finite():
 
 
 # ------------------------------------------------------------------ case 9: input bounds
-def test_issue11_case9_sparse_gradients_pass_through_compress_and_get_a_clear_error_elsewhere():
+def test_sparse_gradients_pass_through_compress_and_get_a_clear_error_elsewhere():
     emb = torch.nn.Embedding(50, 8, sparse=True)
     emb(torch.tensor([1, 4, 4, 9])).sum().backward()
     g = emb.weight.grad
@@ -427,7 +428,7 @@ def test_issue11_case9_sparse_gradients_pass_through_compress_and_get_a_clear_er
 
 
 @pytest.mark.parametrize("cls", [QSGD, TopKQSGD])
-def test_issue11_case9_bucket_size_bounded_at_construction(cls):
+def test_bucket_size_bounded_at_construction(cls):
     """bucket_size=2**33 was accepted, then struct.error in encode: the header holds 32 bits."""
     with pytest.raises(ValueError, match=r"bucket_size.*1\.\.2\*\*32 - 1"):
         cls(bucket_size=2 ** 33)
@@ -436,7 +437,7 @@ def test_issue11_case9_bucket_size_bounded_at_construction(cls):
     assert c.decode(c.encode(x)).shape == x.shape
 
 
-def test_issue11_case9_micro_batch_validated():
+def test_micro_batch_validated():
     """micro_batch=-3 gave "effective batch -12"."""
     from hvd_gradcomp import GradientAccumulator
 
@@ -454,7 +455,7 @@ def test_issue11_case9_micro_batch_validated():
     (QSGD, "bits", 1, 4), (TopKQSGD, "bits", 9, 2), (QSGD, "bucket_size", 0, 64),
     (QSGD, "bucket_size", 2 ** 33, 1), (TopK, "error_feedback", 1, False), (QSGD, "checksum", "yes", True),
 ])
-def test_issue11_case9_attributes_validated_on_assignment(cls, attr, bad, good):
+def test_attributes_validated_on_assignment(cls, attr, bad, good):
     """c.ratio = 0 and c.bits = 1 were accepted after construction; valid changes still work."""
     c = cls()
     before = getattr(c, attr)
@@ -465,7 +466,7 @@ def test_issue11_case9_attributes_validated_on_assignment(cls, attr, bad, good):
     assert getattr(c, attr) == good
 
 
-def test_issue11_case9_changing_ratio_changes_what_is_sent():
+def test_changing_ratio_changes_what_is_sent():
     """The example lowers ratio during training: the new value takes effect at the next encode."""
     c = TopK(ratio=0.5, min_k=1)
     x = torch.randn(1000, generator=gen(9))
