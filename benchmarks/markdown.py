@@ -224,6 +224,3 @@ def write_report(plan: Plan, data: Dict[str, Any], command: str, elapsed: float)
     click.echo(f"wrote {path}, {len(images)} plots in {plan.docs_dir / 'img'}, raw figures in "
                f"{plan.docs_dir / 'data' / 'bench.json'} ({elapsed / 60:.1f} min)")
 
-
-if __name__ == "__main__":
-    main()

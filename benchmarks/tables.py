@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from .plan import (REFERENCE_KEYS, SPEED_LABELS, SPEED_SETTINGS, TARGET_AUTO, TARGET_COMM_SHARE, TARGET_LOSS_GAP,
-                   TARGET_SPEEDUP_VS_FP16, TARGET_SPEEDUP_VS_HOROVOD, CONVERGENCE_SETTINGS, Setting)
+                   TARGET_SPEEDUP_VS_FP16, TARGET_SPEEDUP_VS_HOROVOD, CONVERGENCE_SETTINGS, Setting)  # noqa: F401 (doctest)
 
 
 def speed_rows(results: Dict[str, Dict[str, Any]], settings: Sequence[Setting]) -> List[Dict[str, Any]]:

@@ -724,7 +724,7 @@ def min_ratio(steps: int = 3) -> Dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     comp = gc.TopKQSGD(ratio=0.001, bits=8, min_ratio={r"^fc2\.weight$": 0.25},
                        feedback=gc.MomentumCorrection(sparsity_warmup=0))
-    state = gc_ddp.register(model, compression=comp, optimizer=opt)
+    gc_ddp.register(model, compression=comp, optimizer=opt)
     for step in range(steps):
         opt.zero_grad()
         loss_of(model, *batch(rank, step)).backward()

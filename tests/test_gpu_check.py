@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
-from benchmarks.gpu_page import render
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent

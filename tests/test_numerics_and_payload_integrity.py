@@ -14,12 +14,12 @@ import struct
 import warnings
 import zlib
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Tuple
+from typing import Callable, Iterator, Tuple
 
 import pytest
 import torch
 
-from hvd_gradcomp import QSGD, TopK, TopKQSGD, WireFormatError, kernels, wire
+from hvd_gradcomp import QSGD, TopK, TopKQSGD, WireFormatError, wire
 from tests.harness import run_ranks
 
 HALF = [torch.float16, torch.bfloat16]

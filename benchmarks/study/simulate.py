@@ -274,7 +274,6 @@ def run_update(task, optname, codec_spec, seed, steps, lr, batch, P, min_numel, 
     opts = [make_opt(optname, m.parameters(), lr) for m in reps]
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(steps, warmup)) for o in opts]
     codec = make_codec(codec_spec)
-    names = [n for n, _ in model.named_parameters()]
     err = {}
     late_bytes = late_raw = 0.0
     for step in range(steps):

@@ -405,7 +405,7 @@ def exempt_half(stock: bool = False, op: str = "average", steps: int = 4) -> Dic
                compression=comp, op=hvd_op)
     d = torch.randn(2048, generator=torch.Generator().manual_seed(rank))
     got, true, identical, tol = torch.zeros(len(SMALL_VALUES), dtype=torch.float64), None, True, None
-    first_exact = None
+    first_exact = owed = None
     for step in range(steps + 1):
         c = torch.tensor(SMALL_VALUES) * (1 + rank) * (1 + 0.1 * step)
         if step == steps and rank == 1:
