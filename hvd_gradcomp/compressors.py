@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 
 import torch
 
-from . import kernels, wire
+from . import codecs, kernels, wire
 from . import feedback as fb
 from .feedback import Feedback
 from .stats import ByteStats
@@ -216,7 +216,7 @@ class HandedCheck:
 
 
 @dataclass
-class _Encoded:
+class Encoded:
     """What a compressor's ``_encode`` produced: header fields, sections and what was sent.
 
     ``sent`` is either (indices, values) of a sparse payload or the QSGD codes, subtracted
@@ -229,6 +229,7 @@ class _Encoded:
     bucket_size: int
     sections: List[torch.Tensor]
     sent: Sent
+
 
 
 class _Prepared(NamedTuple):
@@ -269,8 +270,14 @@ class GradientCompressor:
       bfloat16 and float64 gradients always travel as they are, and so do the tensors a feedback
       policy sends dense for a while (``feedback="frozen"``'s warm-up).
 
-    Subclasses implement ``_encode(flat, seed) -> _Encoded`` and
-    ``_decode(header, reader) -> flat tensor``.
+    A compressor of your own (see docs/ARCHITECTURE.md, "Add a compressor") subclasses this class,
+    declares ``codec_name`` (its registry name, :mod:`hvd_gradcomp.codecs`), ``collective`` (how
+    its payload travels: :data:`~hvd_gradcomp.codecs.ALLGATHER` for a sparse payload,
+    :data:`~hvd_gradcomp.codecs.COMPRESSED_ALLREDUCE` for a dense quantised one) and ``kind`` (the
+    wire layout of its payload, :mod:`hvd_gradcomp.wire`), and implements
+    ``_encode(flat, dtype, seed, contract, marked) -> Encoded``, ``_decode(header, reader) -> flat
+    tensor`` and, for a sparse payload, ``_decode_sparse(header, reader) -> (indices, values)``.
+    ``seed`` differs per tensor, step and rank (:meth:`_next_seed`).
 
     ``checksum``: put a CRC32 of each payload in its header and refuse payloads whose bytes
     changed (True), or not (False). None (default): on for the sparse compressors, where it
@@ -282,6 +289,8 @@ class GradientCompressor:
     """
 
     kind: int = 0
+    codec_name: str = ""
+    collective: str = codecs.ALLGATHER
 
     def __init__(self, error_feedback: bool = True, seed: Optional[int] = None,
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
@@ -387,7 +396,7 @@ class GradientCompressor:
         self._attached = optimizer
         why = "chosen by the user"
         if self.feedback_choice == "auto" and not self._restored:
-            key, why = fb.choose(optimizer, isinstance(self, QSGD), self._contracting)
+            key, why = fb.choose(optimizer, self.collective == codecs.COMPRESSED_ALLREDUCE, self._contracting)
             if key != self.feedback.key:
                 self._set_policy(self._auto_policy(key))
         self.bind_groups(optimizer, names)
@@ -774,6 +783,12 @@ class GradientCompressor:
         self._steps[name] = step + 1
         return zlib.crc32(f"{self.seed}/{self.stream}/{name}/{step}".encode())
 
+    def payload_size(self, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
+                     index_bytes: Optional[int] = None) -> int:
+        """Bytes of the payload of a ``shape`` tensor (sparse payloads: given ``index_bytes``, their
+        index coding's size). A compressor that cannot tell raises ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} does not document its payload size")
+
     @property
     def ef_scale(self) -> float:
         """Factor applied to what is sent under error feedback (1.0: none), for full buckets;
@@ -936,7 +951,7 @@ class GradientCompressor:
 
     # ------------------------------------------------------------ to implement
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
-                marked: fb.Marked = None) -> _Encoded:
+                marked: fb.Marked = None) -> Encoded:
         """``marked``: top-k candidates of ``flat`` found while it was built (see
         :meth:`Feedback.prepare_marked`), for the codecs that select."""
         raise NotImplementedError
@@ -981,6 +996,8 @@ class QSGD(_Quantiser, GradientCompressor):
     """
 
     kind = wire.KIND_QSGD
+    codec_name = "qsgd"
+    collective = codecs.COMPRESSED_ALLREDUCE
 
     def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
                  seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
@@ -992,8 +1009,19 @@ class QSGD(_Quantiser, GradientCompressor):
         return (f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback}"
                 f"{self._extra_repr()})")
 
+    def payload_size(self, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
+                     index_bytes: Optional[int] = None) -> int:
+        """Exact: ``40 + 8*ndim`` (padded) + the norms + the packed codes.
+
+        >>> QSGD(bits=8).payload_size((1024,))
+        1080
+        """
+        n = math.prod(shape)
+        nb = (n + self.bucket_size - 1) // self.bucket_size
+        return _head_bytes(shape) + wire.padded(4 * nb) + wire.padded((n * self.bits + 7) // 8)
+
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
-                marked: fb.Marked = None) -> _Encoded:
+                marked: fb.Marked = None) -> Encoded:
         n = flat.numel()
         if self.bits == 8 and n >= kernels.COMPILE_MIN_NUMEL:
             # Codes are the payload bytes: write them in place, sparing assemble a copy.
@@ -1008,7 +1036,7 @@ class QSGD(_Quantiser, GradientCompressor):
             norms = _shrunk(norms, contract, self.bits, min(n, self.bucket_size))
             sections = [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
         sent = kernels.QSGDDecoded(norms, codes, self.bits, self.bucket_size, dtype)
-        return _Encoded(n, self.bits, wire.INDEX_NONE, self.bucket_size, sections, sent)
+        return Encoded(n, self.bits, wire.INDEX_NONE, self.bucket_size, sections, sent)
 
     def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
         return _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
@@ -1065,6 +1093,8 @@ class TopK(GradientCompressor):
     """
 
     kind = wire.KIND_TOPK
+    codec_name = "topk"
+    collective = codecs.ALLGATHER
     ratio = Checked(check_ratio, "The share of entries sent, in (0, 1] (the target, with a schedule).")
     min_k = Checked(check_min_k, "The fewest values sent of a compressed tensor (all of them when it has fewer).")
 
@@ -1109,6 +1139,16 @@ class TopK(GradientCompressor):
 
     def __repr__(self) -> str:
         return f"TopK(ratio={self._ratio_repr()}, error_feedback={self.error_feedback}{self._extra_repr()})"
+
+    def payload_size(self, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
+                     index_bytes: Optional[int] = None) -> int:
+        """Header + ``index_bytes`` (the index coding's size, which depends on the indices) + the values."""
+        if index_bytes is None:
+            raise ValueError("sparse payload sizes depend on the index coding: pass index_bytes")
+        return _head_bytes(shape) + index_bytes + self._values_bytes(self.selected(math.prod(shape)), dtype)
+
+    def _values_bytes(self, k: int, dtype: torch.dtype) -> int:
+        return wire.padded(k * dtype.itemsize)
 
     def _extra_repr(self) -> str:
         extra = f", min_k={self.min_k}" if self.min_k != MIN_SELECTED else ""
@@ -1212,10 +1252,10 @@ class TopK(GradientCompressor):
         return idx, vals, mode, sections
 
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
-                marked: fb.Marked = None) -> _Encoded:
+                marked: fb.Marked = None) -> Encoded:
         idx, vals, mode, sections = self._select(flat, marked)
         vals = _in_range(vals, dtype)
-        return _Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
+        return Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
 
     def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
         if h.index_mode == wire.INDEX_DELTA:
@@ -1245,6 +1285,7 @@ class TopKQSGD(_Quantiser, TopK):
     """
 
     kind = wire.KIND_TOPKQSGD
+    codec_name = "topk-qsgd"
 
     def __init__(self, ratio: Ratio = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
                  error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
@@ -1258,14 +1299,18 @@ class TopKQSGD(_Quantiser, TopK):
         return (f"TopKQSGD(ratio={self._ratio_repr()}, bits={self.bits}, bucket_size={self.bucket_size}, "
                 f"error_feedback={self.error_feedback}{self._extra_repr()})")
 
+    def _values_bytes(self, k: int, dtype: torch.dtype) -> int:
+        nb = (k + self.bucket_size - 1) // self.bucket_size
+        return wire.padded(4 * nb) + wire.padded((k * self.bits + 7) // 8)
+
     def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
-                marked: fb.Marked = None) -> _Encoded:
+                marked: fb.Marked = None) -> Encoded:
         idx, vals, mode, sections = self._select(flat, marked)
         norms, codes = kernels.qsgd_encode(vals, self.bits, self.bucket_size, seed, dtype=dtype)
         norms = _shrunk(norms, contract, self.bits, min(vals.numel(), self.bucket_size))
         sent_vals = kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, dtype)
         sections += [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
-        return _Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
+        return Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
 
     def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
         idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
@@ -1423,18 +1468,10 @@ def _check_compressor_state(comp: GradientCompressor, state: Any) -> None:
 
 def payload_size(compressor: GradientCompressor, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
                  index_bytes: Optional[int] = None) -> int:
-    """Documented payload size in bytes, for QSGD exactly; for sparse payloads given the index bytes."""
-    n = 1
-    for d in shape:
-        n *= d
-    head = wire.padded(wire.HEADER_BYTES + 8 * len(shape))
-    if isinstance(compressor, QSGD):
-        nb = (n + compressor.bucket_size - 1) // compressor.bucket_size
-        return head + wire.padded(4 * nb) + wire.padded((n * compressor.bits + 7) // 8)
-    k = compressor.selected(n)
-    if index_bytes is None:
-        raise ValueError("sparse payload sizes depend on the index coding: pass index_bytes")
-    if isinstance(compressor, TopKQSGD):
-        nb = (k + compressor.bucket_size - 1) // compressor.bucket_size
-        return head + index_bytes + wire.padded(4 * nb) + wire.padded((k * compressor.bits + 7) // 8)
-    return head + index_bytes + wire.padded(k * dtype.itemsize)
+    """Documented payload size in bytes (:meth:`GradientCompressor.payload_size`): for QSGD exactly;
+    for sparse payloads given the index bytes."""
+    return compressor.payload_size(shape, dtype, index_bytes)
+
+
+def _head_bytes(shape: Tuple[int, ...]) -> int:
+    return wire.padded(wire.HEADER_BYTES + 8 * len(shape))

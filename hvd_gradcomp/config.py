@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from . import settings
+from . import codecs, settings
 from .settings import (COMPRESSIONS, ENV_ACCUMULATE, ENV_BITS, ENV_COMPILE, ENV_COMPRESSION,  # noqa: F401
                        ENV_ERROR_FEEDBACK, ENV_RATIO, ENV_SEED, VARIABLES)
 
@@ -60,22 +60,17 @@ class CompressionConfig:
         >>> CompressionConfig("topk-qsgd", ratio=0.01, bits=8).make_compressor()
         TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True)
         """
-        from . import QSGD, TopK, TopKQSGD
-
         ef = self.error_feedback
         if self.compression == "none":
             return None
         if self.compression == "fp16":
             import horovod.torch as hvd  # only here: the other settings also serve DDP without Horovod
             return hvd.Compression.fp16
-        if self.compression == "qsgd":
-            return QSGD(bits=self.bits, error_feedback=ef, seed=self.seed)
-        if self.compression == "topk":
-            return TopK(ratio=self.ratio, error_feedback=ef)
         if self.compression == "auto":   # ratio and bits are TopKQSGD's on the sparse road
             from . import Auto
             return Auto(ratio=self.ratio, bits=self.bits, error_feedback=ef, seed=self.seed)
-        return TopKQSGD(ratio=self.ratio, bits=self.bits, error_feedback=ef, seed=self.seed)
+        # a compressor from the registry (hvd_gradcomp.codecs), given the settings it takes
+        return codecs.build(self.compression, ratio=self.ratio, bits=self.bits, error_feedback=ef, seed=self.seed)
 
     def to_env(self) -> dict:
         """The environment variables that reproduce these settings in another process."""

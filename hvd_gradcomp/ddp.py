@@ -61,10 +61,10 @@ import torch
 import torch.distributed as dist
 
 from . import feedback as fb
-from . import kernels, settings, wire
+from . import codecs, kernels, settings, wire
 from .accumulate import check_clippable, check_max_grad_norm
 from .auto import Auto
-from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, QSGD, GradientCompressor, TopKQSGD, payload_size, refuse_class
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, TopKQSGD, payload_size, refuse_class
 from .exchange import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
 from .policy import DENSE, FP16, QSGD_AR, SPARSE
 from .stats import ByteStats
@@ -229,6 +229,10 @@ class GradCompState:
             if named_parameters is None:
                 raise ValueError("named_parameters is required with a compressor (residuals are kept per "
                                  "parameter name): pass module.named_parameters() of the wrapped module")
+            if not isinstance(compression, Auto) and compression.collective not in _ROADS:
+                raise ValueError(f"{type(compression).__name__} declares collective={compression.collective!r}, "
+                                 f"which the DDP hook cannot carry (it carries {', '.join(_ROADS)}; see "
+                                 "hvd_gradcomp.codecs)")
             self._names = _name_map(named_parameters)
             _CLAIMED.add(compression)
             if isinstance(compression, Auto):
@@ -496,8 +500,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     plan = state._plan(bucket)
     if not plan.compressed:
         return _dense_bucket(state, buffer, plan, step)
-    road = _scatter_reduce if isinstance(comp, QSGD) else _allgather
-    return road(state, buffer, plan, step)
+    return _ROADS[comp.collective](state, buffer, plan, step)
 
 
 # ---------------------------------------------------------------- dense
@@ -776,6 +779,11 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
     result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
     state._then_in_order([a2a, meta_fut] + dense_futs, launch, result, buffer, copy_back)
     return result
+
+
+_ROADS: Dict[str, Callable[[GradCompState, torch.Tensor, _Plan, int], Future]] = {
+    codecs.ALLGATHER: _allgather, codecs.COMPRESSED_ALLREDUCE: _scatter_reduce}
+"""A compressor's declared ``collective`` (:mod:`hvd_gradcomp.codecs`) -> the road of its buckets."""
 
 
 # ---------------------------------------------------------------- Auto: a road per bucket
@@ -1103,9 +1111,7 @@ def unread_settings_message(compression: Any, env: Optional[Dict[str, str]] = No
         built = {"compression": "auto", "ratio": sparse.ratio, "bits": sparse.bits,
                  "error_feedback": sparse.error_feedback, "seed": sparse.seed}
     else:
-        kind = "topk-qsgd" if isinstance(compression, TopKQSGD) else \
-            "qsgd" if isinstance(compression, QSGD) else "topk"
-        built = {"compression": kind, "error_feedback": compression.error_feedback, "seed": compression.seed}
+        built = {"compression": codecs.name_of(compression), "error_feedback": compression.error_feedback, "seed": compression.seed}
         built.update({k: getattr(compression, k) for k in ("ratio", "bits") if hasattr(compression, k)})
     return settings.unread_settings_message(built, env, f"hvd_gradcomp.ddp.register(compression={compression!r})")
 
@@ -1241,7 +1247,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
                          "copy of the optimizer on each rank, which only the Horovod roads do): use feedback="
                          "'frozen' for Adam/AdamW, 'momentum' for SGD with momentum, or 'classic'")
     auto = comp.feedback_choice == "auto" and not comp._restored
-    dense_codec = isinstance(comp, QSGD)   # its choice does not depend on the optimizer (feedback.choose)
+    dense_codec = comp.collective == codecs.COMPRESSED_ALLREDUCE   # its choice does not depend on the optimizer (feedback.choose)
     if optimizer is None:
         if isinstance(comp.feedback, fb.MomentumCorrection) and comp.feedback.momentum is None:
             raise ValueError("feedback='momentum' reads the momentum from the optimizer: pass optimizer= to "

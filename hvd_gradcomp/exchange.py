@@ -1,6 +1,7 @@
 """Collectives: how each kind of payload crosses the network and comes back averaged.
 
-Three roads, chosen per tensor by :func:`choose_exchange`:
+The roads, chosen by :func:`choose_exchange` from the compressor's declared ``collective``
+(:mod:`hvd_gradcomp.codecs`), never from its class:
 
 * :class:`DenseExchange`: Horovod's allreduce of the (optionally fp16-cast) tensor. Used
   with no compressor, with Horovod's own compressors, and for small tensors.
@@ -43,8 +44,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import wire
-from .compressors import GradientCompressor, QSGD
+from . import codecs, wire
+from .compressors import GradientCompressor
 from .feedback import known_terms, residual_dtype
 
 
@@ -561,7 +562,7 @@ class ScatterReduceExchange:
 
     join_guard: Optional[JoinGuard] = None
 
-    def __init__(self, compressor: QSGD, op: Any, process_set: Any) -> None:
+    def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
@@ -1023,10 +1024,13 @@ def choose_exchange(compression: Any, op: Any, process_set: Any, join_guard: Opt
     make = getattr(compression, "make_exchange", None)
     if make is not None:
         exchange = make(op, process_set)   # times itself (codec_s, codec_sync_s, wait_s)
-    elif isinstance(compression, QSGD):
+    elif codecs.collective_of(compression) == codecs.COMPRESSED_ALLREDUCE:
         exchange = TimedExchange(ScatterReduceExchange(compression, op, process_set))
-    elif isinstance(compression, GradientCompressor):
+    elif codecs.collective_of(compression) == codecs.ALLGATHER:
         exchange = TimedExchange(FusedAllgatherExchange(compression, op, process_set))
+    elif isinstance(compression, GradientCompressor):
+        raise ValueError(f"{type(compression).__name__} declares collective={compression.collective!r}, which "
+                         f"this exchange cannot carry (known: {', '.join(codecs.COLLECTIVES)}; see hvd_gradcomp.codecs)")
     else:
         exchange = TimedExchange(DenseExchange(op, process_set, compression))
     for road in _roads(exchange):

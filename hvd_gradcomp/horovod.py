@@ -47,7 +47,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from . import compressors, kernels, settings
+from . import codecs, compressors, kernels, settings
 from .compressors import GradientCompressor, _compressible
 from .exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks
 
@@ -186,8 +186,7 @@ def describe(compression: Any) -> Dict[str, Any]:
     if compression is None:
         return {"compression": "none"}
     if isinstance(compression, GradientCompressor):
-        kind = next(k for cls, k in ((compressors.TopKQSGD, "topk-qsgd"), (compressors.TopK, "topk"),
-                                     (compressors.QSGD, "qsgd"), (GradientCompressor, "")) if isinstance(compression, cls))
+        kind = codecs.name_of(compression)
         fields = {"compression": kind, "error_feedback": compression.error_feedback, "seed": compression.seed}
         fields.update({k: getattr(compression, k) for k in ("ratio", "bits") if hasattr(compression, k)})
         return fields if kind else {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -122,8 +122,9 @@ class Checked:
 
 def check_settings(compression: str, ratio: Any, bits: Any, accumulate: Any) -> None:
     """The checks of :class:`hvd_gradcomp.config.CompressionConfig`."""
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
+    known = compressions()
+    if compression not in known:
+        raise ValueError(f"unknown compression {compression!r}; choose one of {', '.join(known)}")
     check_ratio(ratio)
     check_bits(bits)
     if not _is_int(accumulate) or accumulate < 1:
@@ -132,6 +133,19 @@ def check_settings(compression: str, ratio: Any, bits: Any, accumulate: Any) -> 
 
 # ---------------------------------------------------------------- HVDGC_* variables
 COMPRESSIONS = ("none", "fp16", "qsgd", "topk", "topk-qsgd", "auto")
+"""The built-in settings of ``HVDGC_COMPRESSION`` (:func:`compressions` adds those registered since)."""
+
+
+def compressions() -> Tuple[str, ...]:
+    """Every setting ``HVDGC_COMPRESSION`` takes: ``none``, ``fp16``, each compressor in the registry
+    (:mod:`hvd_gradcomp.codecs`, one of your own included once registered) and ``auto``.
+
+    >>> compressions()[:5]
+    ('none', 'fp16', 'qsgd', 'topk', 'topk-qsgd')
+    """
+    from . import codecs   # imports nothing heavy
+
+    return ("none", "fp16", *codecs.names(), "auto")
 
 ENV_COMPRESSION = "HVDGC_COMPRESSION"
 ENV_RATIO = "HVDGC_RATIO"
