@@ -1,0 +1,128 @@
+"""Rank side of tests/test_external_codec.py: a compressor written outside the package
+(tests/external_randomk.py) on every road, through the package's public interface only.
+
+:func:`run` trains a small model a few steps and reports, per step, the identities the test
+asserts: the average every rank gets is the mean of what each rank's payloads carried, and
+what they carried is exactly the compensated gradient minus the new residual (error feedback);
+the bytes; and whether a run resumed from a checkpoint continues bit-identically. The DDP
+worker (tests/ddp_external_workers.py) runs the same function with torch.distributed.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.nn as nn
+
+from tests.external_randomk import RandomK, expected_payload_bytes
+
+COMPRESSED = ("0.weight", "2.weight")   # 2,048 and 3,072 values; the rest is under min_compress_numel
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10))
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def local_grads(model: nn.Module, rank: int, step: int) -> Dict[str, torch.Tensor]:
+    """This rank's own gradient, from a copy of the model (the exchange may write ``p.grad`` during backward)."""
+    ref = copy.deepcopy(model)
+    x, y = batch(rank, step)
+    names, params = zip(*ref.named_parameters())
+    grads = torch.autograd.grad(nn.functional.cross_entropy(ref(x), y), params)
+    return dict(zip(names, grads))
+
+
+def run(wrap: Callable[[nn.Module, RandomK, Any], Any], mean: Callable[[torch.Tensor], torch.Tensor],
+        rank: int, steps: int = 4, resume_at: int = 2, ratio: float = 0.25,
+        comm_bytes: Optional[Callable[[Any, str], int]] = None,
+        save: Optional[Callable[[Any, RandomK], Any]] = None,
+        load: Optional[Callable[[Any, RandomK, Any], None]] = None) -> Dict[str, Any]:
+    """``wrap(model, comp, optimizer) -> (handle, optimizer, module to call forward on)`` puts the
+    compressor on a road; ``comm_bytes(handle, name)``, ``save(handle, comp)`` and
+    ``load(handle, comp, saved)`` take its handle."""
+    model, comp = net(), RandomK(ratio=ratio, seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle, opt, fwd = wrap(model, comp, opt)
+    out: Dict[str, Any] = {"ef_error": [], "avg_error": [], "sent_counts": [], "expected": {}, "codec": {},
+                           "comm": {}, "feedback": None}
+    saved = None
+    for step in range(steps):
+        if step == resume_at:
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), save(handle, comp))
+        local = local_grads(model, rank, step)
+        before = {n: _residual(comp, n, local[n]) for n in COMPRESSED}
+        opt.zero_grad()
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(fwd(x), y).backward()
+        opt.step()
+        grads = dict(model.named_parameters())
+        for n in COMPRESSED:
+            after = _residual(comp, n, local[n])
+            sent = local[n].reshape(-1) + before[n] - after          # what this rank's payload carried
+            out["sent_counts"].append(int((sent != 0).sum()))
+            out["ef_error"].append(float((after[sent != 0]).abs().max()) if bool((sent != 0).any()) else 0.0)
+            avg = mean(sent.clone())
+            out["avg_error"].append(float((grads[n].grad.reshape(-1) - avg).abs().max() / avg.abs().max()))
+            out["expected"][n] = out["expected"].get(n, 0) + expected_payload_bytes(comp, n, tuple(local[n].shape),
+                                                                                     step)
+    out["feedback"] = comp.feedback.key
+    out["k"] = {n: comp.selected(dict(model.named_parameters())[n].numel()) for n in COMPRESSED}
+    for n in COMPRESSED:
+        out["codec"][n] = comp.stats.per_tensor[n][1]
+        if comm_bytes is not None:
+            out["comm"][n] = comm_bytes(handle, n)
+    final = [p.detach().clone() for p in model.parameters()]
+
+    # Resume: a new model, optimizer and compressor from the checkpoint taken at step ``resume_at``.
+    model2, comp2 = net(), RandomK(ratio=ratio, seed=123)   # the seed comes from the checkpoint
+    model2.load_state_dict(saved[0])
+    handle2, opt2, fwd2 = wrap(model2, comp2, torch.optim.SGD(model2.parameters(), lr=0.1))
+    opt2.load_state_dict(saved[1])
+    load(handle2, comp2, saved[2])
+    for step in range(resume_at, steps):
+        opt2.zero_grad()
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(fwd2(x), y).backward()
+        opt2.step()
+    out["resumed_identical"] = all(torch.equal(a, b) for a, b in zip(final, model2.parameters()))
+    out["final"] = torch.cat([p.reshape(-1) for p in final]).tolist()
+    return out
+
+
+def _residual(comp: RandomK, name: str, like: torch.Tensor) -> torch.Tensor:
+    r = comp.residuals.residual(name)
+    return torch.zeros(like.numel()) if r is None else r.reshape(-1).clone()
+
+
+# ---------------------------------------------------------------- the Horovod roads
+def horovod_road(road: str) -> Dict[str, Any]:
+    """``road``: "ours" (hvd_gradcomp.DistributedOptimizer) or "stock" (hvd.DistributedOptimizer)."""
+    import horovod.torch as hvd
+
+    import hvd_gradcomp as gc
+
+    def wrap(model: nn.Module, comp: RandomK, opt: Any) -> Any:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        cls = gc.DistributedOptimizer if road == "ours" else hvd.DistributedOptimizer
+        opt = cls(opt, named_parameters=model.named_parameters(), compression=comp)
+        return opt, opt, model
+
+    def comm(opt: Any, name: str) -> int:
+        return opt.comm_stats.per_tensor[name][1]
+
+    calls = iter(range(1 << 30))
+
+    def mean(t: torch.Tensor) -> torch.Tensor:
+        return hvd.allreduce(t, op=hvd.Average, name=f"check.{next(calls)}")
+
+    return run(wrap, mean, hvd.rank(), comm_bytes=comm if road == "ours" else None,
+               save=lambda opt, comp: copy.deepcopy(comp.state_dict()),
+               load=lambda opt, comp, state: comp.load_state_dict(state))
+
