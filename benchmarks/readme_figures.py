@@ -1,19 +1,23 @@
-"""The README's headline figures, generated from the saved results of the latest runs (never typed).
+"""The README's headline figures and docs/FIGURES.md's tables, generated from the saved results of
+the latest runs (never typed).
 
-Reads the raw figures the benchmark and the study wrote, and rewrites the README section between
-``<!-- readme_figures: begin -->`` and ``<!-- readme_figures: end -->``:
+Reads the raw figures the benchmark and the study wrote:
 
 * Horovod step time at 1 and 10 Gbit/s: ``docs/data/bench.json`` (``python -m benchmarks --skip-ddp``);
 * DDP against PowerSGD at 1 Gbit/s: ``docs/ddp/data.json`` (``python -m benchmarks --only-ddp``);
-* convergence targets: ``docs/data/study/`` (``make study``).
+* convergence targets: ``docs/data/study/`` (``make study``);
+
+and rewrites the block between ``<!-- readme_figures: begin -->`` and ``<!-- readme_figures: end -->``
+in each file of :data:`PAGES`: README.md gets one compact headline table, docs/FIGURES.md every table.
 
     python benchmarks/readme_figures.py --write      # after a benchmark or study run
-    python benchmarks/readme_figures.py --check      # exit 1 if the README is out of date (tests run it)
+    python benchmarks/readme_figures.py --check      # exit 1 if a block is out of date (tests run it)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -27,6 +31,10 @@ from benchmarks.plan import REFERENCE_KEYS  # noqa: E402
 BEGIN, END = "<!-- readme_figures: begin -->", "<!-- readme_figures: end -->"
 HOROVOD_ROWS = ("horovod", "fp16", "topkqsgd", "auto", "barrier")   # barrier: the floor, no exchange
 DDP_ROWS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "auto")
+
+
+# The file each block is written to, and how much of the figures it gets.
+PAGES = {"README.md": "headline", "docs/FIGURES.md": "full"}
 
 
 def _load(path: Path) -> Optional[Dict[str, Any]]:
@@ -100,15 +108,71 @@ def study_section(out: Path) -> List[str]:
             "([docs/STUDY.md](docs/STUDY.md)):", ""] + body + [said, ""]
 
 
-def render(root: Path = ROOT) -> str:
+def headline_section(bench: Optional[Dict[str, Any]], ddp: Optional[Dict[str, Any]], study: Path) -> List[str]:
+    """README's one table: step time of the main Horovod settings at 1 and 10 Gbit/s, bytes per step,
+    then one sentence each for DDP against PowerSGD and for the convergence study."""
+    lines: List[str] = []
+    if bench:
+        rates = [r for r in ("1gbit", "10gbit") if bench["speed"].get(r, {}).get("results")]
+        lines += [f"Horovod, 2 ranks, 25M parameters, a rate-limited link, from `{bench['command']}` "
+                  "([docs/FIGURES.md](docs/FIGURES.md) has every row and setting):", "",
+                  "| setting | " + " | ".join(f"step time at {r}, vs uncompressed" for r in rates)
+                  + " | MB per step per rank |",
+                  "| --- | " + " | ".join("---:" for _ in rates) + " | ---: |"]
+        for key in ("horovod", "fp16", "topkqsgd", "auto"):
+            cells, label, mb = [], None, None
+            for rate in rates:
+                res = bench["speed"][rate]["results"]
+                r, base = res.get(key), res.get("horovod", {}).get("step_s")
+                if r is None:
+                    cells.append("-")
+                    continue
+                label, mb = r["label"], r["bytes_per_step"] / 1e6
+                cells.append(f"{r['step_s'] * 1e3:.0f} ms, {base / r['step_s']:.2f}x" if base else
+                             f"{r['step_s'] * 1e3:.0f} ms")
+            if label is not None:
+                lines.append(f"| {label} | " + " | ".join(cells) + f" | {mb:.3f} |")
+        lines.append("")
+    res = (ddp or {}).get("speed", {}).get("rates", {}).get("1gbit", {}).get("results", {})
+    if all(k in res for k in ("ddp", "powersgd-1", "topkqsgd")):
+        ms = {k: res[k]["step_s"] * 1e3 for k in ("ddp", "powersgd-1", "topkqsgd")}
+        lines += [f"Under DDP at 1 Gbit/s: TopKQSGD(1%, 8) {ms['topkqsgd']:.0f} ms per step, torch's PowerSGD "
+                  f"rank 1 {ms['powersgd-1']:.0f} ms, uncompressed {ms['ddp']:.0f} ms.", ""]
+    runs = report.load(study)
+    tasks = [t for t in report.TASK_TEXT if runs.get((t, "tq1"))]
+    if tasks:
+        gaps = [report.paired_gap(t, "tq1", runs) for t in tasks]
+        ratios = [statistics.fmean(r["ratio_second_half"] for r in runs[(t, "tq1")]) for t in tasks]
+        seeds = sorted({n for _, n in gaps})
+        count = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
+        lines += [f"Convergence, from `make study` ({len(tasks)} tasks, {count} seeds each, "
+                  "[docs/STUDY.md](docs/STUDY.md)): TopKQSGD(1%, 8) with its default feedback ended between "
+                  f"{min(g for g, _ in gaps):+.2f}% and {max(g for g, _ in gaps):+.2f}% from uncompressed "
+                  f"training's held-out loss, sending {min(ratios):.0f}x to {max(ratios):.0f}x fewer bytes "
+                  "than float32 (a negative gap: below uncompressed).", ""]
+    return lines
+
+
+def _relative_to_docs(lines: List[str]) -> List[str]:
+    """The full tables' links, as seen from docs/FIGURES.md."""
+    return [ln.replace("[docs/", "[").replace("](docs/", "](") for ln in lines]
+
+
+def render(root: Path = ROOT, kind: str = "full") -> str:
+    """The block for a page of :data:`PAGES`: ``kind`` "headline" (README) or "full" (docs/FIGURES.md)."""
     lines = [BEGIN, "<!-- generated by `python benchmarks/readme_figures.py --write`; do not edit by hand -->", ""]
     bench = _load(root / "docs/data/bench.json")
-    if bench:
-        lines += horovod_section(bench)
     ddp = _load(root / "docs/ddp/data.json")
-    if ddp:
-        lines += ddp_section(ddp)
-    lines += study_section(root / "docs/data/study")
+    if kind == "headline":
+        lines += headline_section(bench, ddp, root / "docs/data/study")
+    else:
+        body: List[str] = []
+        if bench:
+            body += horovod_section(bench)
+        if ddp:
+            body += ddp_section(ddp)
+        body += study_section(root / "docs/data/study")
+        lines += _relative_to_docs(body)
     return "\n".join(lines).rstrip() + "\n" + END
 
 
@@ -119,7 +183,7 @@ def replace(text: str, block: str) -> str:
     'a\\n<!-- readme_figures: begin -->\\nnew\\n<!-- readme_figures: end -->\\nb'
     """
     if BEGIN not in text or END not in text:
-        raise ValueError(f"the README has no {BEGIN} ... {END} block to rewrite")
+        raise ValueError(f"no {BEGIN} ... {END} block to rewrite")
     start, stop = text.index(BEGIN), text.index(END) + len(END)
     return text[:start] + block + text[stop:]
 
@@ -127,19 +191,23 @@ def replace(text: str, block: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="rewrite the README block")
-    mode.add_argument("--check", action="store_true", help="exit 1 when the README block is out of date")
+    mode.add_argument("--write", action="store_true", help="rewrite the blocks of README.md and docs/FIGURES.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a block is out of date")
     args = ap.parse_args()
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    new = replace(text, render())
-    if args.check:
-        if new != text:
-            print("README.md figures are out of date: run python benchmarks/readme_figures.py --write")
-            return 1
-        return 0
-    readme.write_text(new)
-    print(f"rewrote the figures block of {readme}")
+    stale = []
+    for rel, kind in PAGES.items():
+        path = ROOT / rel
+        text = path.read_text()
+        new = replace(text, render(ROOT, kind))
+        if args.check:
+            if new != text:
+                stale.append(rel)
+            continue
+        path.write_text(new)
+        print(f"rewrote the figures block of {rel}")
+    if stale:
+        print(f"{', '.join(stale)}: figures out of date: run python benchmarks/readme_figures.py --write")
+        return 1
     return 0
 
 
