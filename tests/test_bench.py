@@ -293,6 +293,19 @@ def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
     assert "| sparse | TopKQSGD(1%, 8) |" in blocks["docs/FIGURES.md"]
 
 
+def test_accumulation_memory_table_is_generated_from_the_saved_run() -> None:
+    """docs/FIGURES.md's accumulation table is bench_accumulation_memory.py's rendering of
+    docs/data/accumulation_memory.json (``--write-docs``; ``--render`` rewrites it), not typed."""
+    import json
+    from benchmarks import bench_accumulation_memory as bam
+    data = json.loads(bam.DATA.read_text())
+    text = bam.PAGE.read_text()
+    assert text.count(bam.BEGIN) == 1 and text.count(bam.END) == 1
+    assert text.split(bam.BEGIN)[1].split(bam.END)[0].strip() == bam.page_block(data).strip(), \
+        "run .venv/bin/python benchmarks/bench_accumulation_memory.py --render"
+    assert [(r["micro"], r["steps"]) for r in data["rows"]] == [(32, 1), (4, 8)]
+
+
 def test_readme_figures_are_generated_from_the_saved_results() -> None:
     """The README's headline table and docs/FIGURES.md's speed and convergence tables are
     benchmarks/readme_figures.py's rendering of the saved raw results (docs/data/bench.json,
