@@ -1,9 +1,9 @@
-"""Launcher hygiene: issue 11's launcher cases 10-14, one test (or more) named after each.
+"""Launcher hygiene, one test (or more) named after each behaviour:
 
-10. ``kill -9`` of hvdgc-launch ends the job; 11. hostfiles in every documented form reach
-the launcher as hosts it reads; 12. horovodrun/mpirun options are mapped or passed through
-between two ``--``; 13. Slurm node lists are counted before they are expanded; 14. stale
-``HVDGC_*`` variables never reach the ranks unseen, and ``--sbatch`` validates like a launch.
+``kill -9`` of hvdgc-launch ends the job; hostfiles in every documented form reach the
+launcher as hosts it reads; horovodrun/mpirun options are mapped or passed through between
+two ``--``; Slurm node lists are counted before they are expanded; stale ``HVDGC_*``
+variables never reach the ranks unseen, and ``--sbatch`` validates like a launch.
 """
 import os
 import re
@@ -59,7 +59,7 @@ def _error(res) -> str:
 @pytest.mark.multirank
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("flags", [["--gloo"], ["--launcher", "mpirun"]], ids=["horovodrun-gloo", "mpirun"])
-def test_item10_kill_9_of_launcher_ends_every_rank(flags):
+def test_kill_9_of_launcher_ends_every_rank(flags):
     _require_horovodrun()
     argv = [*_launcher(), "-np", "2", *flags, TARGET, "--sleep", "300"]
     proc = subprocess.Popen(argv, cwd=ROOT, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -91,7 +91,7 @@ def test_item10_kill_9_of_launcher_ends_every_rank(flags):
         reader.join(timeout=5)
 
 
-def test_item10_child_gets_sigterm_when_launcher_dies(tmp_path):
+def test_child_gets_sigterm_when_launcher_dies(tmp_path):
     """The mechanism alone, without Horovod: a grandchild of a killed launcher process ends."""
     marker = tmp_path / "child.pid"
     child_code = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
@@ -148,7 +148,7 @@ def _ended(pids, timeout: float) -> bool:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["kill -9", "third Ctrl-C"])
-def test_item10_guard_ends_a_launcher_that_ignores_signals_and_its_rank_in_another_session(tmp_path, how):
+def test_guard_ends_a_launcher_that_ignores_signals_and_its_rank_in_another_session(tmp_path, how):
     """hvdgc-launch killed (or interrupted three times): the guard ends the launcher and, as a
     subreaper, its rank in another session, both ignoring SIGTERM (SIGKILL after the grace)."""
     argv, launcher_pid, rank_pid = _stubborn_job(tmp_path)
@@ -176,7 +176,7 @@ def test_item10_guard_ends_a_launcher_that_ignores_signals_and_its_rank_in_anoth
 
 
 @pytest.mark.timeout(60)
-def test_item10_what_a_launcher_leaves_behind_ends_with_it(tmp_path):
+def test_what_a_launcher_leaves_behind_ends_with_it(tmp_path):
     """The launcher exits (code 3) and leaves a rank running in another session: run() returns 3
     and the rank has ended."""
     argv, launcher_pid, rank_pid = _stubborn_job(tmp_path, life=3)
@@ -196,7 +196,7 @@ HOSTFILE = "# two nodes\nnodeA slots=2   # comment after a host\n\nnodeB:2\nnode
     ("horovodrun", ["/opt/bin/horovodrun", "-np", "5", "-H", "nodeA:2,nodeB:2,nodeC:1"]),
     ("mpirun", ["/opt/bin/mpirun", "--allow-run-as-root", "-np", "5", "-H", "nodeA:2,nodeB:2,nodeC:1"]),
 ])
-def test_item11_hostfile_forms_reach_the_launcher_normalised(invoke, tmp_path, launcher, expected):
+def test_hostfile_forms_reach_the_launcher_normalised(invoke, tmp_path, launcher, expected):
     hostfile = tmp_path / "hosts"
     hostfile.write_text(HOSTFILE)
     argv = _command(invoke("--dry-run", "--launcher", launcher, "--hostfile", str(hostfile), TARGET))
@@ -210,7 +210,7 @@ def test_item11_hostfile_forms_reach_the_launcher_normalised(invoke, tmp_path, l
     ("nodeA max_slots=4\n", "malformed host 'nodeA max_slots=4'"),
     ("# nothing\n", "lists no hosts"),
 ])
-def test_item11_bad_hostfiles_are_rejected_clearly(invoke, tmp_path, text, message):
+def test_bad_hostfiles_are_rejected_clearly(invoke, tmp_path, text, message):
     hostfile = tmp_path / "hosts"
     hostfile.write_text(text)
     assert message in _error(invoke("--dry-run", "--hostfile", str(hostfile), TARGET))
@@ -221,7 +221,7 @@ OPTIONS = ["--network-interface", "eth0", "--log-level", "debug", "--tcp", "-x",
            "--timeline-filename", "/tmp/tl.json"]
 
 
-def test_item12_horovodrun_options_are_mapped(invoke):
+def test_horovodrun_options_are_mapped(invoke):
     argv = _command(invoke("--dry-run", "-np", "2", *OPTIONS, TARGET, "--epochs", "1"))
     assert argv == ["/opt/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--network-interface", "eth0",
                     "--log-level", "DEBUG", "--tcp", "--timeline-filename", "/tmp/tl.json", sys.executable, TARGET,
@@ -230,7 +230,7 @@ def test_item12_horovodrun_options_are_mapped(invoke):
     assert "export NCCL_DEBUG=INFO" in res.output.splitlines()
 
 
-def test_item12_mpirun_options_are_mapped(invoke):
+def test_mpirun_options_are_mapped(invoke):
     argv = _command(invoke("--dry-run", "-np", "2", "--launcher", "mpirun", *OPTIONS, TARGET))
     assert argv == ["/opt/bin/mpirun", "--allow-run-as-root", "-np", "2", "-H", "localhost:2", "-bind-to", "none",
                     "-map-by", "slot", "-mca", "btl", "tcp,self", "-mca", "btl_tcp_if_include", "eth0",
@@ -242,7 +242,7 @@ def test_item12_mpirun_options_are_mapped(invoke):
     assert {"export HOROVOD_LOG_LEVEL=DEBUG", "export HOROVOD_TIMELINE=/tmp/tl.json"} <= set(lines)
 
 
-def test_item12_srun_gets_the_same_settings_through_the_environment(invoke):
+def test_srun_gets_the_same_settings_through_the_environment(invoke):
     slurm = {"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS_PER_NODE": "1",
              "SLURM_JOB_NUM_NODES": "2"}
     res = invoke("--dry-run", "--launcher", "srun", "--network-interface", "ib0", "--tcp", "--log-level", "info",
@@ -256,7 +256,7 @@ def test_item12_srun_gets_the_same_settings_through_the_environment(invoke):
     ("horovodrun", ["/opt/bin/horovodrun", "-np", "2", "-H", "localhost:2"]),
     ("mpirun", ["/opt/bin/mpirun", "--allow-run-as-root", "-np", "2", "-H", "localhost:2"]),
 ])
-def test_item12_other_options_pass_through_between_double_dashes(invoke, launcher, head):
+def test_other_options_pass_through_between_double_dashes(invoke, launcher, head):
     # leading '--' or not, the launcher's own options sit between the two '--'
     for args in (["--", "--mca", "btl_tcp_links", "2", "--"], ["--mca", "btl_tcp_links", "2", "--"]):
         argv = _command(invoke("--dry-run", "-np", "2", "--launcher", launcher, *args, TARGET, "--", "-x"))
@@ -274,12 +274,12 @@ def test_item12_other_options_pass_through_between_double_dashes(invoke, launche
     (["-x", "HVDGC_UNSET_HERE", TARGET], "Error: -x HVDGC_UNSET_HERE: HVDGC_UNSET_HERE is not set here"),
     (["-x", "HVDGC_SEED=3", TARGET], "Error: -x HVDGC_SEED: hvdgc-launch sets HVDGC_SEED from its own options"),
 ])
-def test_item12_bad_launcher_options_are_one_clear_line(invoke, args, message):
+def test_bad_launcher_options_are_one_clear_line(invoke, args, message):
     assert _error(invoke("--dry-run", *args)).startswith(message)
 
 
 # ---------------------------------------------------------------- 13: Slurm node lists
-def test_item13_huge_nodelist_is_refused_without_expanding():
+def test_huge_nodelist_is_refused_without_expanding():
     with pytest.raises(SlurmError, match=r"names 1000000000 nodes but SLURM_JOB_NUM_NODES=2; they must match"):
         allocation_from_env({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "node[1-1000000000]",
                              "SLURM_JOB_NUM_NODES": "2", "SLURM_TASKS_PER_NODE": "1(x2)"})
@@ -290,7 +290,7 @@ def test_item13_huge_nodelist_is_refused_without_expanding():
                              "SLURM_TASKS_PER_NODE": "1(x1000000000)"})
 
 
-def test_item13_huge_nodelist_in_a_real_launch_fails_fast_in_bounded_memory():
+def test_huge_nodelist_in_a_real_launch_fails_fast_in_bounded_memory():
     """The launcher process, capped at 1 GiB of address space, answers in seconds."""
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
@@ -305,7 +305,7 @@ def test_item13_huge_nodelist_in_a_real_launch_fails_fast_in_bounded_memory():
 
 
 # ---------------------------------------------------------------- 14: stale HVDGC_* and --sbatch
-def test_item14_dry_run_shows_stale_and_inherited_hvdgc_variables(invoke):
+def test_dry_run_shows_stale_and_inherited_hvdgc_variables(invoke):
     res = invoke("--dry-run", "-np", "1", TARGET, env={"HVDGC_SEED": "5", "HVDGC_COMPRESSION": "topk",
                                                        "HVDGC_COMPILE": "0"})
     lines = res.output.splitlines()
@@ -315,7 +315,7 @@ def test_item14_dry_run_shows_stale_and_inherited_hvdgc_variables(invoke):
 
 
 @pytest.mark.multirank
-def test_item14_stale_hvdgc_seed_does_not_reach_the_ranks():
+def test_stale_hvdgc_seed_does_not_reach_the_ranks():
     """A real rank (mpirun -np 1 running env) sees the launch's settings only."""
     res = launch([*_launcher(), "-np", "1", "--launcher", "mpirun", "--bits", "4", "/usr/bin/env"], timeout=60,
                  env=rank_env({"HVDGC_SEED": "5", "HVDGC_BITS": "2"}))
@@ -332,11 +332,11 @@ def test_item14_stale_hvdgc_seed_does_not_reach_the_ranks():
     (["-x", "NOT_SET_ANYWHERE_X"], "Error: -x NOT_SET_ANYWHERE_X: NOT_SET_ANYWHERE_X is not set here"),
     (["--nodes", "0"], "Error: --nodes and --ntasks-per-node must be at least 1"),
 ])
-def test_item14_sbatch_validates_like_a_direct_launch(invoke, args, message):
+def test_sbatch_validates_like_a_direct_launch(invoke, args, message):
     assert _error(invoke("--sbatch", *args, TARGET)).startswith(message)
 
 
-def test_item14_sbatch_carries_mapped_and_passed_through_options(invoke, monkeypatch):
+def test_sbatch_carries_mapped_and_passed_through_options(invoke, monkeypatch):
     monkeypatch.setattr(cli, "_self_command", lambda: ["hvdgc-launch"])
     res = invoke("--sbatch", "--nodes", "2", "--launcher", "mpirun", "--network-interface", "eth0", "--tcp",
                  "-x", "A=1", "--", "--mca", "btl_tcp_links", "2", "--", TARGET, "--steps", "1")
