@@ -21,7 +21,8 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it (see "How it is built" in the README).
 _LAZY = {
     "Auto": "auto",
-    "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "HorovodIntegrationError": "horovod",
+    "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "PowerSGD": "horovod",
+    "HorovodIntegrationError": "horovod",
     "GradientCompressor": "compressors", "SparsityWarmup": "compressors",
     "ResidualStore": "feedback", "FrozenVariance": "feedback", "MomentumCorrection": "feedback",
     "ByteStats": "stats",

@@ -53,6 +53,7 @@ _REGISTRY: Dict[str, Tuple[Factory, Optional[Tuple[str, ...]]]] = {
     "qsgd": ("hvd_gradcomp.horovod:QSGD", ("bits", "error_feedback", "seed")),
     "topk": ("hvd_gradcomp.horovod:TopK", ("ratio", "error_feedback")),
     "topk-qsgd": ("hvd_gradcomp.horovod:TopKQSGD", ("ratio", "bits", "error_feedback", "seed")),
+    "powersgd": ("hvd_gradcomp.horovod:PowerSGD", ("error_feedback", "seed")),
 }
 _RESERVED = ("none", "fp16", "auto")   # settings of HVDGC_COMPRESSION that are not compressors
 

@@ -522,6 +522,11 @@ class GradientCompressor:
             return False
         return not self._excluded(name)
 
+    def compressible(self, shape: Tuple[int, ...]) -> bool:
+        """Whether this codec compresses a tensor of ``shape`` at all (PowerSGD: matrices only); the
+        roads send the others uncompressed. True here."""
+        return True
+
     def _excluded(self, name: str) -> bool:
         return self.exclude is not None and self.exclude.search(name) is not None
 

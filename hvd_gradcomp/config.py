@@ -10,17 +10,17 @@ exports the variables below; a training script turns them into objects with::
 
 Every variable the library or the launcher reads (:data:`VARIABLES` holds the same table):
 
-=====================  ============================================  =========  ===================
-variable               meaning                                       default    read by
-=====================  ============================================  =========  ===================
-HVDGC_COMPRESSION      none | fp16 | qsgd | topk | topk-qsgd | auto  none       the script (from_env)
-HVDGC_RATIO            TopK ratio, in (0, 1]                         0.01       the script (from_env)
-HVDGC_BITS             QSGD bits, 2..8                               8          the script (from_env)
-HVDGC_ACCUMULATE       backward passes per optimizer step, >= 1      1          the script (from_env)
-HVDGC_ERROR_FEEDBACK   1 or 0                                        1          the script (from_env)
-HVDGC_SEED             seed of the stochastic rounding               unset      the script (from_env)
-HVDGC_COMPILE          torch.compile the kernels: auto | 0 | 1       auto       the library (kernels)
-=====================  ============================================  =========  ===================
+====================  =======================================================  =======  =====================
+variable              meaning                                                  default  read by
+====================  =======================================================  =======  =====================
+HVDGC_COMPRESSION     none | fp16 | qsgd | topk | topk-qsgd | powersgd | auto  none     the script (from_env)
+HVDGC_RATIO           TopK ratio, in (0, 1]                                    0.01     the script (from_env)
+HVDGC_BITS            QSGD bits, 2..8                                          8        the script (from_env)
+HVDGC_ACCUMULATE      backward passes per optimizer step, >= 1                 1        the script (from_env)
+HVDGC_ERROR_FEEDBACK  1 or 0                                                   1        the script (from_env)
+HVDGC_SEED            seed of the stochastic rounding                          unset    the script (from_env)
+HVDGC_COMPILE         torch.compile the kernels: auto | 0 | 1                  auto     the library (kernels)
+====================  =======================================================  =======  =====================
 
 The first six are the script's to read: a script that never calls :func:`from_env` would
 ignore them. So when they are set, the script has not read them, and it builds an optimizer

@@ -25,6 +25,8 @@ How each bucket travels (``torch.distributed`` collectives only, so Gloo, NCCL a
   (error feedback keyed by its name); the payloads are concatenated, the ranks all_gather
   their sizes, then the payloads padded to the largest; every rank decodes all of them in
   rank order, so every rank ends with bit-identical gradients;
+* PowerSGD: two ``all_reduce`` rounds of float32 factors (``P``, then ``Q`` from the averaged
+  ``P``), as torch's PowerSGD hook, with each parameter's residual and ``Q`` kept by its name;
 * QSGD: the compressed allreduce of the Horovod road: each parameter is quantised in P
   chunks, ``all_to_all_single`` sends chunk i to rank i, rank i averages and re-quantises it
   (with its own error feedback) and an ``all_gather`` returns every chunk;
@@ -356,7 +358,8 @@ class GradCompState:
                                  "named_parameters: pass the named_parameters() of the module DDP wraps")
             seg = _Segment(name, (g.data_ptr() - buffer.data_ptr()) // buffer.element_size(), p.numel(),
                            tuple(p.shape))
-            small = p.numel() < self.min_compress_numel or buffer.dtype not in wire.DTYPES
+            small = p.numel() < self.min_compress_numel or buffer.dtype not in wire.DTYPES \
+                or not self.compression.compressible(seg.shape)   # e.g. PowerSGD: 1-d tensors
             (dense if small else compressed).append(seg)
         return _Plan(tuple(compressed), tuple(dense))
 
@@ -781,8 +784,56 @@ def _scatter_reduce(state: GradCompState, buffer: torch.Tensor, plan: _Plan, ste
     return result
 
 
+# ---------------------------------------------------------------- PowerSGD: two allreduce rounds
+def _rounds(state: GradCompState, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
+    """Low-rank factors (:mod:`hvd_gradcomp.powersgd`): one ``all_reduce`` of every segment's ``P``,
+    then, in bucket order on the second group, one of every ``Q`` computed from the averaged ``P``;
+    the approximations are written into the bucket. A rank whose bucket holds NaN/Inf sends zeros and
+    its flag: the bucket is NaN on every rank and nobody's residual or ``Q`` changes."""
+    comp, world = state.compression, state.world_size
+    shapes = [comp.factors(s.shape) for s in plan.compressed]   # all matrices: see _make_plan
+    with state._lock:
+        finite = kernels.all_finite(buffer)  # a host sync: what is sent depends on it
+        works = [comp.first_round(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed] if finite else []
+    first = torch.cat([w.send.reshape(-1) for w in works]) if works else \
+        torch.zeros(sum(n * r for n, _, r in shapes), dtype=torch.float32, device=buffer.device)
+    first_fut = dist.all_reduce(first, group=state.process_group, async_op=True).get_future()
+    flags, meta_fut = _meta(state, 1 if finite else -1, buffer.device)
+    dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
+    for s, (n, m, r) in zip(plan.compressed, shapes):
+        state._record(step, s.name, s.numel * buffer.element_size(), (n + m) * r * 4)
+    state._record(step, "(flags)", 0, 8)
+
+    def launch() -> Optional[Tuple[Future, Callable]]:
+        if min(flags.tolist()) < 0:
+            _nonfinite(state)
+            return None
+        averaged, seconds, at = first.div_(world), [], 0
+        with state._lock:
+            for w, (n, _, r) in zip(works, shapes):
+                seconds.append(comp.second_round(w, averaged[at:at + n * r]).reshape(-1))
+                at += n * r
+        second = torch.cat(seconds)
+        work = dist.all_reduce(second, group=state._second, async_op=True)
+
+        def decode() -> None:
+            averaged, at = second.div_(world), 0
+            for w, s, (_, m, r) in zip(works, plan.compressed, shapes):
+                comp.finish_rounds(w, averaged[at:at + m * r], s.view(buffer).view(s.shape))
+                at += m * r
+                state._received(s.name, s.view(buffer))
+                state._exchanged_average(s, buffer)
+
+        return work.get_future(), decode
+
+    result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
+    state._then_in_order([first_fut, meta_fut] + dense_futs, launch, result, buffer, copy_back)
+    return result
+
+
 _ROADS: Dict[str, Callable[[GradCompState, torch.Tensor, _Plan, int], Future]] = {
-    codecs.ALLGATHER: _allgather, codecs.COMPRESSED_ALLREDUCE: _scatter_reduce}
+    codecs.ALLGATHER: _allgather, codecs.COMPRESSED_ALLREDUCE: _scatter_reduce,
+    codecs.ALLREDUCE_ROUNDS: _rounds}
 """A compressor's declared ``collective`` (:mod:`hvd_gradcomp.codecs`) -> the road of its buckets."""
 
 

@@ -10,6 +10,7 @@ The roads, chosen by :func:`choose_exchange` from the compressor's declared ``co
 * :class:`FusedAllgatherExchange`: sparse payloads (TopK, TopKQSGD), several tensors' per
   allgather (:class:`AllgatherExchange`: one each, the stock-Horovod road). Every rank
   decodes all payloads in rank order and averages, so all ranks end with identical gradients.
+* :class:`RoundsExchange`: low-rank factors (PowerSGD) in two dependent allreduces of float32.
 * :class:`ScatterReduceExchange`: QSGD's compressed allreduce. Each rank quantises its
   gradient in P chunks; an alltoall sends chunk i to rank i; rank i decodes and sums its
   chunk, re-quantises it (with its own error feedback), and an allgather returns every
@@ -561,6 +562,7 @@ class ScatterReduceExchange:
     """QSGD's compressed allreduce: alltoall of quantised chunks, reduce, allgather."""
 
     join_guard: Optional[JoinGuard] = None
+    two_stage = True
 
     def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
@@ -621,6 +623,60 @@ class ScatterReduceExchange:
         if not out.is_contiguous():
             out.copy_(flat.view(out.shape))
         self.compressor.received(p.name, out)
+        p.finished = True
+
+
+class RoundsExchange:
+    """Low-rank factors in two dependent Horovod allreduces of float32 (PowerSGD: P, then Q; the
+    compressor computes, see :mod:`hvd_gradcomp.powersgd`): ``start`` launches the first,
+    ``advance`` (or ``progress``, once the first is done) hands its average to the compressor
+    and launches the second, ``finish`` writes the approximation. A tensor the compressor does
+    not factor (1-d, too small to gain) is allreduced as it is, in one round. A NaN/Inf
+    gradient on any rank makes the average non-finite on every rank (the optimizer's check then
+    undoes the step in the compressor)."""
+
+    join_guard: Optional[JoinGuard] = None
+    two_stage = True
+
+    def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
+        self.compressor, self.op, self.process_set = compressor, op, process_set
+
+    def start(self, name: str, grad: torch.Tensor) -> Pending:
+        hvd = _hvd()
+        if not self.compressor.compressible(tuple(grad.shape)):
+            tensor = allreducible(grad.contiguous())
+            handle = hvd.allreduce_async(tensor, name=f"hvdgc.rounds.dense.{name}", op=self.op,
+                                         process_set=self.process_set)
+            return Pending(name, grad.shape, grad.dtype, handle, None, tensor.numel() * tensor.element_size(), stage=2)
+        work = self.compressor.first_round(name, grad)
+        handle = hvd.allreduce_async(work.send, name=f"hvdgc.rounds.1.{name}", op=hvd.Average,
+                                     process_set=self.process_set)
+        return Pending(name, grad.shape, grad.dtype, handle, work, work.send.numel() * work.send.element_size())
+
+    def progress(self, p: Pending) -> None:
+        """Launch the second round as soon as the first is done; never blocks."""
+        if p.stage == 1 and _hvd().poll(p.handle):
+            self.advance(p)
+
+    def advance(self, p: Pending) -> None:
+        if p.stage != 1:
+            return
+        hvd = _hvd()
+        second = self.compressor.second_round(p.ctx, hvd.synchronize(p.handle))
+        p.handle = hvd.allreduce_async(second, name=f"hvdgc.rounds.2.{p.name}", op=hvd.Average,
+                                       process_set=self.process_set)
+        p.bytes_sent += second.numel() * second.element_size()
+        p.stage = 2
+
+    def finish(self, p: Pending, out: torch.Tensor) -> None:
+        self.advance(p)
+        result = _hvd().synchronize(p.handle)
+        if p.ctx is None:
+            out.copy_(result.view_as(out))
+        else:
+            scale = 1.0 if is_average(self.op) else float(self.process_set.size())
+            self.compressor.finish_rounds(p.ctx, result, out, scale)
+            self.compressor.received(p.name, out)
         p.finished = True
 
 
@@ -1002,8 +1058,8 @@ class TimedExchange:
         self._timed(p, False, self.inner.progress, p)
 
     def advance(self, p: Pending) -> None:
-        if isinstance(self.inner, ScatterReduceExchange) and p.stage == 1:
-            self._wait(p)  # the alltoall, before the reduce
+        if getattr(self.inner, "two_stage", False) and p.stage == 1:
+            self._wait(p)  # the first collective (QSGD's alltoall, PowerSGD's P), before the second
         self._timed(p, True, self.inner.advance, p)  # launches a fused group still open
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
@@ -1028,6 +1084,8 @@ def choose_exchange(compression: Any, op: Any, process_set: Any, join_guard: Opt
         exchange = TimedExchange(ScatterReduceExchange(compression, op, process_set))
     elif codecs.collective_of(compression) == codecs.ALLGATHER:
         exchange = TimedExchange(FusedAllgatherExchange(compression, op, process_set))
+    elif codecs.collective_of(compression) == codecs.ALLREDUCE_ROUNDS:
+        exchange = TimedExchange(RoundsExchange(compression, op, process_set))
     elif isinstance(compression, GradientCompressor):
         raise ValueError(f"{type(compression).__name__} declares collective={compression.collective!r}, which "
                          f"this exchange cannot carry (known: {', '.join(codecs.COLLECTIVES)}; see hvd_gradcomp.codecs)")

@@ -47,7 +47,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from . import codecs, compressors, kernels, settings
+from . import codecs, compressors, kernels, powersgd, settings
 from .compressors import GradientCompressor, _compressible
 from .exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks
 
@@ -467,3 +467,23 @@ class TopKQSGD(TopK, compressors.TopKQSGD):  # a TopK, as compressors.TopKQSGD i
     >>> TopKQSGD()
     TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True)
     """
+
+
+class PowerSGD(powersgd.PowerSGD):
+    """:class:`hvd_gradcomp.powersgd.PowerSGD`, refused by stock ``hvd.DistributedOptimizer`` at its
+    first step with what to use instead: stock Horovod allreduces what ``compress()`` returns once,
+    and PowerSGD needs two dependent allreduces (``Q`` is computed from the averaged ``P``).
+
+    >>> PowerSGD(rank=4)
+    PowerSGD(rank=4, error_feedback=True)
+    """
+
+    def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
+        raise HorovodIntegrationError(
+            f"{self!r} cannot run inside hvd.DistributedOptimizer(compression=...): Horovod allreduces what "
+            "compress() returns once, and PowerSGD needs two dependent allreduces (P, then Q computed from the "
+            "averaged P). Use hvd_gradcomp.DistributedOptimizer(...) (same arguments) or, with PyTorch DDP, "
+            "hvd_gradcomp.ddp.register(model, compression=...).")
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.compress(tensor)[0]

@@ -132,7 +132,7 @@ def check_settings(compression: str, ratio: Any, bits: Any, accumulate: Any) -> 
 
 
 # ---------------------------------------------------------------- HVDGC_* variables
-COMPRESSIONS = ("none", "fp16", "qsgd", "topk", "topk-qsgd", "auto")
+COMPRESSIONS = ("none", "fp16", "qsgd", "topk", "topk-qsgd", "powersgd", "auto")
 """The built-in settings of ``HVDGC_COMPRESSION`` (:func:`compressions` adds those registered since)."""
 
 
@@ -156,7 +156,7 @@ ENV_SEED = "HVDGC_SEED"
 ENV_COMPILE = "HVDGC_COMPILE"
 
 VARIABLES = {
-    ENV_COMPRESSION: ("compression", "none | fp16 | qsgd | topk | topk-qsgd | auto", "none"),
+    ENV_COMPRESSION: ("compression", "none | fp16 | qsgd | topk | topk-qsgd | powersgd | auto", "none"),
     ENV_RATIO: ("ratio", "TopK ratio, in (0, 1]", "0.01"),
     ENV_BITS: ("bits", "QSGD bits, 2..8", "8"),
     ENV_ACCUMULATE: ("accumulate", "backward passes per optimizer step, >= 1", "1"),
