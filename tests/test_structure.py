@@ -161,3 +161,90 @@ def test_every_hvdgc_variable_is_in_the_one_table() -> None:
     for var, (_, meaning, default) in config.VARIABLES.items():
         row = next((ln for ln in table.splitlines() if ln.startswith(var + " ")), "")
         assert meaning in row and default in row, f"{var} is missing from the table in config's docstring"
+
+
+# The layers, lowest first: a module imports only modules of its own layer or lower ones.
+# docs/ARCHITECTURE.md shows the same table (checked below); a new module needs a row here.
+LAYERS = (
+    ("settings", ("settings", "codecs", "stats", "policy")),
+    ("wire", ("wire",)),
+    ("kernels", ("kernels",)),
+    ("feedback", ("feedback",)),
+    ("compressors", ("compressors", "powersgd")),
+    ("exchange", ("exchange",)),
+    ("horovod", ("horovod",)),
+    ("auto", ("auto",)),
+    ("optimizers", ("optimizer", "accumulate", "ddp", "config")),
+    ("launchers", ("launchers",)),
+)
+FIRST_WITH_HOROVOD = "exchange"   # layers below it import no Horovod
+
+
+def layered_graph(package: Path) -> Dict[str, Set[str]]:
+    """:func:`import_graph` of the package's modules, with the ``launchers`` subpackage as one node."""
+    graph = import_graph(package)
+    modules = set(graph)
+    deps: Set[str] = set()
+    for path in sorted((package / "launchers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level != 1:   # level 1: the launchers' own modules
+                deps |= _from_import(node, package.name, modules)
+            elif isinstance(node, ast.Import):
+                deps |= {"HOROVOD" for a in node.names if a.name.split(".")[0] == "horovod"}
+                deps |= {a.name.split(".")[1] for a in node.names
+                         if a.name.startswith(f"{package.name}.") and a.name.split(".")[1] in modules}
+    graph["launchers"] = deps
+    return graph
+
+
+def layer_violations(graph: Dict[str, Set[str]], layers=LAYERS) -> List[str]:
+    """Every import that points up the layers, or into Horovod below :data:`FIRST_WITH_HOROVOD`.
+
+    >>> layer_violations({"wire": {"kernels"}, "kernels": {"wire"}}, (("wire", ("wire",)), ("kernels", ("kernels",))))
+    ['wire (layer wire) imports kernels (layer kernels)']
+    """
+    level = {m: i for i, (_, ms) in enumerate(layers) for m in ms}
+    names = {m: name for name, ms in layers for m in ms}
+    horovod_from = next((i for i, (name, _) in enumerate(layers) if name == FIRST_WITH_HOROVOD), len(layers))
+    bad = []
+    for module in sorted(graph):
+        for dep in sorted(graph[module]):
+            if dep == "HOROVOD":
+                if level[module] < horovod_from:
+                    bad.append(f"{module} (layer {names[module]}) imports Horovod")
+            elif level[dep] > level[module]:
+                bad.append(f"{module} (layer {names[module]}) imports {dep} (layer {names[dep]})")
+    return bad
+
+
+def test_every_module_has_a_layer() -> None:
+    placed = {m for _, ms in LAYERS for m in ms}
+    modules = set(layered_graph(PACKAGE))
+    assert modules == placed, (f"modules without a layer: {sorted(modules - placed)}; layers naming no module: "
+                               f"{sorted(placed - modules)} (tests/test_structure.py LAYERS, docs/ARCHITECTURE.md)")
+
+
+def test_imports_point_down_the_layers() -> None:
+    bad = layer_violations(layered_graph(PACKAGE))
+    assert not bad, "imports against the layers (docs/ARCHITECTURE.md):\n" + "\n".join(bad)
+
+
+def test_the_layer_checker_catches_an_upward_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "hvd_gradcomp"
+    (pkg / "launchers").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "wire.py").write_text("def f():\n    from .exchange import X\n")   # lazy, still up
+    (pkg / "exchange.py").write_text("import horovod.torch\nfrom . import wire\n")
+    (pkg / "kernels.py").write_text("import horovod.torch as hvd\n")
+    (pkg / "launchers" / "cli.py").write_text("from .. import exchange\nfrom ..wire import f\n")
+    graph = layered_graph(pkg)
+    assert graph["launchers"] == {"exchange", "wire"}
+    assert layer_violations(graph) == ["kernels (layer kernels) imports Horovod",
+                                       "wire (layer wire) imports exchange (layer exchange)"]
+
+
+def test_the_architecture_page_shows_the_layers() -> None:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| ((?:`\w+`(?:, )?)+) \|", text, flags=re.M)
+    shown = tuple((name, tuple(re.findall(r"`(\w+)`", mods))) for name, mods in rows)
+    assert shown == LAYERS, "docs/ARCHITECTURE.md's layer table differs from tests/test_structure.py LAYERS"
