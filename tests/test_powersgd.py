@@ -94,14 +94,10 @@ class _Bucket:
 def test_similar_error_to_torchs_powersgd_on_one_matrix() -> None:
     """torch's hook, run on one process (a 1-rank gloo group), against this codec: same matrix, same
     rank, warm start, error feedback: both errors close after a few steps."""
-    import os
-
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)   # in-process: no port
     try:
         g = torch.Generator().manual_seed(4)
         grads = [torch.randn(128, 64, generator=g) + torch.outer(torch.arange(128.0), torch.ones(64)) / 64
