@@ -20,8 +20,9 @@ import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import horovod as adapter  # noqa: E402
 from hvd_gradcomp import settings  # noqa: E402
 from hvd_gradcomp import exchange  # noqa: E402
-from hvd_gradcomp.exchange import (JoinGuard, JoinNotSupportedError, chunk_bounds, decode_payloads,  # noqa: E402
-                                   finite_at_indices, reduce_payloads, sum_parts)
+from hvd_gradcomp.exchange import JoinGuard, JoinNotSupportedError  # noqa: E402
+from hvd_gradcomp.reduce import (chunk_bounds, decode_payloads, finite_at_indices, reduce_payloads,  # noqa: E402
+                                 sum_parts)
 from tests.harness import run_single  # noqa: E402
 
 # What Horovod 0.28.1's optimizers do around compress(), under their file name.

@@ -171,10 +171,11 @@ LAYERS = (
     ("kernels", ("kernels",)),
     ("feedback", ("feedback",)),
     ("compressors", ("compressors", "powersgd")),
+    ("reduce", ("reduce",)),
     ("exchange", ("exchange",)),
     ("horovod", ("horovod",)),
     ("auto", ("auto",)),
-    ("optimizers", ("optimizer", "accumulate", "ddp", "config")),
+    ("optimizers", ("optimizer", "accumulate", "ddp", "ddp_roads", "ddp_auto", "config")),
     ("launchers", ("launchers",)),
 )
 FIRST_WITH_HOROVOD = "exchange"   # layers below it import no Horovod
@@ -248,3 +249,12 @@ def test_the_architecture_page_shows_the_layers() -> None:
     rows = re.findall(r"^\| (\w+) \| ((?:`\w+`(?:, )?)+) \|", text, flags=re.M)
     shown = tuple((name, tuple(re.findall(r"`(\w+)`", mods))) for name, mods in rows)
     assert shown == LAYERS, "docs/ARCHITECTURE.md's layer table differs from tests/test_structure.py LAYERS"
+
+
+def test_the_reduction_helpers_import_no_collective_library() -> None:
+    """hvd_gradcomp/reduce.py serves both the Horovod exchanges and the DDP hook: neither Horovod
+    nor torch.distributed."""
+    tree = ast.parse((PACKAGE / "reduce.py").read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m.startswith(("horovod", "torch.distributed"))], names
