@@ -275,6 +275,7 @@ def test_convergence_rows_show_the_feedback_policy_the_run_used() -> None:
     assert (rows["none"]["ef"], rows["qsgd4"]["ef"], rows["qsgd8"]["ef"]) == (None, False, True)
 
 
+@pytest.mark.slow
 def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
     """docs/FIGURES.md and docs/AUTO.md carry bench_bytes_per_rank.py's tables between its markers
     (``--write-docs``), and the modelled part is what the code models today."""

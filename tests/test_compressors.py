@@ -558,7 +558,7 @@ def test_large_finite_gradient_is_not_reported_as_nan():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1, 700, 100_000, 1_500_000])
+@pytest.mark.parametrize("n", [1, 700, 100_000, pytest.param(1_500_000, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("make", [lambda: TopK(ratio=0.01), lambda: TopKQSGD(ratio=0.01, bits=8),
                                   lambda: TopKQSGD(ratio=0.05, bits=4, bucket_size=64),
                                   lambda: TopKQSGD(ratio=0.01, bits=2, feedback="momentum"),

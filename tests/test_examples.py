@@ -142,6 +142,7 @@ def test_synthetic_benchmark_no_exchange_reference(tmp_path: Path) -> None:
     assert 0 < r["comm_s"] < r["step_s"] and len(r["sync_s_per_rank"]) == 2 and len(r["sync_s_per_rank"][0]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv, message", [
     (["--ratio", "2"], "ratio must be in (0, 1]"),
@@ -157,6 +158,7 @@ def test_train_bad_flags_are_usage_errors(argv: List[str], message: str) -> None
     assert message in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv, message", [
     (["--optimizer", "none", "--compression", "topk"], "--optimizer none sends nothing to compress"),

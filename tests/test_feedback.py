@@ -127,6 +127,7 @@ LONG_RUN = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LONG_RUN))
 def test_sent_tracks_gradients_over_200_steps(name):
     """Over 200 steps of gradients with a consistent direction the residual stays bounded:

@@ -187,6 +187,7 @@ def test_frozen_variance_at_ratio_one_is_adam_then_frozen_adam(opts, momentum):
                                rtol=0, atol=2e-6)   # float32 rounding: the update's factors multiply in another order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, dropped_at", [(None, FLAT_RATE_STEPS), ("ramp", 19 + FLAT_RATE_STEPS),
                                                   ("cosine", None), ("steps", None)])
 def test_frozen_variance_drops_adams_momentum_once_the_rate_has_stayed_the_same(schedule, dropped_at):
@@ -314,6 +315,7 @@ def test_frozen_variance_under_a_schedule_follows_the_scale_as_at_a_constant_rat
                                rtol=0, atol=2e-6)   # float32 rounding: the update's factors multiply in another order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", [False, True], ids=["constant-rate", "schedule"])
 @pytest.mark.parametrize("follow", [True, False], ids=["warm-up-shown", "from-the-first-compressed-step"])
 def test_frozen_variance_steps_stay_adam_sized_while_the_gradients_shrink(follow, schedule):

@@ -44,6 +44,7 @@ def test_deterministic_mode_check_runs_on_cpu() -> None:
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+@pytest.mark.slow
 def test_cpu_and_device_payloads_compared_on_cpu() -> None:
     out = gpu_check.check_codecs(torch.device("cpu"))
     assert out["ok"] and out["payloads_equal_cpu"]

@@ -401,6 +401,7 @@ def real() -> Dict[str, Any]:
             **run_single("single:unread_settings", env={"HVDGC_COMPRESSION": "topk"})}
 
 
+@pytest.mark.slow
 def test_real_horovod_optimizer_hands_names_to_the_adapter(real) -> None:
     assert real["frame-name"] == "0.weight" and real["bound-name"] == "0.weight"
     assert real["noname-name"] == "allreduce.noname.0.0"       # Horovod's own name for unnamed parameters

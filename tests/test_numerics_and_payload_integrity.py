@@ -99,6 +99,7 @@ def _steady_run(make: Callable[[], object], dtype: torch.dtype, steps: int, n: i
     return worst, float(res.abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("make", [lambda: TopK(ratio=0.01), lambda: TopKQSGD(ratio=0.01, bits=8, seed=1),
                                   lambda: QSGD(bits=8, seed=1), lambda: QSGD(bits=2, seed=1)],
