@@ -77,7 +77,7 @@ class GradCompState:
 
     Args:
         process_group: the group to average over (None: the default group).
-        compression: an hvd-gradcomp compressor (``TopKQSGD``, ``TopK``, ``QSGD``), ``gc.Auto()``
+        compression: an hvd-gradcomp compressor (``TopKQSGD``, ``TopK``, ``QSGD``, ``PowerSGD``), ``gc.Auto()``
             (a road per bucket, measured: :meth:`auto_report`), ``None`` (plain averaging
             allreduce) or ``torch.float16`` / ``torch.bfloat16`` (cast, like torch's
             ``fp16_compress_hook``). A compressor belongs to one state: its error
@@ -688,7 +688,7 @@ def _check_compression(compression: Any) -> None:
     if isinstance(compression, str):
         hint = (f"; names such as {compression!r} are for hvdgc-launch --compression (HVDGC_COMPRESSION): "
                 "hvd_gradcomp.ddp.compression_from_env() builds one from them")
-    raise ValueError(f"compression must be an hvd_gradcomp compressor (TopKQSGD, TopK, QSGD), gc.Auto(), None or "
+    raise ValueError(f"compression must be an hvd_gradcomp compressor (TopKQSGD, TopK, QSGD, PowerSGD), gc.Auto(), None or "
                      f"torch.float16/torch.bfloat16, got {compression!r}{hint}")
 
 

@@ -449,7 +449,7 @@ class Feedback:
         then checks the whole average for NaN/Inf, a pass over the tensor in ``synchronize()``).
 
         Why: the exchange proves the average finite from the values sent
-        (:func:`hvd_gradcomp.exchange.finite_at_indices`) instead of reading all of it. Asked through
+        (:func:`hvd_gradcomp.reduce.finite_at_indices`) instead of reading all of it. Asked through
         :func:`known_terms`, which answers None for a ``received`` overridden below the class that
         says what it does.
         """
