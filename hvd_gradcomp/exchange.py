@@ -470,7 +470,8 @@ class RoundsExchange:
     and launches the second, ``finish`` writes the approximation. A tensor the compressor does
     not factor (1-d, too small to gain) is allreduced as it is, in one round. A NaN/Inf
     gradient on any rank makes the average non-finite on every rank (the optimizer's check then
-    undoes the step in the compressor)."""
+    undoes the step in the compressor). A rank inside ``hvd.join()`` would add zeros to the
+    averages unnoticed: :class:`JoinGuard` refuses it first, as on the other compressed roads."""
 
     join_guard: Optional[JoinGuard] = None
     two_stage = True
@@ -480,12 +481,15 @@ class RoundsExchange:
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         hvd = _hvd()
+        _begin(self)   # hvd.join() is refused, as on the other compressed roads (see JoinGuard)
         if not self.compressor.compressible(tuple(grad.shape)):
+            _confirm(self)
             tensor = allreducible(grad.contiguous())
             handle = hvd.allreduce_async(tensor, name=f"hvdgc.rounds.dense.{name}", op=self.op,
                                          process_set=self.process_set)
             return Pending(name, grad.shape, grad.dtype, handle, None, tensor.numel() * tensor.element_size(), stage=2)
         work = self.compressor.first_round(name, grad)
+        _confirm(self)
         handle = hvd.allreduce_async(work.send, name=f"hvdgc.rounds.1.{name}", op=hvd.Average,
                                      process_set=self.process_set)
         return Pending(name, grad.shape, grad.dtype, handle, work, work.send.numel() * work.send.element_size())
