@@ -411,6 +411,7 @@ def test_real_horovod_optimizer_hands_names_to_the_adapter(real) -> None:
     assert real["wrong-model"].startswith("HorovodIntegrationError") and "bound to this compressor" in real["wrong-model"]
 
 
+@pytest.mark.slow
 def test_misuse_errors(real) -> None:
     assert real["too_many_backward"].startswith("AssertionError: Gradients were computed more than "
                                                 "backward_passes_per_step (1) times")
@@ -428,6 +429,7 @@ def test_misuse_errors(real) -> None:
     assert "steps=4, this accumulator has steps=2" in real["load_other_steps"]
 
 
+@pytest.mark.slow
 def test_unread_settings_warn_once(real) -> None:
     first, second = real["warnings"]
     assert len(first) == 1 and first[0].startswith("UnreadSettingsWarning: HVDGC_COMPRESSION=topk is set")
