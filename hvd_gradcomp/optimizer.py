@@ -106,6 +106,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.exchange_timing = self._compressed  # .codec_s / .codec_sync_s / .wait_s, all steps
         self._step_bytes = 0
         self._hook_handles: List[Any] = []
+        # Each gradient as backward left it (tensor, version): user code changing it before the exchange
+        # is finished is refused at synchronize() (see _changed_gradient)
+        self._final: Dict[torch.Tensor, Optional[Tuple[torch.Tensor, int]]] = {}
         if self._included:
             self._register_hooks()
 
@@ -128,12 +131,15 @@ class _GradCompOptimizer(torch.optim.Optimizer):
 
     def _hook(self, p: torch.Tensor) -> None:
         if p in self._pending or p in self._sparse_pending:
+            self._backward_done()   # this error, not _changed_gradient's, names what went wrong
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step "
                 f"({self.backward_passes_per_step}) times before step()/synchronize(). Increase "
                 "backward_passes_per_step to accumulate gradients locally, or call step() more often.")
         self._synchronized = False
         self._delay[p] -= 1
+        if self._delay[p] == 0:
+            self._watch(p)
         if self._delay[p] == 0 and (p.grad.is_sparse or not self._is_small(p)):
             self._start(p)
             self._progress()
@@ -146,6 +152,44 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 # rest of backward, instead of from synchronize(). (A step where one has no gradient
                 # never gets here: synchronize() starts it, with zeros for the missing ones.)
                 self._early_fused = self._start_fused(self._small)
+
+    def _watch(self, p: torch.Tensor) -> None:
+        """Note ``p``'s gradient as final; at the end of this backward pass (an autograd engine callback,
+        after the early decodes of :meth:`_progress` have written what they write), its version is taken."""
+        if not self._final:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        self._final[p] = None
+
+    def _backward_done(self) -> None:
+        for p in self._final:
+            self._final[p] = None if p.grad is None else (p.grad, p.grad._version)
+
+    def _changed_gradient(self) -> Optional[str]:
+        """The name of a gradient that user code changed between ``backward()`` and ``step()`` without
+        ``synchronize()`` first (``clip_grad_norm_``, a loss scaler's ``unscale_``, a hand-made decay),
+        or None. One read of a version counter per parameter.
+
+        Why: until ``synchronize()`` a gradient's ``p.grad`` holds this rank's gradient or, where its
+        exchange was already decoded during backward, the average: which of the two depends on timing.
+        Clipping there measured a different norm on each rank and scaled the averages already written
+        by a different factor, so the replicas drifted apart, silently; what it did to the local
+        gradients was lost (they had been sent)."""
+        changed = next((p for p, seen in self._final.items()
+                        if seen is not None and (p.grad is not seen[0] or p.grad._version != seen[1])), None)
+        self._final.clear()
+        return None if changed is None else self._parameter_names.get(changed, "?")
+
+    @staticmethod
+    def _refuse_changed(name: str) -> None:
+        raise RuntimeError(
+            f"hvd_gradcomp.DistributedOptimizer: the gradient of {name!r} was changed after backward() and before "
+            "step() (clip_grad_norm_, a loss scaler's unscale_, or other code writing p.grad) while its exchange "
+            "was still open. Until synchronize() p.grad holds this rank's gradient or the average, depending on "
+            "timing, so such code scales each rank differently and the replicas drift apart. Call "
+            "opt.synchronize(), then change the averaged gradients, then `with opt.skip_synchronize(): "
+            "opt.step()` (Horovod's pattern), or clip with GradientAccumulator(opt, steps=..., max_grad_norm=...); "
+            "with a TopK compressor bound each rank's gradient with its clip= instead "
+            "(docs/PRECISION_AND_CLIPPING.md). This step's exchange was finished; the optimizer did not step.")
 
     def _progress(self) -> None:
         """Decode the exchanges already done while backward goes on, instead of all at synchronize()."""
@@ -188,6 +232,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         t0 = time.perf_counter()
+        changed = self._changed_gradient()   # refused once the exchanges are finished: every rank takes part
         self._adopt_unfrozen()
         small = []
         for p in self._delay:
@@ -233,6 +278,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.last_step_bytes, self._step_bytes = self._step_bytes, 0
         self.comm_wait_s += time.perf_counter() - t0
         self._synchronized = True
+        if changed is not None:
+            self._synchronized = False
+            self._refuse_changed(changed)
 
     def _adopt_unfrozen(self) -> None:
         """Parameters with ``requires_grad=False`` when this optimizer was built that have a gradient now
@@ -367,6 +415,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._join.reset()
+        self._final.clear()
         if isinstance(self.compression, GradientCompressor):
             self.compression.abandon_round()
 

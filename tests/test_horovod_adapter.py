@@ -430,6 +430,18 @@ def test_misuse_errors(real) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["topkqsgd", "qsgd", "none"])
+def test_gradients_changed_between_backward_and_step_are_refused(real, kind) -> None:
+    """clip_grad_norm_ before step() without synchronize(): p.grad then holds this rank's gradient or the
+    average depending on timing (2 ranks: the replicas drifted apart, silently); refused at step() with
+    Horovod's pattern named. That pattern, and a plain step, pass."""
+    err = real[f"clip-before-step-{kind}"]
+    assert err.startswith("RuntimeError: hvd_gradcomp.DistributedOptimizer: the gradient of '"), err
+    assert "opt.synchronize()" in err and "skip_synchronize" in err and "max_grad_norm" in err
+    assert real[f"plain-step-{kind}"] == "no error"
+
+
+@pytest.mark.slow
 def test_unread_settings_warn_once(real) -> None:
     first, second = real["warnings"]
     assert len(first) == 1 and first[0].startswith("UnreadSettingsWarning: HVDGC_COMPRESSION=topk is set")

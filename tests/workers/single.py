@@ -91,6 +91,34 @@ def optimizer_misuse() -> Dict[str, Any]:
     out["load_mid_window"] = _error(lambda: acc.load_state_dict({**state, "pending": 1}))  # a hand-made one
     out["load_other_steps"] = _error(lambda: gc.GradientAccumulator(acc_opt, steps=2).load_state_dict(
         {**state, "steps": 4, "pending": 0}))
+    out.update(grads_changed_before_step())
+    return out
+
+
+def grads_changed_before_step() -> Dict[str, Any]:
+    """clip_grad_norm_ between backward() and step() without synchronize(), on every compressor kind and
+    uncompressed; then Horovod's pattern (synchronize, clip, skip_synchronize step), which must pass."""
+    out: Dict[str, Any] = {}
+    x = torch.randn(8, 32)
+    for kind, comp in (("topkqsgd", gc.TopKQSGD()), ("qsgd", gc.QSGD(bits=8)), ("none", None)):
+        model = _model()
+        opt = gc.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      named_parameters=model.named_parameters(), compression=comp,
+                                      min_compress_numel=16)
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        out[f"clip-before-step-{kind}"] = _error(opt.step)
+        opt.zero_grad()
+        for _ in range(2):   # the next steps, in Horovod's pattern
+            model(x).pow(2).mean().backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            with opt.skip_synchronize():
+                opt.step()
+            opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        out[f"plain-step-{kind}"] = _error(opt.step)
+        opt.remove_hooks()
     return out
 
 
