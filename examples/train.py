@@ -316,7 +316,7 @@ def make_compression(cfg: CompressionConfig, feedback: str = "auto", masking: bo
     if not isinstance(compression, gc.GradientCompressor):
         return compression
     if feedback != "auto" and compression.error_feedback:
-        compression.set_feedback(gcfb.MomentumCorrection(masking=masking) if feedback == "momentum"
+        compression.set_feedback(gc.MomentumCorrection(masking=masking) if feedback == "momentum"
                                  else feedback)
     if warmup_steps is not None and isinstance(compression, gc.TopK):  # 0: a constant ratio, no warm-up
         compression.schedule = gc.SparsityWarmup(cfg.ratio, warmup_steps, warmup_ratio)

@@ -24,7 +24,7 @@ _LAZY = {
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "PowerSGD": "horovod",
     "HorovodIntegrationError": "horovod",
     "GradientCompressor": "compressors", "SparsityWarmup": "compressors",
-    "ResidualStore": "feedback", "FrozenVariance": "feedback", "MomentumCorrection": "feedback",
+    "ResidualStore": "feedback", "FrozenVariance": "frozen", "MomentumCorrection": "momentum",
     "ByteStats": "stats",
     "WireFormatError": "wire",
     "DistributedOptimizer": "optimizer",

@@ -38,6 +38,7 @@ import torch
 from . import codecs, kernels, wire
 from . import feedback as fb
 from .feedback import Feedback
+from .frozen import WHILE_DENSE, FrozenVariance
 from .stats import ByteStats
 from .settings import MIN_SELECTED, Checked, check_bits, check_bucket_size, check_min_k, check_min_ratio, check_ratio
 
@@ -87,7 +88,7 @@ Ratio = Union[float, Callable[[int], float]]
 
 WARMUP_PACE_RATIO = 0.01
 """The ratio at which a feedback policy's ``sparsity_warmup`` is its length (see :func:`sparsity_warmup_steps`)."""
-LOW_RATIO_FROZEN = {"sparsity_warmup": 100, "momentum": fb.WHILE_DENSE}
+LOW_RATIO_FROZEN = {"sparsity_warmup": 100, "momentum": WHILE_DENSE}
 """``feedback="auto"``'s ``FrozenVariance`` settings below :data:`WARMUP_PACE_RATIO` (see :meth:`TopK._auto_policy`)."""
 
 
@@ -103,7 +104,7 @@ def sparsity_warmup_steps(steps: int, ratio: float, pace: str = "same") -> int:
     at 1%, and TopKQSGD(0.1%, 8) ended further from uncompressed training on the study's tasks
     (docs/STUDY.md, the 0.1% rows and "Sparsity warm-up at 0.1%"). Which pace: a policy's
     :attr:`~hvd_gradcomp.feedback.Feedback.warmup_pace` (momentum correction's warm-up is all the
-    lead-in it has, see :class:`~hvd_gradcomp.feedback.MomentumCorrection`).
+    lead-in it has, see :class:`~hvd_gradcomp.momentum.MomentumCorrection`).
 
     >>> sparsity_warmup_steps(100, 0.01), sparsity_warmup_steps(100, 0.001), sparsity_warmup_steps(100, 0.1)
     (100, 172, 100)
@@ -1171,7 +1172,7 @@ class TopK(GradientCompressor):
         (docs/STUDY.md: TopKQSGD(0.1%, 8) against its *no sparsity warm-up after the freeze* rows);
         with each rank's gradient sent at that share the freeze check's model jumped, hence the
         momentum while the share is above 1 - b1 (see
-        :meth:`hvd_gradcomp.feedback.FrozenVariance._dense_share`, docs/FREEZE_CHECK_01.md). At 1%
+        :meth:`hvd_gradcomp.frozen.FrozenVariance._dense_share`, docs/FREEZE_CHECK_01.md). At 1%
         the default without a warm-up meets every target.
 
         >>> low = TopK(ratio=0.001)._auto_policy("frozen")
@@ -1182,7 +1183,7 @@ class TopK(GradientCompressor):
         """
         if key != "frozen" or self.schedule is not None or self.ratio >= WARMUP_PACE_RATIO:
             return fb.make(key)
-        return fb.FrozenVariance(**LOW_RATIO_FROZEN)
+        return FrozenVariance(**LOW_RATIO_FROZEN)
 
     def _caution(self) -> str:
         if self.ratio >= MEASURED_RATIO:

@@ -66,6 +66,7 @@ from .auto import Auto
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, TopKQSGD, refuse_class
 from .ddp_auto import _AutoRoads
 from .ddp_roads import _KEEP_ALIVE, _ROADS, Future, _allreduce, _dense_bucket, _done, _Plan, _Segment, _then
+from .momentum import MomentumCorrection
 from .stats import ByteStats
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16)
@@ -645,7 +646,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
     auto = comp.feedback_choice == "auto" and not comp._restored
     dense_codec = comp.collective == codecs.COMPRESSED_ALLREDUCE   # its choice does not depend on the optimizer (feedback.choose)
     if optimizer is None:
-        if isinstance(comp.feedback, fb.MomentumCorrection) and comp.feedback.momentum is None:
+        if isinstance(comp.feedback, MomentumCorrection) and comp.feedback.momentum is None:
             raise ValueError("feedback='momentum' reads the momentum from the optimizer: pass optimizer= to "
                              "register() / GradCompState (or feedback=MomentumCorrection(momentum=m))")
         if comp.feedback.moves_parameters:

@@ -467,7 +467,7 @@ def momentum_marked(grad: torch.Tensor, old: Optional[torch.Tensor], residual: O
                     u: torch.Tensor, acc: torch.Tensor, momentum: float, dampening: float = 0.0,
                     k: Optional[int] = None, total: bool = False, scale: Optional[float] = None
                     ) -> Optional[Marks]:
-    """Momentum correction's input in one pass (:class:`hvd_gradcomp.feedback.MomentumCorrection`):
+    """Momentum correction's input in one pass (:class:`hvd_gradcomp.momentum.MomentumCorrection`):
     writes the new velocity ``u = momentum*old + (1-dampening)*grad`` (``grad`` when ``old`` is
     None) and ``acc = u + residual`` (``u`` when None; ``scale``: ``u + residual * scale``), both flat,
     in the caller's buffers; returns,

@@ -14,7 +14,8 @@ import hvd_gradcomp as gc
 from hvd_gradcomp import QSGD, TopK, TopKQSGD
 from hvd_gradcomp import feedback as fb
 from hvd_gradcomp.compressors import SparsityWarmup
-from hvd_gradcomp.feedback import FLAT_RATE_STEPS
+from hvd_gradcomp.frozen import FLAT_RATE_STEPS
+from hvd_gradcomp.momentum import MomentumCorrection
 
 
 def gen(seed: int) -> torch.Generator:
@@ -61,7 +62,7 @@ def test_momentum_correction_at_ratio_one_is_momentum_sgd(opts):
 
 def test_momentum_correction_keeps_the_error_feedback_invariant():
     """sent + new residual == velocity + old residual, and the velocity is m*u + g."""
-    mc = fb.MomentumCorrection(momentum=0.5)
+    mc = MomentumCorrection(momentum=0.5)
     c = TopK(ratio=0.1, feedback=mc)
     u = torch.zeros(100)
     for step in range(5):
@@ -75,7 +76,7 @@ def test_momentum_correction_keeps_the_error_feedback_invariant():
 
 
 def test_momentum_masking_zeroes_the_sent_coordinates():
-    mc = fb.MomentumCorrection(momentum=0.9, masking=True)
+    mc = MomentumCorrection(momentum=0.9, masking=True)
     c = TopK(ratio=0.1, feedback=mc)
     payload = c.compress_named("w", torch.randn(50, generator=gen(1)))
     idx, _ = c.decode_parts(payload)
@@ -631,7 +632,7 @@ def test_momentum_correction_starts_with_a_sparsity_warmup():
     user's own turns it off; the setting is checkpointed (old checkpoints resume without one)."""
     p = torch.zeros(4000, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    c = TopK(ratio=0.01, feedback=gc.feedback.MomentumCorrection(sparsity_warmup=4), seed=0)
+    c = TopK(ratio=0.01, feedback=gc.MomentumCorrection(sparsity_warmup=4), seed=0)
     c.attach(opt, {p: "w"})
     sent = [c.decode_parts(c.compress_named("w", torch.randn(4000, generator=gen(s))))[0].numel() for s in range(6)]
     assert sent == [1000, 448, 200, 90, 40, 40], sent   # ceil(4000 * 0.25 * 0.04 ** (s / 4))
@@ -639,16 +640,16 @@ def test_momentum_correction_starts_with_a_sparsity_warmup():
     auto.attach(opt, {p: "w"})
     assert auto.feedback.key == "momentum" and auto.ratio_at(0) == 0.25
     assert auto.feedback.sparsity_warmup == gc.feedback.SPARSITY_WARMUP
-    assert TopK(ratio=0.01, feedback=gc.feedback.MomentumCorrection(sparsity_warmup=0)).ratio_at(0) == 0.01
+    assert TopK(ratio=0.01, feedback=gc.MomentumCorrection(sparsity_warmup=0)).ratio_at(0) == 0.01
     assert TopK(ratio=gc.SparsityWarmup(0.01, steps=0), feedback="momentum").ratio_at(0) == 0.01
     state = c.feedback.state_dict()
     assert state["sparsity_warmup"] == 4
     old = {k: v for k, v in state.items() if k != "sparsity_warmup"}
-    resumed = gc.feedback.MomentumCorrection()
+    resumed = gc.MomentumCorrection()
     resumed.load_state_dict(old)
     assert resumed.sparsity_warmup == 0
     with pytest.raises(ValueError, match="sparsity_warmup must be an int >= 0"):
-        gc.feedback.MomentumCorrection(sparsity_warmup=2.5)
+        gc.MomentumCorrection(sparsity_warmup=2.5)
 
 
 def test_frozen_variance_sparsity_warmup_follows_the_dense_warmup():

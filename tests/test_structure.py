@@ -21,7 +21,7 @@ from hvd_gradcomp import _LAZY, config
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hvd_gradcomp"
 # What is sent and what is remembered: no Horovod, nothing from the layers above.
-CODEC_MODULES = {"settings", "codecs", "wire", "kernels", "compressors", "feedback", "stats"}
+CODEC_MODULES = {"settings", "codecs", "wire", "kernels", "compressors", "feedback", "momentum", "frozen", "stats"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod.py only.
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
 
@@ -169,7 +169,7 @@ LAYERS = (
     ("settings", ("settings", "codecs", "stats", "policy")),
     ("wire", ("wire",)),
     ("kernels", ("kernels",)),
-    ("feedback", ("feedback",)),
+    ("feedback", ("feedback", "momentum", "frozen")),
     ("compressors", ("compressors", "powersgd")),
     ("reduce", ("reduce",)),
     ("exchange", ("exchange",)),
