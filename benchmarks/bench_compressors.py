@@ -109,7 +109,7 @@ STAGES = [  # (module, attribute, label): the functions of the TopKQSGD road, ti
     ("feedback", "subtract_sent", "error-feedback subtract"),
     ("compressors", "GradientCompressor._compress_finite", "= encode, this rank, total"),
     ("wire", "decode_indices", "index decode"),
-    ("compressors", "_read_qsgd", "values decode"),
+    ("qsgd", "_read_qsgd", "values decode"),
     ("compressors", "GradientCompressor.decode_parts", "= decode of the other rank's payload, total"),
     ("exchange", "sum_parts", "sum of both parts into the gradient"),
 ]

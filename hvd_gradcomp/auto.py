@@ -60,11 +60,13 @@ import torch
 
 from . import feedback as fb
 from . import policy
-from .compressors import QSGD, TopKQSGD, _compressible, payload_size
+from .compressors import _compressible, payload_size
 from .exchange import (AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange,
                        TimedExchange, allreducible, chunk_bounds, wait_done)
 from .feedback import residual_dtype
 from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE, Link, TensorCosts
+from .qsgd import QSGD
+from .topk import TopKQSGD
 
 OURS_ROADS = (SPARSE, QSGD_AR, FP16, DENSE)   # exploration order: the dense road last, so the
 STOCK_ROADS = (SPARSE, QSGD_AG, FP16, DENSE)  # residuals are flushed when exploration ends

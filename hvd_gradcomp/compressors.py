@@ -14,6 +14,7 @@ Horovod's compressor protocol (``compress``/``decompress``) is added on top by
 
 Example::
 
+    >>> from hvd_gradcomp.topk import TopKQSGD
     >>> c = TopKQSGD(ratio=0.01, bits=8)
     >>> g = torch.randn(1_000_000)
     >>> payload = c.compress_named("fc.weight", g)     # 10,000 values, 8 bits each, + indices
@@ -31,16 +32,15 @@ import warnings
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from . import codecs, kernels, wire
 from . import feedback as fb
 from .feedback import Feedback
-from .frozen import WHILE_DENSE, FrozenVariance
 from .stats import ByteStats
-from .settings import MIN_SELECTED, Checked, check_bits, check_bucket_size, check_min_k, check_min_ratio, check_ratio
+from .settings import check_ratio
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
@@ -62,6 +62,7 @@ class SparsityWarmup:
     >>> w = SparsityWarmup(0.01, steps=4)
     >>> [round(w(s), 4) for s in (0, 2, 4, 100)]
     [0.25, 0.05, 0.01, 0.01]
+    >>> from hvd_gradcomp.topk import TopKQSGD
     >>> TopKQSGD(ratio=SparsityWarmup(0.01, steps=100)).ratio      # the target
     0.01
     """
@@ -88,8 +89,6 @@ Ratio = Union[float, Callable[[int], float]]
 
 WARMUP_PACE_RATIO = 0.01
 """The ratio at which a feedback policy's ``sparsity_warmup`` is its length (see :func:`sparsity_warmup_steps`)."""
-LOW_RATIO_FROZEN = {"sparsity_warmup": 100, "momentum": WHILE_DENSE}
-"""``feedback="auto"``'s ``FrozenVariance`` settings below :data:`WARMUP_PACE_RATIO` (see :meth:`TopK._auto_policy`)."""
 
 
 def sparsity_warmup_steps(steps: int, ratio: float, pace: str = "same") -> int:
@@ -120,13 +119,6 @@ def sparsity_warmup_steps(steps: int, ratio: float, pace: str = "same") -> int:
     start = SparsityWarmup.start
     return math.ceil(steps * math.log(start / ratio) / math.log(start / WARMUP_PACE_RATIO))
 
-# A delta-coded sparse payload may stand for this many elements per payload byte, whatever
-# the decoder's ratio (ratios down to ~5e-6 stay below it); beyond, only as many as the
-# decoder's own ratio explains. A forged ``numel`` cannot make decode() allocate more.
-MAX_EXPANSION = 1 << 16
-# The smallest top-k ratio that matched uncompressed held-out loss on every task of the study
-# (docs/STUDY.md); a smaller one is cautioned about at start-up (TopK._caution).
-MEASURED_RATIO = 0.01
 # For this many exchange steps a compressor whose average carries held-back updates (see
 # GradientCompressor.carries_held_back) checks that the optimizer steps on the average as it was
 # handed over (HandedCheck), on this many sent values per tensor.
@@ -368,6 +360,7 @@ class GradientCompressor:
         """Choose the feedback policy after construction (as ``feedback=``), before the first
         exchange; returns self.
 
+        >>> from hvd_gradcomp.topk import TopK
         >>> TopK().set_feedback("momentum").feedback.key
         'momentum'
         """
@@ -512,6 +505,7 @@ class GradientCompressor:
         goes uncompressed in the dense allreduce; or its feedback policy asks for a dense step
         (:meth:`hvd_gradcomp.feedback.Feedback.dense`).
 
+        >>> from hvd_gradcomp.topk import TopK
         >>> c = TopK(exclude=r"embed|norm")
         >>> c.compresses("tok_embed.weight"), c.compresses("fc.bias", 64), c.compresses("fc.weight", 4096)
         (False, False, True)
@@ -540,6 +534,7 @@ class GradientCompressor:
         for fidelity (exact Adam, whose second moment is then frozen for the rest of the run), so
         it stays float32; it ends after ``warmup`` steps, so it cannot be what the bytes come to.
 
+        >>> from hvd_gradcomp.topk import TopK
         >>> c = TopK(exclude=r"norm")
         >>> c.sends_half("fc.bias", torch.float32, small=True), c.sends_half("norm.weight", torch.float32, False)
         (True, True)
@@ -647,6 +642,7 @@ class GradientCompressor:
         differ), so an exchange sums this rank's own part from them instead of decoding its own
         payload. For QSGD, its codes (:class:`~hvd_gradcomp.kernels.QSGDDecoded`).
 
+        >>> from hvd_gradcomp.topk import TopKQSGD
         >>> c = TopKQSGD(ratio=0.01, bits=8)
         >>> payload, (idx, vals) = c.compress_carried("fc.weight", torch.randn(100_000))
         >>> d_idx, d_vals = c.decode_parts(payload)
@@ -966,363 +962,6 @@ class GradientCompressor:
         raise NotImplementedError
 
 
-class _Quantiser:
-    """What QSGD and TopKQSGD share: bits, bucket size and the error-feedback scale."""
-
-    error_feedback: bool
-
-    def _init_quantiser(self, bits: int, bucket_size: int) -> None:
-        self.bits = bits
-        self.bucket_size = bucket_size
-
-    bits = Checked(check_bits, "Bits per value: 1 sign bit + level bits, 2 to 8.")
-    bucket_size = Checked(check_bucket_size, "Values sharing one norm, 1 to 2**32 - 1.")
-
-    @property
-    def ef_scale(self) -> float:
-        return qsgd_ef_scale(self.bits, self.bucket_size) if self.feedback.contract else 1.0
-
-    @property
-    def _contracting(self) -> bool:
-        return qsgd_ef_scale(self.bits, self.bucket_size) < 1.0
-
-
-class QSGD(_Quantiser, GradientCompressor):
-    """QSGD (Alistarh et al., 2017): norm-scaled stochastic quantisation, unbiased.
-
-    Per bucket of ``bucket_size`` values, each value is sent as a sign and a level in
-    0..s (s = 2**(bits-1) - 1) of ``|x| / ||bucket||_2``, rounded up or down at random so
-    that E[decode(encode(x))] = x. Levels are bit-packed (8 bits: 1 per byte, 4 bits: 2 per
-    byte, 2 bits: 4 per byte) with one float32 norm per bucket.
-
-    Payload bytes: 40 + 8*ndim + pad8(4 * ceil(n / bucket_size)) + pad8(ceil(n * bits / 8)).
-
-    >>> QSGD(bits=4)
-    QSGD(bits=4, bucket_size=512, error_feedback=True)
-    """
-
-    kind = wire.KIND_QSGD
-    codec_name = "qsgd"
-    collective = codecs.COMPRESSED_ALLREDUCE
-
-    def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
-                 seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
-                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
-        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
-        self._init_quantiser(bits, bucket_size)
-
-    def __repr__(self) -> str:
-        return (f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback}"
-                f"{self._extra_repr()})")
-
-    def payload_size(self, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
-                     index_bytes: Optional[int] = None) -> int:
-        """Exact: ``40 + 8*ndim`` (padded) + the norms + the packed codes.
-
-        >>> QSGD(bits=8).payload_size((1024,))
-        1080
-        """
-        n = math.prod(shape)
-        nb = (n + self.bucket_size - 1) // self.bucket_size
-        return _head_bytes(shape) + wire.padded(4 * nb) + wire.padded((n * self.bits + 7) // 8)
-
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
-                marked: fb.Marked = None) -> Encoded:
-        n = flat.numel()
-        if self.bits == 8 and n >= kernels.COMPILE_MIN_NUMEL:
-            # Codes are the payload bytes: write them in place, sparing assemble a copy.
-            nb = (n + self.bucket_size - 1) // self.bucket_size
-            norm_bytes, code_bytes = wire.reserve([4 * nb, n], flat.device)
-            norms, codes = kernels.qsgd_encode(flat, 8, self.bucket_size, seed, codes=code_bytes, dtype=dtype)
-            norms = _shrunk(norms, contract, self.bits, min(n, self.bucket_size))
-            norm_bytes.view(torch.float32).copy_(norms)
-            sections = [norm_bytes, code_bytes]
-        else:
-            norms, codes = kernels.qsgd_encode(flat, self.bits, self.bucket_size, seed, dtype=dtype)
-            norms = _shrunk(norms, contract, self.bits, min(n, self.bucket_size))
-            sections = [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
-        sent = kernels.QSGDDecoded(norms, codes, self.bits, self.bucket_size, dtype)
-        return Encoded(n, self.bits, wire.INDEX_NONE, self.bucket_size, sections, sent)
-
-    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
-        return _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
-
-    def _caution(self) -> str:
-        """Said with the start-up choice where the rounding noise dwarfs the gradient.
-
-        Why: unbiased is not enough at a learning rate tuned for uncompressed training. In an outside
-        check (session 32, a small MLP on 2 ranks, not kept in the repo) 2-bit QSGD with 512-value
-        buckets (noise up to 4.8x a bucket's norm) diverged with momentum SGD at lr 0.05, where 3- and
-        4-bit QSGD (up to 2.7x and 1.8x) trained.
-
-        >>> "Note: at 2 bits" in QSGD(bits=2)._caution(), QSGD(bits=4)._caution()
-        (True, '')
-        """
-        w = qsgd_variance_bound(self.bits, self.bucket_size)
-        if w < QSGD_NOISY:
-            return ""
-        return (f" Note: at {self.bits} bits with buckets of {self.bucket_size} values, each bucket a rank sends "
-                f"carries rounding noise of up to {math.sqrt(w):.1f}x its norm (unbiased, Alistarh et al. 2017): at a "
-                "learning rate tuned for uncompressed training this can diverge. Lower the learning rate, or "
-                "use more bits (4 or 8) or a smaller bucket_size.")
-
-
-# QSGD's variance bound w (E||Q(v) - v||^2 <= w ||v||^2) from which the start-up message cautions
-# (QSGD._caution): 2 bits at 512 values (22.6) diverged in a check, 3 bits (7.5) trained.
-QSGD_NOISY = 10.0
-
-
-class TopK(GradientCompressor):
-    r"""TopK sparsification: send the k = max(min_k, ceil(ratio * n)) entries of largest magnitude
-    (all n when n <= min_k; ``min_k`` defaults to :data:`~hvd_gradcomp.settings.MIN_SELECTED`, 32:
-    fewer values than that save almost no bytes, since each payload carries its header, 56 bytes
-    for a matrix, and starve the tensor).
-
-    ``min_ratio``: ``{regular expression: share}``; a tensor whose name matches sends at least
-    that share (the largest of the matching ones), e.g. an output layer that trains worse than
-    the rest at a small ratio. The rest follow ``ratio`` (and its warm-up or schedule). Names are
-    those of ``model.named_parameters()`` (under DDP, of the module it wraps), as for ``exclude``.
-
-    Selection is exact (see :func:`hvd_gradcomp.kernels.topk_indices`). Values travel in the
-    gradient's dtype; indices are delta coded with per-block bit widths, or as a bitmap when
-    that is smaller (ratios above ~1/10). Under error feedback a float16/bfloat16 gradient's
-    residual is float32 and can exceed the dtype's range: such values are sent clamped to the
-    largest finite value and the rest stays in the residual, so nothing decodes to inf.
-
-    >>> TopK(ratio=0.01)
-    TopK(ratio=0.01, error_feedback=True)
-    >>> TopK(ratio=0.001).selected(4096), TopK(ratio=0.001).selected(1_000_000), TopK(0.001, min_k=1).selected(4096)
-    (32, 1000, 5)
-    >>> c = TopK(ratio=0.001, min_ratio={r"^out\.": 0.01})
-    >>> c.share("out.weight"), c.share("fc1.weight")
-    (0.01, 0.001)
-    """
-
-    kind = wire.KIND_TOPK
-    codec_name = "topk"
-    collective = codecs.ALLGATHER
-    ratio = Checked(check_ratio, "The share of entries sent, in (0, 1] (the target, with a schedule).")
-    min_k = Checked(check_min_k, "The fewest values sent of a compressed tensor (all of them when it has fewer).")
-
-    def __init__(self, ratio: Ratio = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
-                 feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
-                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16",
-                 min_k: int = MIN_SELECTED, min_ratio: Optional[Mapping[str, float]] = None) -> None:
-        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
-        self.schedule: Optional[Callable[[int], float]] = None
-        if callable(ratio):
-            self.schedule = ratio
-            ratio = getattr(ratio, "ratio", None) or ratio(0)
-        self.ratio = ratio
-        self.min_k = min_k
-        self.min_ratio = min_ratio
-
-    @property
-    def min_ratio(self) -> Dict[str, float]:
-        """Per-name floors of the share sent, ``{regular expression: share}`` (checked on assignment)."""
-        return dict(self._min_ratio)
-
-    @min_ratio.setter
-    def min_ratio(self, value: Optional[Mapping[str, float]]) -> None:
-        self._min_ratio = check_min_ratio(value)
-
-    @property
-    def carries_held_back(self) -> bool:
-        """True under ``classic`` error feedback and ``momentum`` correction (what they hand the
-        optimizer is each sent coordinate's held-back sum); ``frozen`` and ``update`` move the
-        parameters themselves.
-
-        >>> TopK().carries_held_back, TopK().set_feedback("frozen").carries_held_back
-        (True, False)
-        """
-        return self.feedback.key in ("classic", "momentum")
-
-    def selected(self, numel: int, ratio: Optional[float] = None) -> int:
-        """How many of a ``numel``-element tensor's entries are sent at ``ratio`` (default: the target
-        ratio): ``max(min_k, ceil(ratio * numel))``, at most ``numel``."""
-        share = self.ratio if ratio is None else ratio
-        return min(numel, max(self.min_k, kernels.num_selected(share, numel)))
-
-    def __repr__(self) -> str:
-        return f"TopK(ratio={self._ratio_repr()}, error_feedback={self.error_feedback}{self._extra_repr()})"
-
-    def payload_size(self, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
-                     index_bytes: Optional[int] = None) -> int:
-        """Header + ``index_bytes`` (the index coding's size, which depends on the indices) + the values."""
-        if index_bytes is None:
-            raise ValueError("sparse payload sizes depend on the index coding: pass index_bytes")
-        return _head_bytes(shape) + index_bytes + self._values_bytes(self.selected(math.prod(shape)), dtype)
-
-    def _values_bytes(self, k: int, dtype: torch.dtype) -> int:
-        return wire.padded(k * dtype.itemsize)
-
-    def _extra_repr(self) -> str:
-        extra = f", min_k={self.min_k}" if self.min_k != MIN_SELECTED else ""
-        if self._min_ratio:
-            extra += f", min_ratio={self._min_ratio!r}"
-        return super()._extra_repr() + extra
-
-    def _auto_policy(self, key: str) -> Feedback:
-        """``feedback="auto"``'s policy; with Adam (``"frozen"``) below ratio 1% and without a ratio
-        schedule of the user's: :data:`LOW_RATIO_FROZEN`'s sparsity warm-up after the freeze, sending
-        Adam's momentum while it is dense.
-
-        Why below 1% only: at 0.1% each coordinate is sent at most about once in the study's runs
-        (docs/STUDY_RUN_LENGTH.md), and starting from 25% after the freeze sends most of them early
-        (docs/STUDY.md: TopKQSGD(0.1%, 8) against its *no sparsity warm-up after the freeze* rows);
-        with each rank's gradient sent at that share the freeze check's model jumped, hence the
-        momentum while the share is above 1 - b1 (see
-        :meth:`hvd_gradcomp.frozen.FrozenVariance._dense_share`, docs/FREEZE_CHECK_01.md). At 1%
-        the default without a warm-up meets every target.
-
-        >>> low = TopK(ratio=0.001)._auto_policy("frozen")
-        >>> low.sparsity_warmup, low.momentum
-        (100, 'while dense')
-        >>> TopK(ratio=0.01)._auto_policy("frozen").sparsity_warmup
-        0
-        """
-        if key != "frozen" or self.schedule is not None or self.ratio >= WARMUP_PACE_RATIO:
-            return fb.make(key)
-        return FrozenVariance(**LOW_RATIO_FROZEN)
-
-    def _caution(self) -> str:
-        if self.ratio >= MEASURED_RATIO:
-            return ""
-        # issue 9: at 0.1% one of the study's tasks ends more than 2% above uncompressed at its length,
-        # some in 3x longer runs; say it once rather than let a user find out at the end of a run
-        return (f" Note: ratio {self.ratio:g} is below {MEASURED_RATIO:g}, the ratio hvd-gradcomp's study measures every task "
-                "at (docs/STUDY.md); below it the held-out loss ended more than 2% above "
-                "uncompressed training on some tasks, at the study's length or in 3x longer runs (docs/STUDY.md, "
-                "docs/STUDY_RUN_LENGTH.md)." + self._warmup_note() + ("" if self._min_ratio else
-                " A layer that trains worse than the rest, often the output layer, can keep a larger share: "
-                "min_ratio={name pattern: share}."))
-
-    def _policy_warmup_steps(self) -> int:
-        """The feedback policy's sparsity warm-up at this ratio: longer below 1% (its ``warmup_pace``)."""
-        return sparsity_warmup_steps(self.feedback.sparsity_warmup, self.ratio, self.feedback.warmup_pace)
-
-    def _warmup_note(self) -> str:
-        """How long the policy's sparsity warm-up lasts at this ratio (below 1% it is longer than the
-        ``sparsity_warmup`` the start-up message names; a short run may end inside it)."""
-        warm = self._policy_warmup_steps()
-        if self.schedule is not None or warm == 0:
-            return ""
-        return (f" At this ratio the sparsity warm-up lasts {warm} compressed steps per tensor (the share sent "
-                f"falls from {SparsityWarmup.start:.0%} to {self.ratio:g}).")
-
-    def _ratio_repr(self) -> str:
-        return repr(self.schedule) if self.schedule is not None else repr(self.ratio)
-
-    def ratio_at(self, step: int) -> float:
-        """The share sent at exchange ``step`` (0-based, counted per tensor): ``ratio``, or the schedule's value.
-
-        >>> TopK(ratio=SparsityWarmup(0.01, steps=4)).ratio_at(2)
-        0.05
-
-        Without a schedule, the feedback policy's ``sparsity_warmup`` applies (``"momentum"``: the
-        share falls from 25% to the ratio over 100 steps; ``"frozen"``: none unless asked for, then
-        after Adam's dense warm-up; at ratios below 1% over more: :func:`sparsity_warmup_steps`):
-
-        >>> from hvd_gradcomp import FrozenVariance
-        >>> c = TopK(ratio=0.01, feedback=FrozenVariance(sparsity_warmup=4))
-        >>> [round(c.ratio_at(s), 4) for s in (0, 2, 4)]
-        [0.25, 0.05, 0.01]
-        >>> c = TopK(ratio=0.001, feedback=FrozenVariance(sparsity_warmup=4))
-        >>> [round(c.ratio_at(s), 4) for s in (0, 4, 7)]     # over 7 steps, near 1% after 4 as above
-        [0.25, 0.0107, 0.001]
-        """
-        if self.schedule is not None:
-            return check_ratio(self.schedule(step))
-        warm = self._policy_warmup_steps()   # the policy's own (e.g. "frozen", after its dense warm-up)
-        if step < warm:
-            return SparsityWarmup(self.ratio, warm, start=max(self.ratio, SparsityWarmup.start))(step)
-        return self.ratio
-
-    def share(self, name: str, step: Optional[int] = None) -> float:
-        """The share of tensor ``name`` sent at its exchange ``step`` (default: its next one):
-        :meth:`ratio_at`, raised to the largest ``min_ratio`` whose pattern matches ``name``."""
-        share = self.ratio_at(self._steps.get(name, 0) if step is None else step)
-        for pattern, floor in self._min_ratio.items():
-            if floor > share and re.search(pattern, name):
-                share = floor
-        return share
-
-    def _selects(self, name: str, numel: int) -> Optional[int]:
-        return self.selected(numel, self.share(name))
-
-    def _select(self, flat: torch.Tensor, marked: fb.Marked = None
-                ) -> Tuple[torch.Tensor, torch.Tensor, int, List[torch.Tensor]]:
-        """(indices, flat at them, index mode, index sections) of the top-k."""
-        idx, vals = kernels.topk(flat, self.selected(flat.numel(), self.share(self._name_now, self._step_now)), marked)
-        mode, sections = wire.encode_indices(idx, flat.numel())
-        return idx, vals, mode, sections
-
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
-                marked: fb.Marked = None) -> Encoded:
-        idx, vals, mode, sections = self._select(flat, marked)
-        vals = _in_range(vals, dtype)
-        return Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
-
-    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
-        if h.index_mode == wire.INDEX_DELTA:
-            self._check_expansion(h)
-        return _scatter(*self._decode_sparse(h, reader), h.numel)
-
-    def _check_expansion(self, h: wire.Header) -> None:
-        """Refuse a payload whose dense output is out of proportion to it (see MAX_EXPANSION)."""
-        limit = max(MAX_EXPANSION * h.total_bytes, math.ceil(4 * h.k / self.ratio))
-        if h.numel > limit:
-            raise wire.WireFormatError(f"corrupt payload: {h.k} values of a {h.numel}-element tensor in "
-                                       f"{h.total_bytes} bytes, far sparser than ratio={self.ratio}")
-
-    def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
-        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
-        vals = wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
-        if not bool(torch.isfinite(vals).all()):  # encoders never send them (inputs are checked)
-            raise wire.WireFormatError("corrupt payload: non-finite values")
-        return idx, vals
-
-
-class TopKQSGD(_Quantiser, TopK):
-    """TopK, then QSGD on the kept values: the headline setting is ratio 0.01 with 8 bits.
-
-    >>> TopKQSGD()
-    TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True)
-    """
-
-    kind = wire.KIND_TOPKQSGD
-    codec_name = "topk-qsgd"
-
-    def __init__(self, ratio: Ratio = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
-                 error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
-                 clip: Optional[float] = None, exclude: Optional[str] = None,
-                 checksum: Optional[bool] = None, exempt: str = "fp16", min_k: int = MIN_SELECTED,
-                 min_ratio: Optional[Mapping[str, float]] = None) -> None:
-        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt, min_k, min_ratio)
-        self._init_quantiser(bits, bucket_size)
-
-    def __repr__(self) -> str:
-        return (f"TopKQSGD(ratio={self._ratio_repr()}, bits={self.bits}, bucket_size={self.bucket_size}, "
-                f"error_feedback={self.error_feedback}{self._extra_repr()})")
-
-    def _values_bytes(self, k: int, dtype: torch.dtype) -> int:
-        nb = (k + self.bucket_size - 1) // self.bucket_size
-        return wire.padded(4 * nb) + wire.padded((k * self.bits + 7) // 8)
-
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
-                marked: fb.Marked = None) -> Encoded:
-        idx, vals, mode, sections = self._select(flat, marked)
-        norms, codes = kernels.qsgd_encode(vals, self.bits, self.bucket_size, seed, dtype=dtype)
-        norms = _shrunk(norms, contract, self.bits, min(vals.numel(), self.bucket_size))
-        sent_vals = kernels.qsgd_decode(norms, codes, self.bits, self.bucket_size, dtype)
-        sections += [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
-        return Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
-
-    def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
-        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
-        return idx, _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
-
-
 # ---------------------------------------------------------------- helpers
 def qsgd_ef_scale(bits: int, bucket_size: int) -> float:
     """Scale of QSGD payloads under error feedback: 1/(1+w) when w >= 1, else 1.
@@ -1342,6 +981,8 @@ def qsgd_ef_scale(bits: int, bucket_size: int) -> float:
     return 1.0 if w < 1.0 else 1.0 / (1.0 + w)
 
 
+
+
 def qsgd_variance_bound(bits: int, bucket_size: int) -> float:
     """QSGD's w in E||Q(v)-v||^2 <= w ||v||^2: min(d/s^2, sqrt(d)/s), d the bucket size,
     s = 2**(bits-1) - 1 levels (Alistarh et al., Lemma 3.1).
@@ -1353,40 +994,11 @@ def qsgd_variance_bound(bits: int, bucket_size: int) -> float:
     return min(bucket_size / s**2, math.sqrt(bucket_size) / s)
 
 
-def _shrunk(norms: torch.Tensor, contract: bool, bits: int, bucket: int) -> torch.Tensor:
-    """Norms scaled by :func:`qsgd_ef_scale` when error feedback needs a contraction."""
-    scale = qsgd_ef_scale(bits, bucket) if contract else 1.0
-    return norms if scale == 1.0 else norms * scale
-
-
-def _read_qsgd(reader: wire.SectionReader, n: int, bits: int, bucket: int, dtype: torch.dtype) -> torch.Tensor:
-    nb = (n + bucket - 1) // bucket
-    norms = wire.from_bytes(reader.take(4 * nb), torch.float32)
-    # Encoders write norms in [0, norm_cap]: anything else (NaN too) would decode to inf/NaN.
-    if not bool(((norms >= 0) & (norms <= kernels.norm_cap(dtype))).all()):
-        raise wire.WireFormatError(f"corrupt payload: a QSGD norm is negative, non-finite or beyond {dtype}'s range")
-    codes = wire.unpack_bits(reader.take((n * bits + 7) // 8), bits, n).to(torch.uint8)
-    return kernels.qsgd_decode(norms, codes, bits, bucket, dtype)
-
-
-def _in_range(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """values as ``dtype``, clamped to its finite range when they come from a wider dtype."""
-    if values.dtype != dtype:
-        top = torch.finfo(dtype).max
-        values = values.clamp(-top, top)
-    return values.to(dtype)
-
-
-def _scatter(idx: torch.Tensor, vals: torch.Tensor, numel: int) -> torch.Tensor:
-    out = torch.zeros(numel, dtype=vals.dtype, device=vals.device)
-    out[idx] = vals
-    return out
-
-
 def refuse_class(compression: Any, where: str) -> None:
     """Refuse an hvd_gradcomp compressor class where an instance belongs: the optimizer wrapper and the
     DDP hook call it when built, instead of failing at the first step on a method called without ``self``.
 
+    >>> from hvd_gradcomp.topk import TopKQSGD
     >>> refuse_class(TopKQSGD, "DistributedOptimizer")
     Traceback (most recent call last):
     ...

@@ -63,11 +63,12 @@ from . import feedback as fb
 from . import codecs, kernels, settings, wire
 from .accumulate import check_clippable, check_max_grad_norm
 from .auto import Auto
-from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, TopKQSGD, refuse_class
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, refuse_class
 from .ddp_auto import _AutoRoads
 from .ddp_roads import _KEEP_ALIVE, _ROADS, Future, _allreduce, _dense_bucket, _done, _Plan, _Segment, _then
 from .momentum import MomentumCorrection
 from .stats import ByteStats
+from .topk import TopKQSGD
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16)
 STATE_VERSION = 1

@@ -76,7 +76,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
       ``momentum="while dense"`` keeps it while a sparsity warm-up sends more than ``1 - b1`` of
       a tensor, then sends the gradient (see :meth:`_dense_share`): below ratio 1%,
       ``feedback="auto"`` chooses ``FrozenVariance(sparsity_warmup=100, momentum="while dense")``
-      (:meth:`hvd_gradcomp.compressors.TopK._auto_policy`).
+      (:meth:`hvd_gradcomp.topk.TopK._auto_policy`).
       ``momentum=True`` keeps Adam's momentum for every tensor: each rank's
       ``u = b1*u + (1-b1)*g``, started from Adam's, sends ``u / denom``, and the parameter
       moves by ``-lr * D / (1 - b1**t)`` (1-bit Adam's and DGC's way; at ratio 1 this is

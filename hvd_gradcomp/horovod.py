@@ -47,7 +47,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from . import codecs, compressors, kernels, powersgd, settings
+from . import codecs, compressors, kernels, powersgd, qsgd, settings, topk
 from .compressors import GradientCompressor, _compressible
 from .exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks
 
@@ -445,24 +445,24 @@ class HorovodCompressor:
         return decompress(self, tensor, ctx)
 
 
-class QSGD(HorovodCompressor, compressors.QSGD):
-    """:class:`hvd_gradcomp.compressors.QSGD`, usable as ``hvd.DistributedOptimizer(compression=...)``.
+class QSGD(HorovodCompressor, qsgd.QSGD):
+    """:class:`hvd_gradcomp.qsgd.QSGD`, usable as ``hvd.DistributedOptimizer(compression=...)``.
 
     >>> QSGD(bits=4)
     QSGD(bits=4, bucket_size=512, error_feedback=True)
     """
 
 
-class TopK(HorovodCompressor, compressors.TopK):
-    """:class:`hvd_gradcomp.compressors.TopK`, usable as ``hvd.DistributedOptimizer(compression=...)``.
+class TopK(HorovodCompressor, topk.TopK):
+    """:class:`hvd_gradcomp.topk.TopK`, usable as ``hvd.DistributedOptimizer(compression=...)``.
 
     >>> TopK(ratio=0.01)
     TopK(ratio=0.01, error_feedback=True)
     """
 
 
-class TopKQSGD(TopK, compressors.TopKQSGD):  # a TopK, as compressors.TopKQSGD is
-    """:class:`hvd_gradcomp.compressors.TopKQSGD`, usable as ``hvd.DistributedOptimizer(compression=...)``.
+class TopKQSGD(TopK, topk.TopKQSGD):  # a TopK, as topk.TopKQSGD is
+    """:class:`hvd_gradcomp.topk.TopKQSGD`, usable as ``hvd.DistributedOptimizer(compression=...)``.
 
     >>> TopKQSGD()
     TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hvd_gradcomp import QSGD, SparsityWarmup, TopK, TopKQSGD, kernels
-from hvd_gradcomp.compressors import MIN_SELECTED, payload_size
+from hvd_gradcomp.compressors import payload_size
+from hvd_gradcomp.settings import MIN_SELECTED
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 COMPRESSORS = {

@@ -21,7 +21,7 @@ from hvd_gradcomp import _LAZY, config
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hvd_gradcomp"
 # What is sent and what is remembered: no Horovod, nothing from the layers above.
-CODEC_MODULES = {"settings", "codecs", "wire", "kernels", "compressors", "feedback", "momentum", "frozen", "stats"}
+CODEC_MODULES = {"settings", "codecs", "wire", "kernels", "compressors", "feedback", "momentum", "frozen", "qsgd", "topk", "stats"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod.py only.
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
 
@@ -170,7 +170,7 @@ LAYERS = (
     ("wire", ("wire",)),
     ("kernels", ("kernels",)),
     ("feedback", ("feedback", "momentum", "frozen")),
-    ("compressors", ("compressors", "powersgd")),
+    ("compressors", ("compressors", "qsgd", "topk", "powersgd")),
     ("reduce", ("reduce",)),
     ("exchange", ("exchange",)),
     ("horovod", ("horovod",)),
