@@ -18,7 +18,7 @@ from typing import Any, List
 
 __version__ = "0.1.0"
 
-# Public name -> the module that defines it (see "How it is built" in the README).
+# Public name -> the module that defines it (see docs/ARCHITECTURE.md).
 _LAZY = {
     "Auto": "auto",
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "PowerSGD": "horovod",

@@ -180,7 +180,7 @@ class HandedCheck:
                 f"before its step, by a factor that changes from step to step (clip_grad_norm_?). Under feedback "
                 f"'{comp.feedback.key}' each sent value carries the updates of the steps it was held back, so its norm "
                 "is far above a gradient's and clipping it shrinks every step far more than meant (momentum SGD with "
-                "clip_grad_norm_(1.0): ~4x uncompressed's held-out loss; README, 'Clipping and TopK'). Bound each "
+                "clip_grad_norm_(1.0): ~4x uncompressed's held-out loss; docs/PRECISION_AND_CLIPPING.md). Bound each "
                 f"rank's gradient before it is compressed instead: {type(comp).__name__}(..., clip=1.0), and do not "
                 "clip the averages.", RuntimeWarning, stacklevel=2)
 

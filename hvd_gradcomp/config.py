@@ -64,8 +64,8 @@ class CompressionConfig:
         if self.compression == "none":
             return None
         if self.compression == "fp16":
-            import horovod.torch as hvd  # only here: the other settings also serve DDP without Horovod
-            return hvd.Compression.fp16
+            from .horovod import require_horovod  # only here: the other settings also serve DDP without Horovod
+            return require_horovod("compression 'fp16'").Compression.fp16
         if self.compression == "auto":   # ratio and bits are TopKQSGD's on the sparse road
             from . import Auto
             return Auto(ratio=self.ratio, bits=self.bits, error_feedback=ef, seed=self.seed)

@@ -693,7 +693,7 @@ class FusedAllgatherExchange:
 
         The scatter of a sparse average into ``p.grad`` starts with a pass that zeroes it (~1.7 ms
         for a 4M-value gradient on CPU, the first layer's, whose group is the last of backward
-        and left to ``synchronize()``: issue 13). Done here, that pass overlaps the allgather still
+        and left to ``synchronize()``). Done here, that pass overlaps the allgather still
         in flight and a peer still in backward, instead of following them. Only here: no user code
         runs inside ``synchronize()``, so ``p.grad`` is never seen zeroed (see :meth:`_prepare`).
         With two ranks this rank's own sparse part is added there too (the second pass of the
@@ -784,14 +784,14 @@ class FusedAllgatherExchange:
                     self.compressor.received(member.name, out, sparse_support(parts[i]))
                     member.extra["received"] = True
                     # its finiteness too, read where the average can be nonzero: one thing less
-                    # for synchronize() to do (~0.1 ms a tensor on CPU, issue 13)
+                    # for synchronize() to do (~0.1 ms a tensor on CPU)
                     member.extra["finite"] = finite_at_indices(self.compressor, parts[i], out, member.name)
                 spent[i] += time.perf_counter() - t0
             _charge(member, caller, spent[i])
         # Each member points at its group (extra["group"]); the group lets go of its members now,
         # else the pair is a reference cycle holding every member's p.grad (extra["out"]) until
         # Python's cyclic GC runs: with zero_grad(set_to_none=True) several steps of gradients
-        # stayed alive, and every new step's gradients faulted in fresh pages (issue 13).
+        # would stay alive, and every new step's gradients fault in fresh pages.
         g.members = []
 
     def _split_ranks(self, blob: torch.Tensor, names: List[str], prefix: int) -> List[Tuple[int, bytes, List[int]]]:
@@ -827,7 +827,7 @@ class FusedAllgatherExchange:
         else:
             if not (summed and early is out):
                 sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
-            # the feedback policy sees the average (issue 9)
+            # the feedback policy sees the average
             self.compressor.received(p.name, out, sparse_support(parts))
         if not received:   # else _decode read it, after the same sum and the same received
             p.extra["finite"] = finite_at_indices(self.compressor, parts, out, p.name)

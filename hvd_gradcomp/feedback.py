@@ -518,7 +518,7 @@ class ErrorFeedback(Feedback):
     The residual follows the learning rate (``follow_lr``): when a scheduler changes the rate
     of a tensor's param group, what that tensor left unsent is rescaled by old/new rate, so it
     moves the parameter as far as it would have when it was computed. Without it, mass held
-    back during a decaying schedule arrives at a smaller rate, or never (issue 9, docs/STUDY.md).
+    back during a decaying schedule arrives at a smaller rate, or never (docs/STUDY.md).
 
     >>> ef = ErrorFeedback()
     >>> acc = ef.prepare("w", torch.tensor([3.0, 1.0]))
@@ -629,7 +629,7 @@ SPARSITY_WARMUP = 100
 steps: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`), from the first step (the study's
 char-MLP: +1.89% -> +1.31%, 3 seeds). FrozenVariance has none by default (it made Adam jump after
 the freeze: docs/FREEZE_CHECK.md); ``FrozenVariance(sparsity_warmup=100)`` starts one after its
-dense warm-up (the default before)."""
+dense warm-up."""
 
 
 def known_terms(policy: Feedback, name: str) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:

@@ -18,80 +18,34 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     """Adam and AdamW with their second moment frozen after a dense warm-up (1-bit Adam, Tang et
     al. 2021), then each rank's update direction sent through error feedback (``feedback="frozen"``).
 
-    * For the first ``warmup`` optimizer steps of a tensor, :meth:`dense` is True: the tensor
-      goes uncompressed through the dense allreduce and the wrapped optimizer runs exact Adam.
-      Steps where no rank had a gradient for it (a layer first used later, sent as zeros) do not
-      count: it gets ``warmup`` steps with gradients (see :meth:`dense_average`).
-      While the learning rate still rises from one step to the next (a scheduler's warm-up:
-      ``LinearLR``, ``OneCycleLR``, a ``LambdaLR`` ramp), the dense warm-up goes on, up to
-      ``max_warmup`` steps (``warmup`` when larger): the gradients' scale settles with the rate,
-      and a ``v`` frozen in the middle of the ramp is the wrong one for the rest of the run (with Adam and OneCycleLR's
-      360-step ramp, freezing at step 100 was most of TopKQSGD(1%, 8)'s gap to uncompressed
-      training: the ``-at100`` rows of docs/OUTSIDE_CHECK.md). ``max_warmup=1`` freezes after
-      ``warmup`` steps whatever the rate does.
-    * Then Adam's second moment ``v`` (identical on every rank, since it came from averaged
-      gradients) is frozen: ``denom = max(sqrt(v_hat), floor * mean(sqrt(v_hat))) + eps``, where
-      ``v_hat`` is the average of the warm-up's last ``window`` squared averaged gradients
-      (recovered from Adam's own ``v``, step by step; ``window=None``: Adam's bias-corrected ``v``,
-      which at step 100 still mostly remembers the first, largest gradients). The
-      floor keeps coordinates that had (almost) no gradient during the warm-up (rare tokens'
-      embedding rows, dead units) from taking ``lr/eps``-sized steps later.
-    * Frozen, ``v`` keeps its shape, and its level follows the gradients where they shrink
-      (``follow_scale="down"``): each rank keeps the average of its gradient's mean square over
-      about ``window`` steps (the span the frozen ``v`` averages; ``window=None``: Adam's ``b2``),
-      from its first step on (the warm-up's included), and while that average ``s_t`` is below its
-      value at the freeze, divides what it sends by ``denom * sqrt(s_t / s_freeze)``. Why: where
-      gradients keep shrinking after the freeze (a classifier driving its loss towards zero), a
-      ``v`` frozen for good makes every later step shorter than Adam's, and error feedback cannot
-      give that movement back: TopKQSGD(1%, 8) then ended above uncompressed training on every seed
-      of the study's CNN with Adam, with a schedule and without (docs/STUDY.md, cnn-adam and
-      cnn-adam-const, the *v frozen for good* rows), and on a small MLP at a constant rate
-      (docs/SMALL_MLP_CHECK.md). Where gradients grow, ``v`` stays frozen: following them up as well
-      (``follow_scale="both"``) made the steps of the freeze check's model shorter, and ended further
-      from uncompressed training (docs/FREEZE_CHECK.md). ``follow_scale=None`` keeps ``v`` frozen
-      for good (and skips the average: one pass over each gradient less). Each rank scales only
-      what it sends, so the average every rank applies stays the same on all.
-    * With ``v`` frozen, Adam is linear in the gradient: each rank sends the update direction
-      ``g / denom`` through error feedback (top-k on the direction, not on ``g``, picks the
-      coordinates that would move most: in the simulator this took the transformer's gap from
-      +2.8% to +1.6%), and the parameter moves by ``-lr * D`` (``D``: the averaged sent
-      direction, identical on every rank). Error feedback's residual plays the part of Adam's
-      first moment: it sums each coordinate's gradients until they are sent, as the momentum
-      averages them. The wrapped optimizer is handed a zero gradient with its first moment
-      cleared, so it moves nothing but its decoupled weight decay (AdamW), exactly.
-    * From the first compressed step, each tensor sends ``ratio`` (``sparsity_warmup=0``: no
-      share falling from 25% after the freeze) and its gradient, not Adam's momentum
-      (``momentum=False``). Why: on a model with the quirks real ones have (a layer applied
-      twice, a frozen layer, a layer used every other step; docs/FREEZE_CHECK.md) the previous
-      defaults (Adam's momentum sent through error feedback while the rate changes, a sparsity
-      warm-up after the freeze) made the held-out loss jump after the freeze and end above
-      uncompressed training, on every seed, with Adam and AdamW under cosine, linear and
-      one-cycle schedules; the momentum alone ended far above it in most configurations, the
-      warm-up alone jumped after the freeze. With neither, that model ended close to
-      uncompressed training in every configuration. On the study's transformer
-      (docs/STUDY.md) TopKQSGD(1%, 8) also ended closer to uncompressed training without the
-      momentum; on its CNN with Adam further (above the 1% target on every seed, inside
-      that task's seed spread, while ``v`` stayed frozen for good under a schedule; the
-      *previous default* and *v frozen for good* rows).
-      ``momentum="while dense"`` keeps it while a sparsity warm-up sends more than ``1 - b1`` of
-      a tensor, then sends the gradient (see :meth:`_dense_share`): below ratio 1%,
-      ``feedback="auto"`` chooses ``FrozenVariance(sparsity_warmup=100, momentum="while dense")``
-      (:meth:`hvd_gradcomp.topk.TopK._auto_policy`).
-      ``momentum=True`` keeps Adam's momentum for every tensor: each rank's
-      ``u = b1*u + (1-b1)*g``, started from Adam's, sends ``u / denom``, and the parameter
-      moves by ``-lr * D / (1 - b1**t)`` (1-bit Adam's and DGC's way; at ratio 1 this is
-      exactly Adam with ``v`` frozen). ``momentum=None`` (the default before, with
-      ``sparsity_warmup=100``) keeps it while the learning rate changes and drops it for good
-      once a tensor's rate has stayed the same :data:`FLAT_RATE_STEPS` steps.
+    * ``warmup``: for a tensor's first ``warmup`` optimizer steps with a gradient, :meth:`dense` is
+      True: the tensor goes through the dense allreduce and the wrapped optimizer runs exact Adam.
+    * ``max_warmup``: while the learning rate still rises (a scheduler's warm-up), the dense warm-up
+      goes on, up to this many steps; why: a ``v`` frozen mid-ramp is the wrong one for the rest of
+      the run (``1``: freeze after ``warmup`` steps whatever the rate does).
+    * ``window``, ``floor``: the frozen ``denom = max(sqrt(v_hat), floor * mean(sqrt(v_hat))) + eps``,
+      ``v_hat`` the average of the warm-up's last ``window`` squared averaged gradients, recovered
+      from Adam's ``v`` (``None``: Adam's bias-corrected ``v``, which still mostly remembers the
+      first gradients); the floor keeps coordinates that had (almost) no gradient from taking
+      ``lr/eps``-sized steps later.
+    * Then each rank sends ``g / denom`` through error feedback, whose residual takes the place of
+      Adam's first moment, and the parameter moves by ``-lr * D`` (``D``: the averaged sent
+      direction, identical on every rank). The wrapped optimizer is handed a zero gradient with its
+      first moment cleared, so it applies only decoupled weight decay (AdamW).
+    * ``follow_scale``: ``"down"`` divides what a rank sends by ``denom * sqrt(s_t / s_freeze)``
+      while its gradients' mean square ``s_t`` (averaged over ``window`` steps) is below its value at
+      the freeze; why: a ``v`` frozen for good makes every later step shorter where gradients
+      shrink. ``"both"`` follows growth too, ``None`` keeps ``v`` frozen for good.
+    * ``momentum``: ``False`` sends the gradient; ``True`` sends each rank's
+      ``u = b1*u + (1-b1)*g`` and moves by ``-lr * D / (1 - b1**t)`` (at ratio 1: exactly Adam with
+      ``v`` frozen); ``"while dense"`` keeps it while a sparsity warm-up sends more than ``1 - b1``
+      of a tensor (:meth:`_dense_share`); ``None`` keeps it until a tensor's rate has stayed the
+      same :data:`FLAT_RATE_STEPS` steps. Why ``False``: sending the momentum made the loss jump
+      after the freeze on models with shared, frozen or intermittent layers.
+    * ``sparsity_warmup``: DGC's falling share after the freeze (default 0: none, for the same reason).
 
-    Why not plain error feedback on gradients: Adam divides each coordinate by its recent
-    magnitude, so the spikes of error feedback (zero for ~1/ratio steps, then the sum) become
-    single normalised steps and most of the movement is lost. Why not "update" (each rank runs
-    Adam on its own gradient): each rank's ``v`` then sees a P-times-smaller batch, so every
-    step is too short (+18% held-out loss on the study's CNN even with nothing dropped). With
-    ``v`` frozen, nothing is lost but time: every coordinate's total movement arrives, delayed.
-    At ratio 1 with the momentum kept this is exactly Adam with ``v`` frozen at the end of the
-    warm-up (without it: the same without the first moment).
+    Why ``v`` is frozen rather than error feedback on gradients or "update", and the measurements
+    behind every default: docs/FEEDBACK.md (``frozen``) and docs/STUDY.md.
 
     Like "update", the change is applied when the exchange finishes (in ``synchronize()``), so
     clipping ``p.grad`` between ``synchronize()`` and ``step()`` does not reach it: use the
@@ -495,12 +449,12 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
     def received_terms(self, name: str) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
         """``[]``: :meth:`received` zeroes a finite average and leaves a non-finite one as it was, so
-        the exchange's check at the sent indices holds (see :meth:`Feedback.received_terms`); before,
-        every compressed tensor of AdamW got a full pass more in ``synchronize()``, over zeros."""
+        the exchange's check at the sent indices holds (see :meth:`Feedback.received_terms`) and
+        ``synchronize()`` needs no full pass over a compressed tensor of AdamW."""
         return []
 
     def describe(self) -> str:
-        # issue 9: with AdamW over 1200 steps, freezing after 300 steps (a quarter of the run, 1-bit
+        # with AdamW over 1200 steps, freezing after 300 steps (a quarter of the run, 1-bit
         # Adam's advice) ended closest to uncompressed (docs/STUDY_RUN_LENGTH.md); the run's length
         # is not known here, so the user is told once rather than the default guessed. The frozen v
         # follows the gradients where they shrink (see the class docstring)

@@ -146,7 +146,7 @@ class TopK(GradientCompressor):
     def _caution(self) -> str:
         if self.ratio >= MEASURED_RATIO:
             return ""
-        # issue 9: at 0.1% one of the study's tasks ends more than 2% above uncompressed at its length,
+        # at 0.1% one of the study's tasks ends more than 2% above uncompressed at its length,
         # some in 3x longer runs; say it once rather than let a user find out at the end of a run
         return (f" Note: ratio {self.ratio:g} is below {MEASURED_RATIO:g}, the ratio hvd-gradcomp's study measures every task "
                 "at (docs/STUDY.md); below it the held-out loss ended more than 2% above "

@@ -29,6 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import click
 
 from hvd_gradcomp import config  # the settings module only: importing it loads no torch
+from hvd_gradcomp.settings import compressions
 from . import guard
 from .command import FORWARDED_ENV, KEEP_FREED_MEMORY, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec, build_command, \
     parse_hostfile_text, parse_hosts, resolve_np
@@ -294,7 +295,7 @@ def _self_command() -> List[str]:
                    "for PyTorch DDP scripts (hvd_gradcomp.ddp), on this machine.")
 @click.option("--torchrun", is_flag=True, help="Same as --launcher torchrun.")
 @click.option("--compression", default="none", show_default=True,
-              help="none, fp16, qsgd, topk or topk-qsgd.")
+              help=f"{', '.join(compressions())} (hvd_gradcomp.settings.compressions).")
 @click.option("--ratio", type=float, default=0.01, show_default=True, help="TopK: fraction of entries sent.")
 @click.option("--bits", type=int, default=8, show_default=True, help="QSGD: bits per value (2..8).")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Backward passes per optimizer step.")
