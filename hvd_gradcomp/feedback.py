@@ -626,10 +626,10 @@ class _RoundUndo:
 SPARSITY_WARMUP = 100
 """MomentumCorrection's default sparsity warm-up (DGC's: the share sent falls geometrically from
 25% to the ratio over a tensor's first this many compressed steps; at ratios below 1% over more
-steps: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`), from the first step (the study's
-char-MLP: +1.89% -> +1.31%, 3 seeds). FrozenVariance has none by default (it made Adam jump after
-the freeze: docs/FREEZE_CHECK.md); ``FrozenVariance(sparsity_warmup=100)`` starts one after its
-dense warm-up."""
+steps: :func:`hvd_gradcomp.compressors.sparsity_warmup_steps`), from the first step (it brought
+the study's char-MLP closer to uncompressed training: docs/STUDY.md). FrozenVariance has none by
+default (it made Adam jump after the freeze: docs/FREEZE_CHECK.md); ``FrozenVariance(sparsity_warmup=100)``
+starts one after its dense warm-up."""
 
 
 def known_terms(policy: Feedback, name: str) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
