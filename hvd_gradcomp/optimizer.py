@@ -196,6 +196,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for pending in self._pending.values():
             if not pending.finished:
                 self._compressed.progress(pending)
+        if self._final and next(iter(self._final.values())) is not None:
+            self._backward_done()   # called after backward: what it wrote is this optimizer's, not user code's
 
     def _is_small(self, p: torch.Tensor) -> bool:
         """Exchanged uncompressed: small, of a dtype the wire cannot encode (float64: it travels as it
