@@ -208,3 +208,22 @@ def test_freeze_check_writes_its_page(tmp_path: Path) -> None:
                       (["--ratio", "0"], "--ratio must be in (0, 1]")):
         res = launch([sys.executable, script] + bad, 60, rank_env())
         assert res.returncode == 2 and said in res.output, res.output
+
+
+def test_wrapper_check_page_is_its_rendering_and_the_roads_agree():
+    """docs/WRAPPER_CHECK.md is what benchmarks/study/wrapper_check.py renders from its committed runs;
+    in them every compressed road (stock Horovod, hvd_gradcomp.DistributedOptimizer, DDP) ends within the
+    uncompressed seed spread of the others, its replicas identical."""
+    import json
+    import statistics
+
+    from benchmarks.study import wrapper_check
+
+    assert wrapper_check.PAGE.read_text() == wrapper_check.render()
+    runs = [json.loads(p.read_text()) for p in sorted(wrapper_check.OUT.glob("*.json"))]
+    by_road = {road: [r["val_loss"] for r in runs if r["road"] == road] for road in wrapper_check.ROADS}
+    assert all(len(losses) >= 3 for losses in by_road.values()), {k: len(v) for k, v in by_road.items()}
+    assert all(r["identical"] for r in runs)
+    spread = max(by_road["none"]) - min(by_road["none"])
+    means = [statistics.mean(by_road[road]) for road in ("stock", "gc", "ddp")]
+    assert max(means) - min(means) <= spread, (means, spread)
