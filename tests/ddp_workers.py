@@ -6,6 +6,7 @@ torchrun stops the other rank instead of letting it wait in a collective.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -49,6 +50,26 @@ class Net(nn.Module):
 
 
 _as_rank = [None]  # the reference computes other ranks' gradients locally
+
+
+def register_wrapped(model: nn.Module, comp: Any, opt: torch.optim.Optimizer) -> Any:
+    """``model`` in DDP with the test's buckets and ``comp`` registered as its hook, as docs/DDP.md shows:
+    (state, optimizer, DDP model), the shape the shared training workers take."""
+    ddp_model = DDP(model, bucket_cap_mb=BUCKET_MB)
+    return gc_ddp.register(ddp_model, compression=comp, optimizer=opt), opt, ddp_model
+
+
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+def save_state(state: Any, comp: Any) -> Any:
+    return copy.deepcopy(state.state_dict())
+
+
+def load_state(state: Any, comp: Any, saved: Any) -> None:
+    state.load_state_dict(saved)
 
 
 def _rank() -> int:
