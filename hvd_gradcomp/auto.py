@@ -797,18 +797,18 @@ class AutoExchange:
         payload = (payload_size(self.auto.qsgd, (grad.numel(),)) if road == QSGD_AR else
                    grad.numel() * (2 if road == FP16 else grad.element_size()) if road in (DENSE, FP16)
                    else p.bytes_sent)
-        p.extra.update({"auto.road": road, "auto.payload": payload, "auto.itemsize": grad.element_size()})
+        p.road, p.payload_bytes, p.itemsize = road, payload, grad.element_size()
         return p
 
     def progress(self, p: Pending) -> None:
-        self.exchanges[p.extra["auto.road"]].progress(p)
+        self.exchanges[p.road].progress(p)
 
     def advance(self, p: Pending) -> None:
-        self.exchanges[p.extra["auto.road"]].advance(p)
+        self.exchanges[p.road].advance(p)
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
-        road = p.extra["auto.road"]
+        road = p.road
         self.exchanges[road].finish(p, out)
         timed = self.exchanges[road].device_sync or out.device.type != "cuda"
-        self.auto.record(p.name, road, out.numel(), p.extra["auto.itemsize"], p.extra.get("codec_s", 0.0),
-                         p.extra.get("wait_s", 0.0), p.extra["auto.payload"], measured=timed)
+        self.auto.record(p.name, road, out.numel(), p.itemsize, p.codec_s, p.wait_s, p.payload_bytes,
+                         measured=timed)

@@ -53,7 +53,7 @@ from .reduce import (Parts, add_part, chunk_bounds, decode_payloads, finite_at_i
 
 @dataclass
 class Pending:
-    """One tensor in flight."""
+    """One tensor in flight, with what its road and its callers note on it as it goes."""
 
     name: str
     shape: torch.Size
@@ -63,7 +63,40 @@ class Pending:
     bytes_sent: int = 0
     stage: int = 1
     finished: bool = False
-    extra: dict = field(default_factory=dict)
+    # p.grad, final for this step (optimizer._start): a road may write the average there early
+    out: Optional[torch.Tensor] = None
+    # where the gradient lives (FusedAllgatherExchange.start, TimedExchange.start)
+    device: torch.device = torch.device("cpu")
+    # each rank's chunk of the tensor, as index bounds (ScatterReduceExchange.start)
+    bounds: List[int] = field(default_factory=list)
+    # its fusion group, a _Group (FusedAllgatherExchange.start); the group lets go of it once decoded
+    group: Any = None
+    # this rank's sparse part as its encoder carried it or _prepare decoded it (the allgather roads), taken by the decode
+    own: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    # every rank's decoded part, in rank order (the allgather roads' decode), taken by finish
+    parts: Optional[Parts] = None
+    # out zeroed before the wait (FusedAllgatherExchange.before_wait), taken by the decode
+    zeroed: bool = False
+    # out already holds this rank's own part (before_wait, two ranks), taken by the decode
+    held: bool = False
+    # out holds the average (FusedAllgatherExchange._decode)
+    summed: bool = False
+    # ... and the feedback policy received it (FusedAllgatherExchange._decode)
+    received: bool = False
+    # whether the average is finite, read at the parts' indices (the allgather roads); None: not known
+    finite: Optional[torch.Tensor] = None
+    # the fused float16 allreduce (optimizer._start_fused), finished by HalfExchange
+    half: bool = False
+    # codec seconds spent on it (TimedExchange; _charge for a fused group's decode run elsewhere)
+    codec_s: float = 0.0
+    # codec seconds spent inside its calls on other members of its group (_charge), not its own
+    codec_elsewhere_s: float = 0.0
+    # seconds blocked on the network for it (TimedExchange._wait)
+    wait_s: float = 0.0
+    # Auto's road for it, the payload bytes that road sends and the gradient's itemsize (auto.AutoExchange.start)
+    road: Optional[str] = None
+    payload_bytes: int = 0
+    itemsize: int = 0
 
 
 # ---------------------------------------------------------------- envelope
@@ -339,7 +372,7 @@ class AllgatherExchange:
         handle = _hvd().allgather_async(sealed, name=f"hvdgc.ag.{name}", process_set=self.process_set)
         p = Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel())
         if own is not None:   # this rank's part, not decoded again
-            p.extra["own"] = own
+            p.own = own
         return p
 
     def advance(self, p: Pending) -> None:
@@ -348,25 +381,25 @@ class AllgatherExchange:
     def progress(self, p: Pending) -> None:
         """Decode now if the allgather is done, overlapping the rest of backward; never blocks.
 
-        Decoded parts wait in ``p.extra``: ``p.grad`` keeps the local gradient until
+        Decoded parts wait in ``p.parts``: ``p.grad`` keeps the local gradient until
         synchronize(), as with Horovod.
         """
-        if "parts" not in p.extra and _hvd().poll(p.handle):
+        if p.parts is None and _hvd().poll(p.handle):
             self._decode(p)
 
     def _decode(self, p: Pending) -> None:
         envelopes = unseal(_hvd().synchronize(p.handle))
-        own = p.extra.pop("own", None)
-        p.extra["parts"] = decode_envelopes(self.compressor, envelopes, self.process_set.size(), p.name,
-                                            p.shape.numel(), None if own is None else (self.process_set.rank(), own))
+        own, p.own = p.own, None
+        p.parts = decode_envelopes(self.compressor, envelopes, self.process_set.size(), p.name,
+                                   p.shape.numel(), None if own is None else (self.process_set.rank(), own))
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
-        if "parts" not in p.extra:
+        if p.parts is None:
             self._decode(p)
-        parts = p.extra.pop("parts")
+        parts, p.parts = p.parts, None
         sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
         self.compressor.received(p.name, out, sparse_support(parts))
-        p.extra["finite"] = finite_at_indices(self.compressor, parts, out, p.name)
+        p.finite = finite_at_indices(self.compressor, parts, out, p.name)
         p.finished = True
 
 
@@ -417,7 +450,7 @@ class ScatterReduceExchange:
         # The chunk this rank keeps never leaves it: count only what goes to the others, so
         # that alltoall + allgather together send exactly one payload's worth per rank.
         sent = int(splits.sum()) - int(splits[self.process_set.rank()])
-        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sent, extra={"bounds": bounds})
+        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sent, bounds=bounds)
 
     def progress(self, p: Pending) -> None:
         """Start stage 2 as soon as the alltoall is done (p.grad is untouched); never blocks."""
@@ -430,7 +463,7 @@ class ScatterReduceExchange:
             return
         hvd = _hvd()
         received, _ = hvd.synchronize(p.handle)
-        rank, bounds = self.process_set.rank(), p.extra["bounds"]
+        rank, bounds = self.process_set.rank(), p.bounds
         numel = bounds[rank + 1] - bounds[rank]
         parts = decode_envelopes(self.compressor, unseal(received), self.process_set.size(), p.name, numel)
         mine = sum_parts(parts, is_average(self.op), numel, p.dtype)
@@ -444,7 +477,7 @@ class ScatterReduceExchange:
         if p.stage == 1:
             self.advance(p)
         envelopes = unseal(_hvd().synchronize(p.handle))
-        bounds = p.extra["bounds"]
+        bounds = p.bounds
         if len(envelopes) != len(bounds) - 1:
             raise RuntimeError(f"{p.name}: got {len(envelopes)} chunks for {len(bounds) - 1} ranks")
         check_steps(self.compressor, p.name, [e.step for e in envelopes])
@@ -601,7 +634,7 @@ class FusedAllgatherExchange:
     every payload header: the group's envelope, see :class:`_Group`), read to the host in one
     copy per rank: no header is read twice. Completed groups are decoded in ``progress()`` while
     backward goes on; every rank decodes the same bytes in rank order, so gradients are
-    bit-identical everywhere. When the caller names the output (``p.extra["out"]``, the
+    bit-identical everywhere. When the caller names the output (``p.out``, the
     parameter's ``.grad``, whose gradient is final once its exchange started) the average is
     written there as soon as the group is decoded, as Horovod's in-place allreduce writes
     ``p.grad`` from its background thread, and handed to the feedback policy's ``received``
@@ -630,9 +663,9 @@ class FusedAllgatherExchange:
             self._groups_this_step += 1
         g = self._open
         p = Pending(name, grad.shape, grad.dtype, None, bytes_sent=0 if payload is None else payload.numel(),
-                    extra={"group": g, "device": grad.device})
+                    group=g, device=grad.device)
         if own is not None:   # this rank's part, not decoded from its payload (see _prepare)
-            p.extra["own"] = own
+            p.own = own
         g.members.append(p)
         g.payloads.append(payload)
         g.raw_bytes += grad.numel() * grad.element_size()
@@ -646,7 +679,7 @@ class FusedAllgatherExchange:
         # on rank 0 only) arrives there at synchronize(), elsewhere during backward.
         order = sorted(range(len(g.members)), key=lambda i: g.members[i].name)
         g.members, g.payloads = [g.members[i] for i in order], [g.payloads[i] for i in order]
-        blob = g.blob(self.compressor.exchange_step, g.members[0].extra["device"])
+        blob = g.blob(self.compressor.exchange_step, g.members[0].device)
         g.members[0].bytes_sent += g.prefix_bytes()  # the index travels once per group
         _confirm(self)
         g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
@@ -657,7 +690,7 @@ class FusedAllgatherExchange:
 
     def progress(self, p: Pending) -> None:
         """Decode the whole group as soon as its allgather is done, else prepare it; never blocks."""
-        g = p.extra["group"]
+        g = p.group
         if g.handle is None or g.decoded:
             return
         if _hvd().poll(g.handle):
@@ -667,7 +700,7 @@ class FusedAllgatherExchange:
 
     def _prepare(self, g: _Group, caller: Pending) -> None:
         """While the allgather travels, decode this rank's own payloads that its encoder did not
-        say the content of (``p.extra["own"]``, from :meth:`GradientCompressor.compress_carried`:
+        say the content of (``p.own``, from :meth:`GradientCompressor.compress_carried`:
         a sparse payload's indices and values, the same bits the other ranks decode, so every
         rank sums the same parts and gradients stay bit-identical). Only the other ranks' parts
         are then left once the allgather is done: this takes 1/P of the last group of backward's
@@ -680,11 +713,11 @@ class FusedAllgatherExchange:
         with Horovod, never a zeroed or partial sum.)"""
         g.prepared = True
         for member, payload in zip(g.members, g.payloads):
-            if payload is not None and payload.device.type == "cpu" and "own" not in member.extra:
+            if payload is not None and payload.device.type == "cpu" and member.own is None:
                 t0 = time.perf_counter()
                 # host bytes already: parsed here once, and not again from the group's index
                 h = wire.parse_header(payload[:_head_bytes(member.shape)].numpy().tobytes(), payload.numel())
-                member.extra["own"] = self.compressor.decode_parts(payload, h)
+                member.own = self.compressor.decode_parts(payload, h)
                 _charge(member, caller, time.perf_counter() - t0)
         g.payloads = []
 
@@ -708,30 +741,30 @@ class FusedAllgatherExchange:
         If the exchange then fails (ranks disagree), ``p.grad`` is left zeroed or holding this
         rank's part, not the local gradient: the error stops the step either way.
         """
-        g = p.extra["group"]
+        g = p.group
         if g.handle is None or g.decoded or not _PREZERO:
             return
         add_own = _ADD_OWN and self.process_set.size() == 2
         for m in g.members:
-            out = m.extra.get("out")
-            if out is not None and not m.extra.get("zeroed") and sums_in_place(out, m.dtype):
+            out = m.out
+            if out is not None and not m.zeroed and sums_in_place(out, m.dtype):
                 out.zero_()
-                m.extra["zeroed"] = True
-                if add_own and m.extra.get("own") is not None:   # scaled as sum_parts scales it
-                    add_part(out, m.extra["own"], 0.5 if is_average(self.op) else 1.0)
-                    m.extra["held"] = True
+                m.zeroed = True
+                if add_own and m.own is not None:   # scaled as sum_parts scales it
+                    add_part(out, m.own, 0.5 if is_average(self.op) else 1.0)
+                    m.held = True
 
     def advance(self, p: Pending) -> None:
         """At synchronize(): launch the group still open; the step's tensor count is learnt."""
         if self._started:
             self._expected, self._started, self._groups_this_step = self._started, 0, 0
-        g = p.extra["group"]
+        g = p.group
         if g.handle is None:
             self._launch(g)
 
     def _decode(self, g: _Group, caller: Pending) -> None:
         """Decode every member's payloads. The seconds spent on another member are charged to it
-        (``extra["codec_s"]``) and noted as ``extra["codec_elsewhere_s"]`` on ``caller``, so that
+        (``codec_s``) and noted as ``codec_elsewhere_s`` on ``caller``, so that
         :class:`TimedExchange` charges each tensor its own decode."""
         blob = _hvd().synchronize(g.handle)
         names = [m.name for m in g.members]
@@ -757,8 +790,9 @@ class FusedAllgatherExchange:
                 t0 = time.perf_counter()
                 if flags_i & FLAG_NONFINITE:
                     parts[i].append((None, Envelope(index[4], None, blob.device).nan(member.shape.numel())))
-                elif rank == me and "own" in member.extra:
-                    parts[i].append(member.extra.pop("own"))   # see _prepare
+                elif rank == me and member.own is not None:
+                    parts[i].append(member.own)   # see _prepare
+                    member.own = None
                 else:
                     h = wire.parse_header(raw[head_pos:head_pos + head_i], size_i)
                     if h.shape != tuple(member.shape):
@@ -770,26 +804,27 @@ class FusedAllgatherExchange:
         g.decoded = True
         g.payloads = []
         for i, member in enumerate(g.members):
-            member.extra["parts"] = parts[i]
-            out = member.extra.get("out")
+            member.parts = parts[i]
+            out = member.out
             if out is not None:   # scatter now, not in synchronize() (see finish)
                 t0 = time.perf_counter()
+                zeroed, held, member.zeroed, member.held = member.zeroed, member.held, False, False
                 sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out,
-                          zeroed=member.extra.pop("zeroed", False), held=me if member.extra.pop("held", False) else None)
-                member.extra["summed"] = True
+                          zeroed=zeroed, held=me if held else None)
+                member.summed = True
                 if not self.compressor.feedback.moves_parameters:
                     # The policy's rewrite too (momentum correction: a clone and two passes over the
                     # gradient), while backward goes on; not a policy that moves the parameter,
                     # which autograd may still need as it was.
                     self.compressor.received(member.name, out, sparse_support(parts[i]))
-                    member.extra["received"] = True
+                    member.received = True
                     # its finiteness too, read where the average can be nonzero: one thing less
                     # for synchronize() to do (~0.1 ms a tensor on CPU)
-                    member.extra["finite"] = finite_at_indices(self.compressor, parts[i], out, member.name)
+                    member.finite = finite_at_indices(self.compressor, parts[i], out, member.name)
                 spent[i] += time.perf_counter() - t0
             _charge(member, caller, spent[i])
-        # Each member points at its group (extra["group"]); the group lets go of its members now,
-        # else the pair is a reference cycle holding every member's p.grad (extra["out"]) until
+        # Each member points at its group (p.group); the group lets go of its members now,
+        # else the pair is a reference cycle holding every member's p.grad (p.out) until
         # Python's cyclic GC runs: with zero_grad(set_to_none=True) several steps of gradients
         # would stay alive, and every new step's gradients fault in fresh pages.
         g.members = []
@@ -814,13 +849,13 @@ class FusedAllgatherExchange:
         return out
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
-        g = p.extra["group"]
+        g = p.group
         if g.handle is None:
             self.advance(p)
         if not g.decoded:
             self._decode(g, p)
-        parts, early = p.extra.pop("parts"), p.extra.get("out")
-        summed, received = p.extra.pop("summed", False), p.extra.pop("received", False)
+        parts, early, summed, received = p.parts, p.out, p.summed, p.received
+        p.parts, p.summed, p.received = None, False, False
         if received:  # summed and rewritten by the policy in _decode, exactly once per step
             if early is not out:
                 out.copy_(early.view_as(out))
@@ -830,7 +865,7 @@ class FusedAllgatherExchange:
             # the feedback policy sees the average
             self.compressor.received(p.name, out, sparse_support(parts))
         if not received:   # else _decode read it, after the same sum and the same received
-            p.extra["finite"] = finite_at_indices(self.compressor, parts, out, p.name)
+            p.finite = finite_at_indices(self.compressor, parts, out, p.name)
         p.finished = True
 
 
@@ -838,8 +873,8 @@ def _charge(member: Pending, caller: Pending, seconds: float) -> None:
     """Charge codec seconds spent on ``member`` while serving ``caller`` (a group's decode runs
     inside one member's call), so that :class:`TimedExchange` charges each tensor its own."""
     if member is not caller:
-        member.extra["codec_s"] = member.extra.get("codec_s", 0.0) + seconds
-        caller.extra["codec_elsewhere_s"] = caller.extra.get("codec_elsewhere_s", 0.0) + seconds
+        member.codec_s += seconds
+        caller.codec_elsewhere_s += seconds
 
 
 def wait_done(handle: Any) -> float:
@@ -856,7 +891,7 @@ class TimedExchange:
 
     Totals: ``codec_s`` (all codec work), ``codec_sync_s`` (the part done inside
     ``synchronize()``: advance/finish) and ``wait_s`` (time blocked on the network there).
-    Each pending also carries its own in ``p.extra["codec_s"]`` / ``["wait_s"]``.
+    Each pending also carries its own in ``p.codec_s`` / ``p.wait_s``.
     """
 
     def __init__(self, inner: Any) -> None:
@@ -872,11 +907,11 @@ class TimedExchange:
         return time.perf_counter()
 
     def _timed(self, p: Pending, sync: bool, fn: Any, *args: Any) -> Any:
-        device = p.extra.get("device", torch.device("cpu"))
+        device = p.device
         t0 = self._clock(device)
         out = fn(*args)
         dt = self._clock(device) - t0
-        p.extra["codec_s"] = p.extra.get("codec_s", 0.0) + dt - p.extra.pop("codec_elsewhere_s", 0.0)
+        p.codec_s, p.codec_elsewhere_s = p.codec_s + dt - p.codec_elsewhere_s, 0.0
         self.codec_s += dt
         if sync:
             self.codec_sync_s += dt
@@ -884,15 +919,15 @@ class TimedExchange:
 
     def _wait(self, p: Pending) -> None:
         dt = wait_done(p.handle)
-        p.extra["wait_s"] = p.extra.get("wait_s", 0.0) + dt
+        p.wait_s += dt
         self.wait_s += dt
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         t0 = self._clock(grad.device)
         p = self.inner.start(name, grad)
-        p.extra["codec_s"] = self._clock(grad.device) - t0
-        p.extra["device"] = grad.device
-        self.codec_s += p.extra["codec_s"]
+        p.codec_s = self._clock(grad.device) - t0
+        p.device = grad.device
+        self.codec_s += p.codec_s
         return p
 
     def progress(self, p: Pending) -> None:
@@ -905,7 +940,7 @@ class TimedExchange:
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         self.advance(p)
-        if p.handle is not None and "parts" not in p.extra:
+        if p.handle is not None and p.parts is None:
             before = getattr(self.inner, "before_wait", None)
             if before is not None:   # work that needs no payload, overlapping the wait
                 self._timed(p, True, before, p)

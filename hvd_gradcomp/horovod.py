@@ -390,7 +390,7 @@ def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -
         ctx.exchange.finish(ctx.pending, out)
         # Horovod starts every exchange of a step before it finishes the first, so the last one
         # to finish ends the step: kept, or undone when an average came back NaN/Inf.
-        known = ctx.pending.extra.get("finite")  # read at the payloads' indices only, when that suffices
+        known = ctx.pending.finite  # read at the payloads' indices only, when that suffices
         compressor.exchange_closed(ctx.pending.name, bool(known) if known is not None else kernels.all_finite(out))
         return out
     if ctx == _LOCAL:

@@ -220,7 +220,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             if self._is_small(p):
                 return  # joins the fused allreduce of small tensors
         pending = self._pending[p] = self._compressed.start(name, p.grad)
-        pending.extra["out"] = p.grad   # final for this step: an exchange may write the average early
+        pending.out = p.grad   # final for this step: an exchange may write the average early
 
     # ------------------------------------------------------------ synchronize / step
     def synchronize(self) -> None:
@@ -266,7 +266,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._record(pending.name, pending.bytes_sent, pending.bytes_sent)
         self._join.end_step()
         if isinstance(self.compression, GradientCompressor):
-            known = {p: pending.extra.get("finite") for p, pending in self._pending.items()}
+            known = {p: pending.finite for p, pending in self._pending.items()}
             self.compression.end_round(self._all_finite([*self._pending, *self._sparse_pending,
                                                          *(p for ps, _ in fused for p in ps)], known))
         for p in self._densified:  # the optimizer (SparseAdam, ...) expects the sparse layout back
@@ -330,7 +330,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             raw = sum(p.numel() * p.element_size() for p in ps)
             if key == _HALF:
                 pending = self._half.start(f"fused{tag}.{key}", [(self._parameter_names[p], p.grad) for p in ps])
-                pending.extra["half"] = True
+                pending.half = True
             else:
                 pending = self._dense.start(f"fused{tag}.{key}", torch.cat([p.grad.reshape(-1) for p in ps]))
             self._record(pending.name, raw, pending.bytes_sent)
@@ -340,7 +340,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
     def _finish_fused(self, fused: List[Tuple[List[torch.Tensor], Pending]]) -> None:
         ours = isinstance(self.compression, GradientCompressor)
         for ps, pending in fused:
-            road = self._half if pending.extra.get("half") else self._dense
+            road = self._half if pending.half else self._dense
             flat = torch.empty(sum(p.numel() for p in ps), dtype=pending.dtype, device=ps[0].device)
             road.finish(pending, flat)
             offset = 0

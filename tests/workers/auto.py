@@ -113,7 +113,7 @@ def fused(steps: int = 3) -> Dict[str, Any]:
             try:
                 opts[0].zero_grad()
                 F.cross_entropy(models[0](x), y).backward()
-                groups = {id(p.extra["group"]): p.extra["group"] for p in opts[0]._pending.values()}
+                groups = {id(p.group): p.group for p in opts[0]._pending.values()}
                 res["groups"].append(len(groups))
                 res["launched_before_sync"].append(all(g.handle is not None for g in groups.values()))
                 res.setdefault("small_before_sync", []).append(opts[0]._early_fused is not None)
@@ -123,7 +123,7 @@ def fused(steps: int = 3) -> Dict[str, Any]:
                             wait_done(g.handle)
                     opts[0]._progress()
                     res.setdefault("summed_before_sync", []).append(
-                        sum(bool(p.extra.get("summed")) for p in opts[0]._pending.values()))
+                        sum(bool(p.summed) for p in opts[0]._pending.values()))
                 opts[0].step()
             finally:
                 wire.read_header, wire.parse_header = real_read, real_parse
@@ -138,7 +138,7 @@ def fused(steps: int = 3) -> Dict[str, Any]:
         t = opts[0].exchange_timing
         res["timing"] = [t.codec_s, t.codec_sync_s, t.wait_s, opts[0].comm_wait_s]
         # what only the cyclic collector would free: no pending tensor or fusion group (such a cycle
-        # held p.grad, extra["out"], for several steps: the slow steps of issue 13)
+        # held p.grad, p.out, for several steps: the slow steps of issue 13)
         pygc.set_debug(pygc.DEBUG_SAVEALL)
         pygc.collect()
         pygc.set_debug(0)

@@ -524,8 +524,8 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
 
         def before_wait(p: Any) -> None:
             real_before(p)
-            zeroed.append(sum(m.extra.get("zeroed", False) for m in p.extra["group"].members))
-            held.append(sum(m.extra.get("held", False) for m in p.extra["group"].members))
+            zeroed.append(sum(m.zeroed for m in p.group.members))
+            held.append(sum(m.held for m in p.group.members))
         road.before_wait = before_wait
         exchange._PREPARE, exchange._CARRIED, exchange._PREZERO = prepare, shortcuts, shortcuts
         exchange._ADD_OWN = shortcuts
