@@ -21,7 +21,8 @@ from hvd_gradcomp import _LAZY, config
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hvd_gradcomp"
 # What is sent and what is remembered: no Horovod, nothing from the layers above.
-CODEC_MODULES = {"settings", "codecs", "wire", "kernels", "compressors", "feedback", "momentum", "frozen", "qsgd", "topk", "stats"}
+CODEC_MODULES = {"settings", "codecs", "wire", "kernels", "compressors", "compressor_codec", "compressor_exempt",
+                 "compressor_policy", "compressor_state", "feedback", "momentum", "frozen", "qsgd", "topk", "stats"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod.py only.
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
 
@@ -170,7 +171,8 @@ LAYERS = (
     ("wire", ("wire",)),
     ("kernels", ("kernels",)),
     ("feedback", ("feedback", "momentum", "frozen")),
-    ("compressors", ("compressors", "qsgd", "topk", "powersgd")),
+    ("compressors", ("compressors", "compressor_codec", "compressor_exempt", "compressor_policy", "compressor_state",
+                     "qsgd", "topk", "powersgd")),
     ("reduce", ("reduce",)),
     ("exchange", ("exchange",)),
     ("horovod", ("horovod",)),
