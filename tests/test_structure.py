@@ -174,7 +174,7 @@ LAYERS = (
     ("compressors", ("compressors", "compressor_codec", "compressor_exempt", "compressor_policy", "compressor_state",
                      "qsgd", "topk", "powersgd")),
     ("reduce", ("reduce",)),
-    ("exchange", ("exchange",)),
+    ("exchange", ("exchange", "inflight", "fused")),
     ("horovod", ("horovod",)),
     ("auto", ("auto",)),
     ("optimizers", ("optimizer", "accumulate", "ddp", "ddp_roads", "ddp_auto", "config")),

@@ -501,13 +501,13 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
     """Issue 13's shortcuts in the fused allgather against its plainest path (every payload, this
     rank's too, decoded from the bytes once the allgather is done, ``p.grad`` zeroed after the
     wait): the same parameters and gradients, bit for bit, after a few steps with error feedback.
-    The shortcuts: groups prepared while their allgather travels (exchange._prepare), this rank's
+    The shortcuts: groups prepared while their allgather travels (fused._prepare), this rank's
     parts taken from its encoder (_CARRIED), the outputs zeroed before the wait (_PREZERO) and,
     with two ranks, this rank's part added to them before the wait too (_ADD_OWN).
     Runs as they come, and with every allgather seen as still in flight during backward (hvd.poll
     answers False there), so that every launched group is prepared and zeroed before its wait;
     then p.grad must still hold the local gradient after backward (never zeros)."""
-    from hvd_gradcomp import exchange
+    from hvd_gradcomp import exchange, fused
 
     def train(prepare: bool, in_flight: bool, shortcuts: bool = True) -> Dict[str, Any]:
         torch.manual_seed(0)
@@ -527,8 +527,8 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
             zeroed.append(sum(m.zeroed for m in p.group.members))
             held.append(sum(m.held for m in p.group.members))
         road.before_wait = before_wait
-        exchange._PREPARE, exchange._CARRIED, exchange._PREZERO = prepare, shortcuts, shortcuts
-        exchange._ADD_OWN = shortcuts
+        fused._PREPARE, fused._CARRIED, fused._PREZERO = prepare, shortcuts, shortcuts
+        fused._ADD_OWN = shortcuts
         try:
             for step in range(steps):
                 x, y = batch(hvd.rank(), step)
@@ -542,7 +542,7 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
                     hvd.poll = poll
                 opt.step()
         finally:
-            exchange._PREPARE = exchange._CARRIED = exchange._PREZERO = exchange._ADD_OWN = True
+            fused._PREPARE = fused._CARRIED = fused._PREZERO = fused._ADD_OWN = True
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         return {"grads": grads, "params": params, "prepared": prepared, "nonzero": nonzero, "zeroed": sum(zeroed),
