@@ -99,11 +99,11 @@ def ab_variants(probe: "SyncBreakdown") -> List[Variant]:
     after the wait: session 7's code), "carried" (own parts from the encoder, not decoded) and
     "prezero" (also ``p.grad`` zeroed before the wait) and "new" (with two ranks, this rank's part
     also added to it before the wait)."""
-    from hvd_gradcomp import exchange
+    from hvd_gradcomp import fused
 
     def use(carried: bool, prezero: bool, add_own: bool) -> Any:
         def apply() -> None:
-            exchange._CARRIED, exchange._PREZERO, exchange._ADD_OWN = carried, prezero, add_own
+            fused._CARRIED, fused._PREZERO, fused._ADD_OWN = carried, prezero, add_own
         return apply
     return [Variant("decoded", use(False, False, False)), Variant("carried", use(True, False, False)),
             Variant("prezero", use(True, True, False)), Variant("new", use(True, True, True))]
@@ -113,7 +113,7 @@ class SyncBreakdown:
     """Wraps the functions ``synchronize()`` calls and charges their seconds to phases (see module doc)."""
 
     def __init__(self) -> None:
-        from hvd_gradcomp import compressors, exchange, optimizer
+        from hvd_gradcomp import compressors, exchange, fused, optimizer
         self.inside, self.now = False, collections.Counter()
         self.last_exit = 0.0
         self.last_tc, self.last_pc = time.thread_time(), time.process_time()
@@ -121,16 +121,17 @@ class SyncBreakdown:
         self.rows: List[dict] = []
         self.groups_in_sync = self.groups_early = 0
         cls = optimizer._GradCompOptimizer
-        self._wrap(exchange.FusedAllgatherExchange, "before_wait", "prezero")
+        self._wrap(fused.FusedAllgatherExchange, "before_wait", "prezero")
         self._wrap(exchange, "wait_done", "wait")
-        self._wrap(exchange, "sum_parts", "scatter")
-        self._wrap(exchange, "finite_at_indices", "finite_at")
+        for module in (exchange, fused):   # the roads of one tensor each, and the fused allgather
+            self._wrap(module, "sum_parts", "scatter")
+            self._wrap(module, "finite_at_indices", "finite_at")
         self._wrap(compressors.GradientCompressor, "decode_parts", "decode")
         self._wrap(compressors.GradientCompressor, "received", "received")
         self._wrap(compressors.GradientCompressor, "end_round", "end_round")
-        self._wrap(cls, "_finish_fused", "small")
+        self._wrap(optimizer._SmallTensors, "finish", "small")
         self._wrap(cls, "_all_finite", "finite")
-        decode, launch = exchange.FusedAllgatherExchange._decode, exchange.FusedAllgatherExchange._launch
+        decode, launch = fused.FusedAllgatherExchange._decode, fused.FusedAllgatherExchange._launch
         self.last_launch = 0.0
 
         def launched(ex: Any, g: Any) -> Any:
@@ -138,7 +139,7 @@ class SyncBreakdown:
                 return launch(ex, g)
             finally:
                 self.last_launch = time.perf_counter()
-        exchange.FusedAllgatherExchange._launch = launched
+        fused.FusedAllgatherExchange._launch = launched
 
         def counted(ex: Any, g: Any, caller: Any) -> Any:
             if self.inside:
@@ -146,7 +147,7 @@ class SyncBreakdown:
             else:
                 self.groups_early += 1
             return decode(ex, g, caller)
-        exchange.FusedAllgatherExchange._decode = counted
+        fused.FusedAllgatherExchange._decode = counted
         self.variants = [Variant("new", lambda: None)]
 
     def _wrap(self, owner: Any, attr: str, phase: str) -> None:

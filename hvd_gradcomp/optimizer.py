@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -53,7 +53,115 @@ from .exchange import DenseExchange, HalfExchange, JoinGuard, Pending, SparseExc
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from .stats import ByteStats
 
-_HALF = "fp16"   # the fused allreduce of the tensors sent as float16 (see _start_fused)
+_HALF = "fp16"   # the fused allreduce of the tensors sent as float16 (see _SmallTensors.start)
+
+
+class _ChangeWatch:
+    """Each gradient as backward left it (tensor, version): user code changing it before the exchange
+    is finished is refused at synchronize() (see :meth:`changed`)."""
+
+    def __init__(self, names: Dict[torch.Tensor, str]) -> None:
+        self._names = names   # the optimizer's, which add_param_group extends
+        self._final: Dict[torch.Tensor, Optional[Tuple[torch.Tensor, int]]] = {}
+
+    def watch(self, p: torch.Tensor) -> None:
+        """Note ``p``'s gradient as final; at the end of this backward pass (an autograd engine callback,
+        after the early decodes of :meth:`_GradCompOptimizer._progress` have written what they write),
+        its version is taken."""
+        if not self._final:
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+        self._final[p] = None
+
+    def backward_done(self) -> None:
+        for p in self._final:
+            self._final[p] = None if p.grad is None else (p.grad, p.grad._version)
+
+    def changed(self) -> Optional[str]:
+        """The name of a gradient that user code changed between ``backward()`` and ``step()`` without
+        ``synchronize()`` first (``clip_grad_norm_``, a loss scaler's ``unscale_``, a hand-made decay),
+        or None. One read of a version counter per parameter.
+
+        Why: until ``synchronize()`` a gradient's ``p.grad`` holds this rank's gradient or, where its
+        exchange was already decoded during backward, the average: which of the two depends on timing.
+        Clipping there measured a different norm on each rank and scaled the averages already written
+        by a different factor, so the replicas drifted apart, silently; what it did to the local
+        gradients was lost (they had been sent)."""
+        changed = next((p for p, seen in self._final.items()
+                        if seen is not None and (p.grad is not seen[0] or p.grad._version != seen[1])), None)
+        self._final.clear()
+        return None if changed is None else self._names.get(changed, "?")
+
+    @staticmethod
+    def refuse(name: str) -> None:
+        raise RuntimeError(
+            f"hvd_gradcomp.DistributedOptimizer: the gradient of {name!r} was changed after backward() and before "
+            "step() (clip_grad_norm_, a loss scaler's unscale_, or other code writing p.grad) while its exchange "
+            "was still open. Until synchronize() p.grad holds this rank's gradient or the average, depending on "
+            "timing, so such code scales each rank differently and the replicas drift apart. Call "
+            "opt.synchronize(), then change the averaged gradients, then `with opt.skip_synchronize(): "
+            "opt.step()` (Horovod's pattern), or clip with GradientAccumulator(opt, steps=..., max_grad_norm=...); "
+            "with a TopK compressor bound each rank's gradient with its clip= instead "
+            "(docs/PRECISION_AND_CLIPPING.md). This step's exchange was finished; the optimizer did not step.")
+
+    def taken(self) -> bool:
+        """Whether this backward pass's versions were taken (its end callback ran)."""
+        return bool(self._final) and next(iter(self._final.values())) is not None
+
+    def clear(self) -> None:
+        self._final.clear()
+
+
+class _SmallTensors:
+    """The tensors exchanged uncompressed (small, a dtype the wire cannot encode, or excluded by the
+    compressor's policy), fused: one allreduce per dtype, and one of float16 casts
+    (:class:`~hvd_gradcomp.exchange.HalfExchange`) for those the compressor sends as float16."""
+
+    def __init__(self, compression: Any, names: Dict[torch.Tensor, str], dense: DenseExchange,
+                 half: Optional[HalfExchange]) -> None:
+        self.compression, self._names, self._dense, self._half = compression, names, dense, half
+
+    def start(self, params: List[torch.Tensor], min_compress_numel: int, record: Callable[[str, int, int], None],
+              tag: str = "") -> List[Tuple[List[torch.Tensor], Pending]]:
+        """One allreduce per dtype for all small tensors: fewer, larger messages. Those the
+        compressor sends as float16 (:meth:`GradientCompressor.sends_half`) form their own.
+        ``record(name, raw bytes, bytes sent)`` counts each; ``tag``: part of the exchanges' names,
+        for a second fused exchange in the same step."""
+        groups: Dict[str, List[torch.Tensor]] = {}
+        ours = isinstance(self.compression, GradientCompressor)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if ours and p.numel() >= min_compress_numel:   # dense this step: its policy may follow
+                self.compression.dense_local(self._names[p], p.grad)   # this rank's gradient
+            half = self._half is not None and self.compression.sends_half(
+                self._names[p], p.grad.dtype, p.numel() < min_compress_numel)
+            groups.setdefault(_HALF if half else str(p.grad.dtype).replace("torch.", ""), []).append(p)
+        fused = []
+        for key, ps in sorted(groups.items()):   # the same order on every rank
+            raw = sum(p.numel() * p.element_size() for p in ps)
+            if key == _HALF:
+                pending = self._half.start(f"fused{tag}.{key}", [(self._names[p], p.grad) for p in ps])
+                pending.half = True
+            else:
+                pending = self._dense.start(f"fused{tag}.{key}", torch.cat([p.grad.reshape(-1) for p in ps]))
+            record(pending.name, raw, pending.bytes_sent)
+            fused.append((ps, pending))
+        return fused
+
+    def finish(self, fused: List[Tuple[List[torch.Tensor], Pending]]) -> None:
+        """Wait for :meth:`start`'s allreduces and copy each average into ``p.grad``."""
+        ours = isinstance(self.compression, GradientCompressor)
+        for ps, pending in fused:
+            road = self._half if pending.half else self._dense
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=pending.dtype, device=ps[0].device)
+            road.finish(pending, flat)
+            offset = 0
+            for p in ps:
+                n = p.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+                if ours:   # the policy sees the average before the user's code between synchronize() and step()
+                    self.compression.dense_average(self._names[p], p.grad)
 
 
 class _GradCompOptimizer(torch.optim.Optimizer):
@@ -91,6 +199,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._half = HalfExchange(compression, op, process_set) if isinstance(compression, GradientCompressor) \
             else None
         self._sparse = SparseExchange(op, process_set)
+        self._small_road = _SmallTensors(compression, self._parameter_names, self._dense, self._half)
         self._delay: Dict[torch.Tensor, int] = {}
         self._pending: Dict[torch.Tensor, Pending] = {}
         self._sparse_pending: Dict[torch.Tensor, Pending] = {}
@@ -106,9 +215,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.exchange_timing = self._compressed  # .codec_s / .codec_sync_s / .wait_s, all steps
         self._step_bytes = 0
         self._hook_handles: List[Any] = []
-        # Each gradient as backward left it (tensor, version): user code changing it before the exchange
-        # is finished is refused at synchronize() (see _changed_gradient)
-        self._final: Dict[torch.Tensor, Optional[Tuple[torch.Tensor, int]]] = {}
+        self._changes = _ChangeWatch(self._parameter_names)   # user code changing a gradient before synchronize()
         if self._included:
             self._register_hooks()
 
@@ -131,7 +238,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
 
     def _hook(self, p: torch.Tensor) -> None:
         if p in self._pending or p in self._sparse_pending:
-            self._backward_done()   # this error, not _changed_gradient's, names what went wrong
+            self._changes.backward_done()   # this error, not the watch's, names what went wrong
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step "
                 f"({self.backward_passes_per_step}) times before step()/synchronize(). Increase "
@@ -139,7 +246,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._delay[p] -= 1
         if self._delay[p] == 0:
-            self._watch(p)
+            self._changes.watch(p)
         if self._delay[p] == 0 and (p.grad.is_sparse or not self._is_small(p)):
             self._start(p)
             self._progress()
@@ -151,53 +258,15 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 # Every small gradient is final: their fused allreduce leaves now, overlapping the
                 # rest of backward, instead of from synchronize(). (A step where one has no gradient
                 # never gets here: synchronize() starts it, with zeros for the missing ones.)
-                self._early_fused = self._start_fused(self._small)
-
-    def _watch(self, p: torch.Tensor) -> None:
-        """Note ``p``'s gradient as final; at the end of this backward pass (an autograd engine callback,
-        after the early decodes of :meth:`_progress` have written what they write), its version is taken."""
-        if not self._final:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        self._final[p] = None
-
-    def _backward_done(self) -> None:
-        for p in self._final:
-            self._final[p] = None if p.grad is None else (p.grad, p.grad._version)
-
-    def _changed_gradient(self) -> Optional[str]:
-        """The name of a gradient that user code changed between ``backward()`` and ``step()`` without
-        ``synchronize()`` first (``clip_grad_norm_``, a loss scaler's ``unscale_``, a hand-made decay),
-        or None. One read of a version counter per parameter.
-
-        Why: until ``synchronize()`` a gradient's ``p.grad`` holds this rank's gradient or, where its
-        exchange was already decoded during backward, the average: which of the two depends on timing.
-        Clipping there measured a different norm on each rank and scaled the averages already written
-        by a different factor, so the replicas drifted apart, silently; what it did to the local
-        gradients was lost (they had been sent)."""
-        changed = next((p for p, seen in self._final.items()
-                        if seen is not None and (p.grad is not seen[0] or p.grad._version != seen[1])), None)
-        self._final.clear()
-        return None if changed is None else self._parameter_names.get(changed, "?")
-
-    @staticmethod
-    def _refuse_changed(name: str) -> None:
-        raise RuntimeError(
-            f"hvd_gradcomp.DistributedOptimizer: the gradient of {name!r} was changed after backward() and before "
-            "step() (clip_grad_norm_, a loss scaler's unscale_, or other code writing p.grad) while its exchange "
-            "was still open. Until synchronize() p.grad holds this rank's gradient or the average, depending on "
-            "timing, so such code scales each rank differently and the replicas drift apart. Call "
-            "opt.synchronize(), then change the averaged gradients, then `with opt.skip_synchronize(): "
-            "opt.step()` (Horovod's pattern), or clip with GradientAccumulator(opt, steps=..., max_grad_norm=...); "
-            "with a TopK compressor bound each rank's gradient with its clip= instead "
-            "(docs/PRECISION_AND_CLIPPING.md). This step's exchange was finished; the optimizer did not step.")
+                self._early_fused = self._small_road.start(self._small, self.min_compress_numel, self._record)
 
     def _progress(self) -> None:
         """Decode the exchanges already done while backward goes on, instead of all at synchronize()."""
         for pending in self._pending.values():
             if not pending.finished:
                 self._compressed.progress(pending)
-        if self._final and next(iter(self._final.values())) is not None:
-            self._backward_done()   # called after backward: what it wrote is this optimizer's, not user code's
+        if self._changes.taken():
+            self._changes.backward_done()   # called after backward: what it wrote is this optimizer's, not user code's
 
     def _is_small(self, p: torch.Tensor) -> bool:
         """Exchanged uncompressed: small, of a dtype the wire cannot encode (float64: it travels as it
@@ -234,7 +303,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         t0 = time.perf_counter()
-        changed = self._changed_gradient()   # refused once the exchanges are finished: every rank takes part
+        changed = self._changes.changed()   # refused once the exchanges are finished: every rank takes part
         self._adopt_unfrozen()
         small = []
         for p in self._delay:
@@ -248,10 +317,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self._start(p)
         small += [p for p in self._densified if p not in self._pending and p not in small]
         if self._early_fused is None:
-            fused = self._start_fused(small)
+            fused = self._small_road.start(small, self.min_compress_numel, self._record)
         else:   # launched during backward; a parameter adopted just now goes in a fused exchange of its own
             early = {p for ps, _ in self._early_fused for p in ps}
-            fused = self._early_fused + self._start_fused([p for p in small if p not in early], tag="late")
+            fused = self._early_fused + self._small_road.start([p for p in small if p not in early],
+                                                               self.min_compress_numel, self._record, tag="late")
         for pending in self._pending.values():
             if not pending.finished:
                 self._compressed.advance(pending)
@@ -260,7 +330,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self._compressed.finish(pending, p.grad)
             # Counted once finished: the QSGD road adds its allgather's bytes in advance().
             self._record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
-        self._finish_fused(fused)
+        self._small_road.finish(fused)
         for p, pending in self._sparse_pending.items():
             self._sparse.finish(pending, p.grad)
             self._record(pending.name, pending.bytes_sent, pending.bytes_sent)
@@ -282,7 +352,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._synchronized = True
         if changed is not None:
             self._synchronized = False
-            self._refuse_changed(changed)
+            self._changes.refuse(changed)
 
     def _adopt_unfrozen(self) -> None:
         """Parameters with ``requires_grad=False`` when this optimizer was built that have a gradient now
@@ -310,46 +380,6 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         # ...and where a sum is not finite (a NaN/Inf, or finite values whose sum overflowed), exactly.
         exact = known_ok + [torch.isfinite(g).all() for g in rest]
         return bool(torch.stack([c.to(exact[0].device) for c in exact]).all())
-
-    def _start_fused(self, params: List[torch.Tensor], tag: str = "") -> List[Tuple[List[torch.Tensor], Pending]]:
-        """One allreduce per dtype for all small tensors: fewer, larger messages. Those the
-        compressor sends as float16 (:meth:`GradientCompressor.sends_half`) form their own.
-        ``tag``: part of the exchanges' names, for a second fused exchange in the same step."""
-        groups: Dict[str, List[torch.Tensor]] = {}
-        ours = isinstance(self.compression, GradientCompressor)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if ours and p.numel() >= self.min_compress_numel:   # dense this step: its policy may follow
-                self.compression.dense_local(self._parameter_names[p], p.grad)   # this rank's gradient
-            half = self._half is not None and self.compression.sends_half(
-                self._parameter_names[p], p.grad.dtype, p.numel() < self.min_compress_numel)
-            groups.setdefault(_HALF if half else str(p.grad.dtype).replace("torch.", ""), []).append(p)
-        fused = []
-        for key, ps in sorted(groups.items()):   # the same order on every rank
-            raw = sum(p.numel() * p.element_size() for p in ps)
-            if key == _HALF:
-                pending = self._half.start(f"fused{tag}.{key}", [(self._parameter_names[p], p.grad) for p in ps])
-                pending.half = True
-            else:
-                pending = self._dense.start(f"fused{tag}.{key}", torch.cat([p.grad.reshape(-1) for p in ps]))
-            self._record(pending.name, raw, pending.bytes_sent)
-            fused.append((ps, pending))
-        return fused
-
-    def _finish_fused(self, fused: List[Tuple[List[torch.Tensor], Pending]]) -> None:
-        ours = isinstance(self.compression, GradientCompressor)
-        for ps, pending in fused:
-            road = self._half if pending.half else self._dense
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=pending.dtype, device=ps[0].device)
-            road.finish(pending, flat)
-            offset = 0
-            for p in ps:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
-                if ours:   # the policy sees the average before the user's code between synchronize() and step()
-                    self.compression.dense_average(self._parameter_names[p], p.grad)
 
     def _record(self, name: str, raw_bytes: int, sent_bytes: int) -> None:
         self._step_bytes += sent_bytes
@@ -417,7 +447,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._join.reset()
-        self._final.clear()
+        self._changes.clear()
         if isinstance(self.compression, GradientCompressor):
             self.compression.abandon_round()
 
