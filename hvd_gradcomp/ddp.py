@@ -65,7 +65,7 @@ from .accumulate import check_clippable, check_max_grad_norm
 from .auto import Auto
 from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, refuse_class
 from .ddp_auto import _AutoRoads
-from .ddp_roads import _KEEP_ALIVE, _ROADS, Future, _allreduce, _dense_bucket, _done, _Plan, _Segment, _then
+from .ddp_roads import _KEEP_ALIVE, _ROADS, Future, _allreduce, _dense_bucket, _InOrder, _Plan, _Segment
 from .momentum import MomentumCorrection
 from .stats import ByteStats
 from .topk import TopKQSGD
@@ -181,7 +181,7 @@ class GradCompState:
         self._step_bytes: Dict[int, int] = {}
         self._plans: Dict[Tuple[int, Tuple[int, ...]], _Plan] = {}
         self._lock = threading.Lock()   # the compressor is used from the hook and callback threads
-        self._launched: Future = _done(None)
+        self._in_order = _InOrder(self._lock)   # second-round collectives, in bucket order
 
     def __repr__(self) -> str:
         return (f"GradCompState(compression={self.compression!r}, start_compress_iter={self.start_compress_iter}, "
@@ -356,49 +356,9 @@ class GradCompState:
     # ------------------------------------------------------------ ordering
     def _then_in_order(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
                        result: Future, buffer: torch.Tensor, finish_dense: Callable[[], None]) -> None:
-        """Run ``launch()`` when ``deps`` are done *and* the previous bucket's launch has run.
-
-        ``launch`` issues the second-round collective and returns (its future, decode); it
-        returns None when the bucket carries non-finite values. ``result`` gets the buffer.
-        """
-        previous, mine = self._launched, Future()
-        self._launched = mine
-
-        def fail(err: BaseException) -> None:
-            if not result.done():
-                result.set_exception(err)
-
-        def complete(fut: Optional[Future], decode: Optional[Callable]) -> None:
-            try:
-                if fut is not None:
-                    fut.wait()
-                    with self._lock:
-                        decode()
-                else:
-                    buffer.fill_(float("nan"))
-                for d in deps:
-                    d.wait()  # this callback's CUDA stream too must wait for the dense allreduces
-                finish_dense()
-                result.set_result(buffer)
-            except BaseException as err:  # noqa: BLE001 -- handed to DDP, which raises it in backward
-                fail(err)
-
-        def ready(_: Future) -> None:
-            try:
-                for d in deps:
-                    d.wait()  # raises a failed first round (e.g. a peer died)
-                launched = launch()
-            except BaseException as err:  # noqa: BLE001
-                mine.set_result(None)
-                fail(err)
-                return
-            mine.set_result(None)
-            if launched is None:
-                complete(None, None)
-            else:
-                _then(launched[0], lambda f: complete(f, launched[1]))
-
-        _then(torch.futures.collect_all(deps + [previous]), ready)
+        """Run ``launch()`` when ``deps`` are done *and* the previous bucket's launch has run (see
+        :class:`hvd_gradcomp.ddp_roads._InOrder`). A method, so that Auto's view of the state times it."""
+        self._in_order.then(deps, launch, result, buffer, finish_dense)
 
 
 def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -5,7 +5,7 @@ One function per declared collective (:data:`_ROADS`, see :mod:`hvd_gradcomp.cod
 :func:`_rounds` (PowerSGD's two allreduces), plus the dense and float16 allreduces of what a
 bucket does not compress. Each returns a future and never waits: second-round collectives are
 chained on the first round's futures and issued in bucket order on a second process group
-(``state._then_in_order``), so their order is the same on every rank.
+(``state._then_in_order``, :class:`_InOrder`), so their order is the same on every rank.
 
 A road takes the hook's state (:class:`hvd_gradcomp.ddp.GradCompState`) or Auto's view of it
 (:class:`hvd_gradcomp.ddp_auto._RoadView`): anything with its attributes (``compression``,
@@ -13,6 +13,7 @@ A road takes the hook's state (:class:`hvd_gradcomp.ddp.GradCompState`) or Auto'
 """
 # No `from __future__ import annotations`: as in hvd_gradcomp.ddp.
 import atexit
+import threading
 import time
 import warnings
 import weakref
@@ -56,6 +57,61 @@ def _then(fut: Future, fn: Callable[[Future], Any]) -> Future:
 
     _PENDING.add(run)
     return fut.then(run)
+
+
+class _InOrder:
+    """Second-round collectives issued in bucket order, on every rank the same, whichever thread
+    completes a first-round future first."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock   # the state's: decodes use the compressor, shared with the hook's thread
+        self._launched: Future = _done(None)
+
+    def then(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
+             result: Future, buffer: torch.Tensor, finish_dense: Callable[[], None]) -> None:
+        """Run ``launch()`` when ``deps`` are done *and* the previous bucket's launch has run.
+
+        ``launch`` issues the second-round collective and returns (its future, decode); it
+        returns None when the bucket carries non-finite values. ``result`` gets the buffer.
+        """
+        previous, mine = self._launched, Future()
+        self._launched = mine
+
+        def fail(err: BaseException) -> None:
+            if not result.done():
+                result.set_exception(err)
+
+        def complete(fut: Optional[Future], decode: Optional[Callable]) -> None:
+            try:
+                if fut is not None:
+                    fut.wait()
+                    with self._lock:
+                        decode()
+                else:
+                    buffer.fill_(float("nan"))
+                for d in deps:
+                    d.wait()  # this callback's CUDA stream too must wait for the dense allreduces
+                finish_dense()
+                result.set_result(buffer)
+            except BaseException as err:  # noqa: BLE001 -- handed to DDP, which raises it in backward
+                fail(err)
+
+        def ready(_: Future) -> None:
+            try:
+                for d in deps:
+                    d.wait()  # raises a failed first round (e.g. a peer died)
+                launched = launch()
+            except BaseException as err:  # noqa: BLE001
+                mine.set_result(None)
+                fail(err)
+                return
+            mine.set_result(None)
+            if launched is None:
+                complete(None, None)
+            else:
+                _then(launched[0], lambda f: complete(f, launched[1]))
+
+        _then(torch.futures.collect_all(deps + [previous]), ready)
 
 
 def _drain_at_exit(timeout: float = 5.0, settle: float = 0.02) -> None:
