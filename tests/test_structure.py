@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hvd_gradcomp"
 # What is sent and what is remembered: no Horovod, nothing from the layers above.
 CODEC_MODULES = {"settings", "codecs", "wire", "kernels", "compressors", "compressor_codec", "compressor_exempt",
-                 "compressor_policy", "compressor_state", "feedback", "momentum", "frozen", "qsgd", "topk", "stats"}
+                 "compressor_policy", "compressor_state", "feedback", "momentum", "frozen", "frozen_warmup",
+                 "frozen_scale", "frozen_momentum", "qsgd", "topk", "stats"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod.py only.
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
 
@@ -170,7 +171,7 @@ LAYERS = (
     ("settings", ("settings", "codecs", "stats", "policy")),
     ("wire", ("wire",)),
     ("kernels", ("kernels",)),
-    ("feedback", ("feedback", "momentum", "frozen")),
+    ("feedback", ("feedback", "momentum", "frozen", "frozen_warmup", "frozen_scale", "frozen_momentum")),
     ("compressors", ("compressors", "compressor_codec", "compressor_exempt", "compressor_policy", "compressor_state",
                      "qsgd", "topk", "powersgd")),
     ("reduce", ("reduce",)),
