@@ -177,7 +177,7 @@ LAYERS = (
     ("reduce", ("reduce",)),
     ("exchange", ("exchange", "inflight", "fused")),
     ("horovod", ("horovod",)),
-    ("auto", ("auto",)),
+    ("auto", ("auto", "auto_schedule", "auto_measure", "auto_state")),
     ("optimizers", ("optimizer", "accumulate", "ddp", "ddp_roads", "ddp_auto", "config")),
     ("launchers", ("launchers",)),
 )
