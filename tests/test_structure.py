@@ -261,3 +261,41 @@ def test_the_reduction_helpers_import_no_collective_library() -> None:
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in names if m.startswith(("horovod", "torch.distributed"))], names
+
+
+MAX_MODULE_LINES = 900
+MAX_CLASS_LINES = 300
+"""Size limits of the package's parts: a module or a class past them holds more than one idea
+(GradientCompressor reached 718 lines and about ten responsibilities before it was split)."""
+
+
+def oversized(package: Path, max_module: int = MAX_MODULE_LINES, max_class: int = MAX_CLASS_LINES) -> List[str]:
+    """Every module of ``package`` (subpackages included) over ``max_module`` lines and every class
+    over ``max_class``, as ``path: what (lines)``.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "m.py").write_text("class A:\\n" + "    x = 1\\n" * 4)
+    >>> oversized(d, max_module=10, max_class=4)
+    ['m.py: class A (5 lines)']
+    """
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(package).as_posix()
+        if len(text.splitlines()) > max_module:
+            found.append(f"{rel}: module ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > max_class:
+                found.append(f"{rel}: class {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    return found
+
+
+def test_no_module_or_class_past_the_size_limits() -> None:
+    assert oversized(PACKAGE) == [], (f"split these along their responsibilities (modules <= {MAX_MODULE_LINES} "
+                                      f"lines, classes <= {MAX_CLASS_LINES}; docs/ARCHITECTURE.md)")
+
+
+def test_the_size_check_catches_a_long_class(tmp_path: Path) -> None:
+    (tmp_path / "big.py").write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES + "y = 2\n" * MAX_MODULE_LINES)
+    assert oversized(tmp_path) == [f"big.py: module ({1 + MAX_CLASS_LINES + MAX_MODULE_LINES} lines)",
+                                   f"big.py: class Big ({1 + MAX_CLASS_LINES} lines)"]
