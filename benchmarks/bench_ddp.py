@@ -44,7 +44,9 @@ from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
 # there; under Gloo those callbacks run on the group's worker threads, and with several
 # buckets the job hung or aborted here. One bucket keeps it working on CPU (no overlap).
 ONE_BUCKET_MB = 1e5
-SETTINGS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8")
+# gc-powersgd-4: hvd-gradcomp's gc.PowerSGD(rank=4) in its hook, beside torch's powersgd-4; the hook
+# issues its second rounds on a second process group, so it keeps --bucket-cap-mb under Gloo too.
+SETTINGS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "gc-powersgd-4", "topkqsgd", "qsgd8")
 # gc.Auto() in the hook: on request (--settings ...,auto). Its start runs in the warm-up: DDP's
 # first iteration, its bucket rebuild (exploration restarts), then Auto's start (exploring, the
 # decision, 1 untimed and 2 verified steps: gc.Auto().start_steps, see docs/AUTO.md) and one step to spare.
@@ -80,8 +82,8 @@ def register(setting: str, model: DDP, warmup: int) -> Callable[[int], int]:
             sent, before[0] = total - before[0], total
             return sent
         return powersgd_bytes
-    compression = (gc.TopKQSGD(ratio=0.01, bits=8) if setting == "topkqsgd" else gc.Auto() if setting == "auto"
-                   else gc.QSGD(bits=8))
+    compression = {"topkqsgd": lambda: gc.TopKQSGD(ratio=0.01, bits=8), "auto": gc.Auto,
+                   "gc-powersgd-4": lambda: gc.PowerSGD(rank=4), "qsgd8": lambda: gc.QSGD(bits=8)}[setting]()
     hook_state = gc_ddp.register(model, compression=compression)
     totals = [0]
 

@@ -26,6 +26,8 @@ Examples::
     python -m benchmarks --dry-run              # print the commands, run nothing
     python -m benchmarks --only-ddp --rates 1gbit       # only the DDP rows and convergence (docs/ddp/)
     python -m benchmarks --only-ddp --skip-speed        # only the DDP convergence comparison (~12 min)
+    python -m benchmarks --only-ddp --skip-convergence --rates 1gbit --ddp-settings powersgd-4,gc-powersgd-4
+                                                # two DDP rows, merged into the saved ones (docs/ddp/)
 """
 from __future__ import annotations
 
@@ -73,13 +75,16 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
                    "hvdgc-b), across their veth link limited to each rate per direction; needs root")
 @click.option("--skip-ddp", is_flag=True, help="leave out the DDP rows and convergence (benchmarks/ddp.py)")
 @click.option("--only-ddp", is_flag=True, help="only the DDP rows and convergence; writes DOCS_DIR/ddp/ only")
+@click.option("--ddp-settings", default=None,
+              help="only these DDP speed rows (comma-separated keys of benchmarks/ddp.py's SPEED_SETTINGS), "
+                   "merged into DOCS_DIR/ddp/data.json, keeping its other rows")
 @click.option("--dry-run", is_flag=True, help="print the commands and exit")
 @click.option("--render-only", is_flag=True,
               help="rewrite BENCHMARKS.md and the plots from DOCS_DIR/data/bench.json without running anything")
 def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Optional[int], warmup: Optional[int],
          rounds: Optional[int], steps: Optional[int], seed: int, skip_speed: bool, skip_convergence: bool,
-         docs_dir: Optional[str], job_timeout: float, compile_mode: str, two_hosts: bool, skip_ddp: bool, only_ddp: bool, dry_run: bool,
-         render_only: bool) -> None:
+         docs_dir: Optional[str], job_timeout: float, compile_mode: str, two_hosts: bool, skip_ddp: bool, only_ddp: bool,
+         ddp_settings: Optional[str], dry_run: bool, render_only: bool) -> None:
     """Entry point of ``python -m benchmarks`` (``make bench``)."""
     if skip_speed and skip_convergence:
         raise click.UsageError("--skip-speed and --skip-convergence together leave nothing to run")
@@ -90,7 +95,13 @@ def main(quick: bool, rates: Optional[str], params: Optional[float], iters: Opti
                           job_timeout, compile_mode, two_hosts, rounds)
     except click.BadParameter as exc:
         raise click.UsageError(f"--rates: {exc.message}") from None
-    ddp = None if skip_ddp else ddp_half.build_ddp_plan(plan, quick, skip_speed, skip_convergence)
+    only = [k.strip() for k in (ddp_settings or "").split(",") if k.strip()]
+    if only and (skip_ddp or skip_speed):
+        raise click.UsageError("--ddp-settings picks DDP speed rows: not with --skip-ddp or --skip-speed")
+    try:
+        ddp = None if skip_ddp else ddp_half.build_ddp_plan(plan, quick, skip_speed, skip_convergence, only=only)
+    except ValueError as exc:
+        raise click.UsageError(f"--ddp-settings: {exc}") from None
     if only_ddp:
         plan.speed, plan.convergence = [], []
     if dry_run:

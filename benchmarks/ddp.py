@@ -6,7 +6,9 @@ their own page, ``DOCS_DIR/ddp/BENCHMARKS.md`` (raw figures in ``DOCS_DIR/ddp/da
 1. Speed: ``benchmarks/bench_ddp.py`` on the synthetic model of the Horovod rows (25M
    parameters), one job per setting, inside the same rate-limited network namespace as the
    Horovod rows (:func:`benchmarks.netns.rate_limited_netns`) at every ``--rates`` value:
-   DDP uncompressed, torch's fp16 hook, PowerSGD rank 1 and 4, our TopKQSGD(1%, 8), our QSGD-8.
+   DDP uncompressed, torch's fp16 hook, PowerSGD rank 1 and 4, our PowerSGD rank 4, our TopKQSGD(1%, 8),
+   our QSGD-8. ``--ddp-settings KEYS`` runs only those rows and merges them into the saved figures,
+   keeping the other rows; each merged row names the command, date and load average it ran under.
 2. Convergence: ``examples/train_ddp.py`` on the real-data example (character model on the
    standard library's sources) for several seeds: DDP uncompressed, PowerSGD rank 1 and 4,
    TopKQSGD(1%, 8), QSGD-8; held-out loss, paired gap against the same seed uncompressed,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -52,6 +55,7 @@ SPEED_SETTINGS = (
     Setting("fp16", "DDP + torch fp16 hook", ()),
     Setting("powersgd-1", "DDP + PowerSGD rank 1", ()),
     Setting("powersgd-4", "DDP + PowerSGD rank 4", ()),
+    Setting("gc-powersgd-4", "DDP + hvd-gradcomp PowerSGD rank 4", (), True),
     Setting("topkqsgd", "DDP + TopKQSGD(1%, 8)", (), True),
     Setting("qsgd8", "DDP + QSGD 8-bit", (), True),
     Setting("auto", "DDP + Auto", (), True),  # gc.Auto() in the hook; its start runs in bench_ddp's own warm-up
@@ -85,6 +89,7 @@ class DdpPlan:
     lr: float
     seeds: List[int]
     eval_every: int
+    merge: bool = False   # speed rows of a chosen subset (--ddp-settings): merged into the saved figures
     docs_dir: Path = field(init=False)
     runs_dir: Path = field(init=False)
 
@@ -98,22 +103,30 @@ class DdpPlan:
 
 
 def build_ddp_plan(base: Plan, quick: bool, skip_speed: bool, skip_convergence: bool,
-                   steps: Optional[int] = None, seeds: Optional[int] = None) -> DdpPlan:
-    """The DDP half for the Horovod plan ``base`` (same rates, model size, iterations and seed).
+                   steps: Optional[int] = None, seeds: Optional[int] = None,
+                   only: Sequence[str] = ()) -> DdpPlan:
+    """The DDP half for the Horovod plan ``base`` (same rates, model size, iterations and seed);
+    ``only``: just these speed rows, to be merged into the saved ones (``--ddp-settings``).
 
     >>> from benchmarks.plan import build_plan
     >>> p = build_ddp_plan(build_plan(True, None, None, None, None, None, 5, False, False, None, 300, "auto"),
     ...                    True, False, False)
     >>> [s.key for s in p.speed], [s.key for s in p.convergence], p.seeds, p.steps, p.jobs
     (['ddp', 'powersgd-1', 'topkqsgd'], ['none', 'powersgd-1', 'topkqsgd'], [5], 40, 6)
+    >>> p = build_ddp_plan(p.base, False, False, True, only=["powersgd-4", "gc-powersgd-4"])
+    >>> [s.key for s in p.speed], p.merge
+    (['powersgd-4', 'gc-powersgd-4'], True)
     """
     conf = QUICK_CONVERGENCE if quick else CONVERGENCE
-    pick = (lambda s: s.key in QUICK_SETTINGS) if quick else (lambda s: True)
+    unknown = sorted(set(only) - {s.key for s in SPEED_SETTINGS})
+    if unknown:
+        raise ValueError(f"unknown DDP speed settings {unknown}; choose from {', '.join(s.key for s in SPEED_SETTINGS)}")
+    pick = (lambda s: s.key in only) if only else (lambda s: s.key in QUICK_SETTINGS) if quick else (lambda s: True)
     steps = steps or conf["steps"]
     return DdpPlan(base=base, speed=[] if skip_speed else [s for s in SPEED_SETTINGS if pick(s)],
                    convergence=[] if skip_convergence else [s for s in CONVERGENCE_SETTINGS if pick(s)],
                    steps=steps, lr=conf["lr"], seeds=[base.seed + i for i in range(seeds or conf["seeds"])],
-                   eval_every=max(1, steps // conf["evals"]))
+                   eval_every=max(1, steps // conf["evals"]), merge=bool(only))
 
 
 # ---------------------------------------------------------------- command lines (pure)
@@ -195,11 +208,12 @@ def _run_speed(plan: DdpPlan, say: Callable[[str], None], job: Callable) -> Dict
         with rate_limited_netns(rate, say) as ns:
             for s in plan.speed:
                 out = speed_json(plan, rate, s)
+                load = os.getloadavg()   # what else ran: the page states it beside merged rows
                 data, err = job(in_netns(ns, torchrun(speed_program(plan, s, out))), out, f"DDP speed {rate} {s.label}")
                 if err is not None:
                     failures[s.key] = err
                     continue
-                results[s.key] = dict(data["rows"][0], noop_step_s=data["noop_step_s"])
+                results[s.key] = dict(data["rows"][0], noop_step_s=data["noop_step_s"], load_avg=list(load))
                 r = results[s.key]
                 say(f"{rate:>7} {s.label:<24} step {r['step_s'] * 1e3:8.1f} ms, comm {100 * r['comm_share']:5.1f}%, "
                     f"{r['bytes_per_step'] / 1e6:8.3f} MB/step")
@@ -397,12 +411,33 @@ def _speed_section(speed: Dict[str, Any]) -> List[str]:
            "same job with a no-op hook that sends nothing) / step time. *Bytes*: what each rank hands to the "
            "collectives per step. PowerSGD runs with `start_powerSGD_iter = max(2, warmup)` (torch's docs: at "
            "least 2 with error feedback) so every timed step is compressed, and, under Gloo, with one bucket "
-           "(see docs/DDP.md). TopKQSGD and QSGD-8 are `hvd_gradcomp.ddp.register` with error feedback.", ""]
+           "(see docs/DDP.md). TopKQSGD, QSGD-8 and hvd-gradcomp's PowerSGD rank 4 (`gc.PowerSGD(rank=4)`, "
+           "from the first step, with `--bucket-cap-mb` buckets: its second rounds go on a second process "
+           "group, so several buckets work under Gloo) are `hvd_gradcomp.ddp.register` with error feedback.", ""]
     for rate, block in speed["rates"].items():
         title = f"{rate}, {LINK_MODES[block['mode']]}" if block["throttled"] else f"{rate} requested, ran unthrottled"
         out += [f"### {title}", "", render_speed_table(speed_rows(block["results"])), ""]
+        out += merged_rows_lines(block["results"])
         out += [f"- {LABELS.get(k, k)}: failed: `{v.splitlines()[0]}`" for k, v in block["failures"].items()]
     return out
+
+
+def merged_rows_lines(results: Dict[str, Dict[str, Any]]) -> List[str]:
+    """A line per command whose rows were merged into the saved ones (``--ddp-settings``): which
+    rows, when, and the load average (1, 5, 15 minutes) before each ran; nothing when none were.
+
+    >>> print(merged_rows_lines({"a": {}, "gc-powersgd-4": {"command": "c", "date": "d", "load_avg": [0.51, 1, 2]}})[0])
+    - Rerun later by `c` on d: DDP + hvd-gradcomp PowerSGD rank 4 (load average before it: 0.51, 1.00, 2.00); the other rows are from the command above.
+    """
+    by_command: Dict[Tuple[str, str], List[str]] = {}
+    for key, row in results.items():
+        if "command" in row:
+            load = ", ".join(f"{v:.2f}" for v in row.get("load_avg", []))
+            by_command.setdefault((row["command"], row["date"]), []).append(
+                f"{LABELS.get(key, key)}" + (f" (load average before it: {load})" if load else ""))
+    lines = [f"- Rerun later by `{cmd}` on {date}: {', '.join(rows)}; the other rows are from the command above."
+             for (cmd, date), rows in by_command.items()]
+    return lines + [""] if lines else []
 
 
 def _convergence_section(conv: Dict[str, Any]) -> List[str]:
@@ -462,13 +497,47 @@ def write_page(plan: DdpPlan, parts: Dict[str, Any], command: str, machine: Dict
     data = json.loads(path.read_text()) if path.exists() else {}
     today = machine.get("date", datetime.date.today().isoformat())
     for key, part in parts.items():
-        if part is not None:
+        if part is None:
+            continue
+        if key == "speed" and plan.merge and data.get("speed"):
+            data["speed"] = merge_speed(data["speed"], part, command, today)
+        else:
             data[key] = dict(part, command=command, date=today, machine=machine)
     plan.docs_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     page = plan.docs_dir / "BENCHMARKS.md"
     page.write_text(render_page(data))
     return page
+
+
+def merge_speed(saved: Dict[str, Any], part: Dict[str, Any], command: str, date: str) -> Dict[str, Any]:
+    """The saved speed part with ``part``'s rows put in (``--ddp-settings``): the other rows, the
+    part's command, date and machine stay; each new row carries its own command and date. Rows timed
+    under other conditions (model size, batch, iterations) would not compare, so they are refused.
+
+    >>> cond = {"params": 25e6, "batch_size": 4}
+    >>> saved = {"conditions": cond, "command": "all", "rates": {"1gbit": {"mode": "loopback", "throttled": True,
+    ...          "failures": {"b": "x"}, "results": {"a": {"step_s": 1.0}, "b": {"step_s": 2.0}}}}}
+    >>> new = {"conditions": cond, "rates": {"1gbit": {"mode": "loopback", "throttled": True, "failures": {},
+    ...        "results": {"b": {"step_s": 3.0}}}}}
+    >>> out = merge_speed(saved, new, "some", "2026-12-04")["rates"]["1gbit"]
+    >>> out["results"]["a"], out["results"]["b"], out["failures"]
+    ({'step_s': 1.0}, {'step_s': 3.0, 'command': 'some', 'date': '2026-12-04'}, {})
+    """
+    if part["conditions"] != saved["conditions"]:
+        raise ValueError(f"--ddp-settings rows ran under {part['conditions']}, the saved ones under "
+                         f"{saved['conditions']}: run every row (no --ddp-settings) or the saved conditions")
+    merged = json.loads(json.dumps(saved))
+    for rate, block in part["rates"].items():
+        into = merged["rates"].setdefault(rate, {"mode": block["mode"], "throttled": block["throttled"],
+                                                 "results": {}, "failures": {}})
+        if (into["mode"], into["throttled"]) != (block["mode"], block["throttled"]):
+            raise ValueError(f"{rate}: the saved rows ran {into['mode']}, these {block['mode']}: not comparable")
+        for key, row in block["results"].items():
+            into["results"][key] = dict(row, command=command, date=date)
+            into["failures"].pop(key, None)
+        into["failures"].update(block["failures"])
+    return merged
 
 
 def render_saved(docs_dir: Path) -> Optional[Path]:

@@ -30,7 +30,7 @@ from benchmarks.plan import REFERENCE_KEYS  # noqa: E402
 
 BEGIN, END = "<!-- readme_figures: begin -->", "<!-- readme_figures: end -->"
 HOROVOD_ROWS = ("horovod", "fp16", "topkqsgd", "auto", "barrier")   # barrier: the floor, no exchange
-DDP_ROWS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "auto")
+DDP_ROWS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "gc-powersgd-4", "topkqsgd", "auto")
 
 
 # The file each block is written to, and how much of the figures it gets.
@@ -74,21 +74,32 @@ def ddp_section(data: Dict[str, Any]) -> List[str]:
     res = speed.get("rates", {}).get("1gbit", {}).get("results", {})
     if not res:
         return []
-    base, psgd = res.get("ddp", {}).get("step_s"), res.get("powersgd-1", {}).get("step_s")
-    lines = [f"DDP at 1 Gbit/s, same model, from `{speed.get('command', 'python -m benchmarks --only-ddp')}` "
-             "([docs/ddp/BENCHMARKS.md](docs/ddp/BENCHMARKS.md)):", "",
-             "| setting | step time | MB per step per rank | vs DDP uncompressed | vs PowerSGD rank 1 |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    base, psgd, psgd4 = (res.get(k, {}).get("step_s") for k in ("ddp", "powersgd-1", "powersgd-4"))
     labels = {"ddp": "DDP, uncompressed", "fp16": "torch fp16 hook", "powersgd-1": "PowerSGD rank 1",
-              "powersgd-4": "PowerSGD rank 4", "topkqsgd": "hvd-gradcomp TopKQSGD(1%, 8)",
-              "auto": "hvd-gradcomp Auto"}
+              "powersgd-4": "PowerSGD rank 4", "gc-powersgd-4": "hvd-gradcomp PowerSGD rank 4",
+              "topkqsgd": "hvd-gradcomp TopKQSGD(1%, 8)", "auto": "hvd-gradcomp Auto"}
+    later: Dict[str, List[str]] = {}   # rows merged in by a later command (--ddp-settings)
+    for key in DDP_ROWS:
+        if "command" in res.get(key, {}):
+            later.setdefault(res[key]["command"], []).append(labels[key])
+    shown = [k for k in DDP_ROWS if k in res]
+    if len(later) == 1 and len(next(iter(later.values()))) == len(shown):   # every row shown rerun by one command
+        source = f"`{next(iter(later))}`"
+    else:
+        source = f"`{speed.get('command', 'python -m benchmarks --only-ddp')}`" + "".join(
+            f"; {', '.join(rows)} from `{cmd}`" for cmd, rows in later.items())
+    lines = [f"DDP at 1 Gbit/s, same model, from {source} "
+             "([docs/ddp/BENCHMARKS.md](docs/ddp/BENCHMARKS.md)):", "",
+             "| setting | step time | MB per step per rank | vs DDP uncompressed | vs PowerSGD rank 1 | "
+             "vs PowerSGD rank 4 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for key in DDP_ROWS:
         r = res.get(key)
         if r is None:
             continue
         vs = lambda b: f"{b / r['step_s']:.2f}x" if b else "-"  # noqa: E731
         lines.append(f"| {labels[key]} | {r['step_s'] * 1e3:.0f} ms | {r['bytes_per_step'] / 1e6:.3f} | "
-                     f"{vs(base)} | {vs(psgd)} |")
+                     f"{vs(base)} | {vs(psgd)} | {vs(psgd4)} |")
     return lines + [""]
 
 

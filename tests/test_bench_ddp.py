@@ -49,10 +49,11 @@ CONV = {"conditions": {"steps": 800, "lr": 0.1, "seeds": [0, 1, 2], "eval_every"
 
 def test_plan_defaults_full_and_quick(tmp_path: Path) -> None:
     full = _plan(tmp_path)
-    assert [s.key for s in full.speed] == ["ddp", "fp16", "powersgd-1", "powersgd-4", "topkqsgd", "qsgd8", "auto"]
+    assert [s.key for s in full.speed] == ["ddp", "fp16", "powersgd-1", "powersgd-4", "gc-powersgd-4", "topkqsgd",
+                                           "qsgd8", "auto"]
     assert [s.key for s in full.convergence] == ["none", "powersgd-1", "powersgd-4", "topkqsgd", "topkqsgd-classic",
                                                  "qsgd8"]
-    assert (full.seeds, full.steps, full.lr, full.eval_every, full.jobs) == ([7, 8, 9], 800, 0.1, 100, 2 * 7 + 3 * 6)
+    assert (full.seeds, full.steps, full.lr, full.eval_every, full.jobs) == ([7, 8, 9], 800, 0.1, 100, 2 * 8 + 3 * 6)
     assert full.docs_dir == tmp_path / "ddp"
     quick = _plan(tmp_path, quick=True)
     assert (quick.seeds, quick.steps, [s.key for s in quick.speed]) == ([7], 40, ["ddp", "powersgd-1", "topkqsgd"])
@@ -82,8 +83,17 @@ def test_cli_flags_and_dry_run() -> None:
     assert not any("horovodrun" in ln for ln in lines)          # only the DDP half
     assert lines[:3] == [" ".join(c) for c in bddp.netns_setup_commands("NS", "1gbit")]
     speed = [ln for ln in lines if "bench_ddp.py" in ln]
-    assert len(speed) == 7 and all(ln.startswith("ip netns exec NS ") and "torchrun --standalone" in ln for ln in speed)
+    assert len(speed) == 8 and all(ln.startswith("ip netns exec NS ") and "torchrun --standalone" in ln for ln in speed)
     assert sum("train_ddp.py" in ln for ln in lines) == 18 and lines[-1].endswith("--compression qsgd --bits 8")
+    res = runner.invoke(cli.main, ["--only-ddp", "--skip-convergence", "--rates", "1gbit", "--ddp-settings",
+                                   "powersgd-4,gc-powersgd-4", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    speed = [ln for ln in res.output.splitlines() if "bench_ddp.py" in ln]
+    assert [ln.split("--settings ")[1].split()[0] for ln in speed] == ["powersgd-4", "gc-powersgd-4"]
+    res = runner.invoke(cli.main, ["--only-ddp", "--ddp-settings", "nope", "--dry-run"])
+    assert res.exit_code == 2 and "unknown DDP speed settings ['nope']" in res.output
+    res = runner.invoke(cli.main, ["--skip-speed", "--ddp-settings", "ddp", "--dry-run"])
+    assert res.exit_code == 2 and "not with --skip-ddp or --skip-speed" in res.output
     res = runner.invoke(cli.main, ["--quick", "--dry-run", "--skip-ddp"])
     assert not any("torchrun" in ln for ln in res.output.splitlines())
     res = runner.invoke(cli.main, ["--quick", "--dry-run"])   # make bench includes the DDP half
@@ -135,6 +145,32 @@ def test_page_merges_parts_and_every_figure_comes_from_the_data(tmp_path: Path) 
     md = bddp.render_page({"convergence": unsettled})
     assert "it has NOT settled" in md and "n/a (1 seed)" in md and "**MISSED**" in md
     assert bddp.render_saved(tmp_path) == page and bddp.render_saved(tmp_path / "nowhere") is None
+
+
+def test_chosen_rows_merge_into_the_saved_ones_and_say_where_they_come_from(tmp_path: Path) -> None:
+    """--ddp-settings: the rows run replace theirs in data.json, the others stay with their command;
+    the page names the later command, its date and the load average before each merged row."""
+    machine = {"date": "2031-01-02", "cpu": "Test CPU", "cores": "2", "torch": "9.9"}
+    bddp.write_page(_plan(tmp_path), {"speed": SPEED, "convergence": None}, "python -m benchmarks --only-ddp", machine)
+    base = bplan.build_plan(False, "1gbit", None, None, None, None, 7, False, True, str(tmp_path), 300, "auto")
+    plan = bddp.build_ddp_plan(base, False, False, True, only=["powersgd-4", "gc-powersgd-4"])
+    new = {"conditions": SPEED["conditions"], "elapsed_s": 60.0,
+           "rates": {"1gbit": {"mode": "loopback", "throttled": True, "failures": {},
+                               "results": {"powersgd-4": dict(_speed(0.5, 0.7, 0.4e6, 125.0), load_avg=[0.5, 1.0, 2.0]),
+                                           "gc-powersgd-4": dict(_speed(0.6, 0.7, 0.4e6, 125.0), load_avg=[0.4, 1, 2])}}}}
+    md = bddp.write_page(plan, {"speed": new, "convergence": None}, "python -m benchmarks --ddp-settings x",
+                         dict(machine, date="2031-01-05")).read_text()
+    data = json.loads((tmp_path / "ddp" / "data.json").read_text())
+    res = data["speed"]["rates"]["1gbit"]["results"]
+    assert data["speed"]["command"] == "python -m benchmarks --only-ddp" and res["ddp"]["step_s"] == 2.0
+    assert res["powersgd-4"]["step_s"] == 0.5 and res["powersgd-4"]["date"] == "2031-01-05"
+    assert "| DDP + hvd-gradcomp PowerSGD rank 4 | 600.0 | 70.0% | 0.400 | 125.0x | 3.33x | 1.33x | 0.83x |" in md
+    assert ("- Rerun later by `python -m benchmarks --ddp-settings x` on 2031-01-05: DDP + PowerSGD rank 4 (load "
+            "average before it: 0.50, 1.00, 2.00), DDP + hvd-gradcomp PowerSGD rank 4 (load average before it: "
+            "0.40, 1.00, 2.00)") in md
+    other = dict(new, conditions={**SPEED["conditions"], "params": 1e6})
+    with pytest.raises(ValueError, match="ran under"):
+        bddp.merge_speed(data["speed"], other, "c", "d")
 
 
 LAUNCHER_LIKE_TORCHRUN = """

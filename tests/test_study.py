@@ -227,3 +227,18 @@ def test_wrapper_check_page_is_its_rendering_and_the_roads_agree():
     spread = max(by_road["none"]) - min(by_road["none"])
     means = [statistics.mean(by_road[road]) for road in ("stock", "gc", "ddp")]
     assert max(means) - min(means) <= spread, (means, spread)
+
+
+def test_powersgd_check_page_is_the_rendering_of_its_saved_runs() -> None:
+    """docs/POWERSGD.md is what benchmarks/study/powersgd_check.py renders from docs/data/powersgd_check;
+    every PowerSGD run has the DDP uncompressed run of its seed to be paired with."""
+    from benchmarks.study import powersgd_check as pc
+
+    runs = pc.load()
+    assert pc.PAGE.read_text() == pc.render(runs)
+    assert {s for _, s in runs} == set(pc.SETTINGS)
+    for (task, setting), by_seed in runs.items():
+        assert set(by_seed) <= set(runs[(task, "none")]), (task, setting)
+        assert {r["label"] for r in by_seed.values()} == {
+            {"none": "uncompressed", "psgd4": "hvd-gradcomp PowerSGD rank 4",
+             "psgd4-torch": "torch's PowerSGD hook, rank 4"}[setting]}
