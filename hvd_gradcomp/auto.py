@@ -59,7 +59,8 @@ import torch
 
 from . import feedback as fb
 from . import policy
-from .compressors import _compressible, payload_size
+from .compressor_codec import _compressible
+from .compressors import payload_size
 from .exchange import (AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange,
                        TimedExchange, allreducible, chunk_bounds, wait_done)
 from .feedback import residual_dtype

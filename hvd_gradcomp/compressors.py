@@ -43,10 +43,9 @@ from .feedback import Feedback
 from .stats import ByteStats
 from .settings import check_ratio
 # Defined with the part of GradientCompressor they serve; imported from here by the codecs, the
-# roads and user code.
-from .compressor_codec import Encoded, _compressible, _head_bytes  # noqa: F401
-from .compressor_exempt import DEFAULT_MIN_COMPRESS_NUMEL, EXEMPT_MODES  # noqa: F401
-from .compressor_policy import HANDED_CHECK_STEPS, HANDED_SAMPLE, HandedCheck  # noqa: F401
+# roads and codec authors (the codec interface, the tensor-size threshold).
+from .compressor_codec import Encoded  # noqa: F401
+from .compressor_exempt import DEFAULT_MIN_COMPRESS_NUMEL  # noqa: F401
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512

@@ -48,7 +48,8 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import torch
 
 from . import codecs, compressors, kernels, powersgd, qsgd, settings, topk
-from .compressors import GradientCompressor, _compressible
+from .compressor_codec import _compressible
+from .compressors import GradientCompressor
 from .exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks
 
 HOROVOD_CHECKED = "0.28.1"

@@ -9,7 +9,8 @@ import torch
 
 from . import codecs, kernels, wire
 from . import feedback as fb
-from .compressors import (DEFAULT_BUCKET, Encoded, GradientCompressor, _head_bytes, qsgd_ef_scale,
+from .compressor_codec import _head_bytes
+from .compressors import (DEFAULT_BUCKET, Encoded, GradientCompressor, qsgd_ef_scale,
                           qsgd_variance_bound)
 from .feedback import Feedback
 from .settings import Checked, check_bits, check_bucket_size

@@ -10,7 +10,8 @@ import torch
 from . import codecs, kernels, wire
 from . import feedback as fb
 from .compressors import (DEFAULT_BUCKET, WARMUP_PACE_RATIO, Encoded, GradientCompressor, Ratio, SparsityWarmup,
-                          _head_bytes, sparsity_warmup_steps)
+                          sparsity_warmup_steps)
+from .compressor_codec import _head_bytes
 from .feedback import Feedback
 from .frozen import WHILE_DENSE, FrozenVariance
 from . import qsgd

@@ -13,6 +13,7 @@ import torch
 import hvd_gradcomp as gc
 from hvd_gradcomp import QSGD, TopK, TopKQSGD
 from hvd_gradcomp import feedback as fb
+from hvd_gradcomp.compressor_policy import HANDED_CHECK_STEPS
 from hvd_gradcomp.compressors import SparsityWarmup
 from hvd_gradcomp.frozen import FLAT_RATE_STEPS
 from hvd_gradcomp.momentum import MomentumCorrection
@@ -765,7 +766,6 @@ def test_averages_scaled_before_the_step_are_said_once(edit, warned, scaled):
     naming the fix; a constant factor, a power of two (a loss scaler's unscale_) and other edits are
     not. ``scaled_after_exchange`` counts the steps scaled other than by a power of two. Checked
     for HANDED_CHECK_STEPS steps."""
-    from hvd_gradcomp import compressors
     p = torch.nn.Parameter(torch.zeros(30, 20))
     opt = torch.optim.SGD([p], lr=0.1)          # plain SGD: classic error feedback
     comp = TopKQSGD(ratio=0.1)
@@ -776,9 +776,9 @@ def test_averages_scaled_before_the_step_are_said_once(edit, warned, scaled):
         for k in range(3):
             _handed_once(comp, p, opt, edit, k)
     assert comp.scaled_after_exchange == (3 if scaled else 0)
-    for k in range(3, 3 + compressors.HANDED_CHECK_STEPS):
+    for k in range(3, 3 + HANDED_CHECK_STEPS):
         _handed_once(comp, p, opt, edit, k)
-    assert comp.scaled_after_exchange == (compressors.HANDED_CHECK_STEPS if scaled else 0)
+    assert comp.scaled_after_exchange == (HANDED_CHECK_STEPS if scaled else 0)
 
 
 def _no_warning():
