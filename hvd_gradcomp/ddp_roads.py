@@ -26,6 +26,8 @@ import torch.distributed as dist
 from . import codecs, kernels, wire
 from .compressors import payload_size
 from .reduce import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
+from .rounds import low_rank_rounds
+from .transport import TorchTransport
 
 State = Any
 """The hook's state or Auto's view of it (see the module docstring)."""
@@ -440,18 +442,20 @@ def _scatter_reduce(state: State, buffer: torch.Tensor, plan: _Plan, step: int) 
 
 # ---------------------------------------------------------------- PowerSGD: two allreduce rounds
 def _rounds(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
-    """Low-rank factors (:mod:`hvd_gradcomp.powersgd`): one ``all_reduce`` of every segment's ``P``,
-    then, in bucket order on the second group, one of every ``Q`` computed from the averaged ``P``;
-    the approximations are written into the bucket. A rank whose bucket holds NaN/Inf sends zeros and
+    """Low-rank factors (:mod:`hvd_gradcomp.powersgd`) by :func:`hvd_gradcomp.rounds.low_rank_rounds`
+    for every matrix of the bucket: its first request (every ``P``) on the hook's group, its second
+    (every ``Q``, computed from the averaged ``P``) in bucket order on the second group; the
+    approximations are written into the bucket. A rank whose bucket holds NaN/Inf sends zeros and
     its flag: the bucket is NaN on every rank and nobody's residual or ``Q`` changes."""
     comp, world = state.compression, state.world_size
     shapes = [comp.factors(s.shape) for s in plan.compressed]   # all matrices: see _make_plan
+    run = low_rank_rounds(comp, [(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed],
+                          [s.view(buffer).view(s.shape) for s in plan.compressed])
     with state._lock:
         finite = kernels.all_finite(buffer)  # a host sync: what is sent depends on it
-        works = [comp.first_round(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed] if finite else []
-    first = torch.cat([w.send.reshape(-1) for w in works]) if works else \
-        torch.zeros(sum(n * r for n, _, r in shapes), dtype=torch.float32, device=buffer.device)
-    first_fut = dist.all_reduce(first, group=state.process_group, async_op=True).get_future()
+        first = next(run).tensor if finite else \
+            torch.zeros(sum(n * r for n, _, r in shapes), dtype=torch.float32, device=buffer.device)
+    first_work = TorchTransport(state.process_group, world).allreduce(first, "p", average=True)
     flags, meta_fut = _meta(state, 1 if finite else -1, buffer.device)
     dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
     for s, (n, m, r) in zip(plan.compressed, shapes):
@@ -462,26 +466,25 @@ def _rounds(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Futur
         if min(flags.tolist()) < 0:
             _nonfinite(state)
             return None
-        averaged, seconds, at = first.div_(world), [], 0
         with state._lock:
-            for w, (n, _, r) in zip(works, shapes):
-                seconds.append(comp.second_round(w, averaged[at:at + n * r]).reshape(-1))
-                at += n * r
-        second = torch.cat(seconds)
-        work = dist.all_reduce(second, group=state._second, async_op=True)
+            second = run.send(first_work.wait()).tensor
+        work = TorchTransport(state._second, world).allreduce(second, "q", average=True)
 
-        def decode() -> None:
-            averaged, at = second.div_(world), 0
-            for w, s, (_, m, r) in zip(works, plan.compressed, shapes):
-                comp.finish_rounds(w, averaged[at:at + m * r], s.view(buffer).view(s.shape))
-                at += m * r
+        def decode() -> None:   # under state._lock (_InOrder)
+            try:
+                run.send(work.wait())
+            except StopIteration:
+                pass
+            else:
+                raise RuntimeError("the rounds algorithm asked for a third collective")
+            for s in plan.compressed:
                 state._received(s.name, s.view(buffer))
                 state._exchanged_average(s, buffer)
 
-        return work.get_future(), decode
+        return work.future, decode
 
     result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
-    state._then_in_order([first_fut, meta_fut] + dense_futs, launch, result, buffer, copy_back)
+    state._then_in_order([first_work.future, meta_fut] + dense_futs, launch, result, buffer, copy_back)
     return result
 
 

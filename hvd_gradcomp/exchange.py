@@ -26,6 +26,7 @@ Every payload travels behind an envelope, the tensor in flight is a :class:`Pend
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -37,6 +38,8 @@ from .inflight import (Envelope, Pending, _begin, _confirm, _hvd, check_steps, e
                        unseal)
 from .inflight import RankDivergenceError as RankDivergenceError   # raised on every road; documented here
 from .reduce import Parts, chunk_bounds, decode_payloads, finite_at_indices, sparse_support, sum_parts
+from .rounds import Algorithm, Average, low_rank_rounds
+from .transport import HorovodTransport
 
 
 def allreducible(tensor: torch.Tensor) -> torch.Tensor:
@@ -346,42 +349,60 @@ class RoundsExchange(_TwoCollectives):
 
     def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
+        self.transport = HorovodTransport(process_set)
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
-        hvd = _hvd()
         _begin(self)   # hvd.join() is refused, as on the other compressed roads (see JoinGuard)
         if not self.compressor.compressible(tuple(grad.shape)):
             _confirm(self)
             tensor = allreducible(grad.contiguous())
-            handle = hvd.allreduce_async(tensor, name=f"hvdgc.rounds.dense.{name}", op=self.op,
-                                         process_set=self.process_set)
-            return Pending(name, grad.shape, grad.dtype, handle, None, tensor.numel() * tensor.element_size(), stage=2)
-        work = self.compressor.first_round(name, grad)
+            work = self.transport.allreduce(tensor, f"hvdgc.rounds.dense.{name}", is_average(self.op))
+            return Pending(name, grad.shape, grad.dtype, work.handle, work,
+                           tensor.numel() * tensor.element_size(), stage=2)
+        scale = 1.0 if is_average(self.op) else float(self.process_set.size())
+        outs = [grad]   # where the approximation goes: set in finish(), read by the algorithm's last step
+        p = Pending(name, grad.shape, grad.dtype, None, _Rounds(low_rank_rounds(self.compressor, [(name, grad)],
+                                                                                outs, scale), outs))
+        request = next(p.ctx.run)
         _confirm(self)
-        handle = hvd.allreduce_async(work.send, name=f"hvdgc.rounds.1.{name}", op=hvd.Average,
-                                     process_set=self.process_set)
-        return Pending(name, grad.shape, grad.dtype, handle, work, work.send.numel() * work.send.element_size())
+        self._issue(p, request)
+        return p
+
+    def _issue(self, p: Pending, request: Average) -> None:
+        """Hand the algorithm's next request to Horovod; the average comes back in ``advance``/``finish``."""
+        work = self.transport.allreduce(request.tensor, f"hvdgc.rounds.{request.tag}.{p.name}", average=True)
+        p.ctx.work, p.handle = work, work.handle
+        p.bytes_sent += request.tensor.numel() * request.tensor.element_size()
 
     def advance(self, p: Pending) -> None:
         if p.stage != 1:
             return
-        hvd = _hvd()
-        second = self.compressor.second_round(p.ctx, hvd.synchronize(p.handle))
-        p.handle = hvd.allreduce_async(second, name=f"hvdgc.rounds.2.{p.name}", op=hvd.Average,
-                                       process_set=self.process_set)
-        p.bytes_sent += second.numel() * second.element_size()
+        self._issue(p, p.ctx.run.send(p.ctx.work.wait()))
         p.stage = 2
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         self.advance(p)
-        result = _hvd().synchronize(p.handle)
-        if p.ctx is None:
-            out.copy_(result.view_as(out))
+        if not isinstance(p.ctx, _Rounds):   # sent as it is
+            out.copy_(p.ctx.wait().view_as(out))
         else:
-            scale = 1.0 if is_average(self.op) else float(self.process_set.size())
-            self.compressor.finish_rounds(p.ctx, result, out, scale)
+            p.ctx.out[0] = out
+            try:
+                p.ctx.run.send(p.ctx.work.wait())
+            except StopIteration:
+                pass
+            else:
+                raise RuntimeError(f"{p.name}: the rounds algorithm asked for a third collective")
             self.compressor.received(p.name, out)
         p.finished = True
+
+
+@dataclass
+class _Rounds:
+    """A tensor's :func:`~hvd_gradcomp.rounds.low_rank_rounds` between its collectives."""
+
+    run: Algorithm
+    out: List[torch.Tensor]
+    work: Any = None
 
 
 def wait_done(handle: Any) -> float:

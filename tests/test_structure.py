@@ -174,14 +174,15 @@ LAYERS = (
     ("feedback", ("feedback", "momentum", "frozen", "frozen_warmup", "frozen_scale", "frozen_momentum")),
     ("compressors", ("compressors", "compressor_codec", "compressor_exempt", "compressor_policy", "compressor_state",
                      "qsgd", "topk", "powersgd")),
-    ("reduce", ("reduce",)),
+    ("reduce", ("reduce", "rounds")),
+    ("transport", ("transport",)),
     ("exchange", ("exchange", "inflight", "fused")),
     ("horovod", ("horovod",)),
     ("auto", ("auto", "auto_schedule", "auto_measure", "auto_state")),
     ("optimizers", ("optimizer", "accumulate", "ddp", "ddp_roads", "ddp_auto", "config")),
     ("launchers", ("launchers",)),
 )
-FIRST_WITH_HOROVOD = "exchange"   # layers below it import no Horovod
+FIRST_WITH_HOROVOD = "transport"   # layers below it import no Horovod
 
 
 def layered_graph(package: Path) -> Dict[str, Set[str]]:
@@ -254,10 +255,11 @@ def test_the_architecture_page_shows_the_layers() -> None:
     assert shown == LAYERS, "docs/ARCHITECTURE.md's layer table differs from tests/test_structure.py LAYERS"
 
 
-def test_the_reduction_helpers_import_no_collective_library() -> None:
-    """hvd_gradcomp/reduce.py serves both the Horovod exchanges and the DDP hook: neither Horovod
-    nor torch.distributed."""
-    tree = ast.parse((PACKAGE / "reduce.py").read_text())
+@pytest.mark.parametrize("module", ["reduce", "rounds"])
+def test_the_reduction_helpers_import_no_collective_library(module: str) -> None:
+    """hvd_gradcomp/reduce.py and the algorithms written once (rounds.py) serve both the Horovod
+    exchanges and the DDP hook: neither Horovod nor torch.distributed."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in names if m.startswith(("horovod", "torch.distributed"))], names
