@@ -111,7 +111,7 @@ STAGES = [  # (module, attribute, label): the functions of the TopKQSGD road, ti
     ("wire", "decode_indices", "index decode"),
     ("qsgd", "_read_qsgd", "values decode"),
     ("compressors", "GradientCompressor.decode_parts", "= decode of the other rank's payload, total"),
-    ("exchange", "sum_parts", "sum of both parts into the gradient"),
+    ("reduce", "sum_parts", "sum of both parts into the gradient"),
 ]
 
 
@@ -181,7 +181,7 @@ def road(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from models import build_model  # examples/models.py, as the speed benchmarks
-    from hvd_gradcomp import exchange
+    from hvd_gradcomp import reduce
     torch.set_num_threads(args.threads or 1)
     torch.manual_seed(0)
     model = build_model(args.params, args.width)
@@ -203,8 +203,8 @@ def road(args: argparse.Namespace) -> None:
     def codec_step() -> None:
         for (n, g), b, out in zip(grads, other, outs):
             _, carried = mine._compress_finite(n, g)   # this rank's part: not decoded (compress_carried)
-            parts = [carried, *exchange.decode_payloads(mine, [b], 1, g.numel())]
-            exchange.sum_parts(parts, True, g.numel(), g.dtype, out=out)
+            parts = [carried, *reduce.decode_payloads(mine, [b], 1, g.numel())]
+            reduce.sum_parts(parts, True, g.numel(), g.dtype, out=out)
 
     _wrap_stages(stage_times)
     timed = {"forward + backward (no DDP)": (fwd_bwd, time.thread_time), "TopKQSGD road (stages below)":

@@ -62,8 +62,10 @@ from . import policy
 from .compressor_codec import _compressible
 from .compressors import payload_size
 from .exchange import (AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending, ScatterReduceExchange,
-                       TimedExchange, allreducible, chunk_bounds, wait_done)
+                       TimedExchange, allreducible, wait_done)
 from .feedback import residual_dtype
+from .reduce import chunk_bounds
+from .transport import HorovodTransport
 from .auto_measure import PILOT_NUMEL, PROBE_SECONDS, SAMPLES, RoadMeasure
 from .auto_schedule import OURS_ROADS, STOCK_ROADS, RoadSchedule, _Setup
 from .auto_state import AutoState
@@ -80,37 +82,9 @@ def _hvd():
     return hvd
 
 
-class HorovodComm:
-    """The collectives :class:`Auto` decides with, over Horovod (a process set).
-
-    Another framework's adapter (``hvd_gradcomp.ddp`` has one over ``torch.distributed``)
-    provides the same methods, so that the decision logic is the same on every road.
-    """
-
-    def __init__(self, process_set: Any) -> None:
-        self.process_set = process_set
-
-    size = property(lambda self: self.process_set.size())
-    rank = property(lambda self: self.process_set.rank())
-
-    def mean(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        """The average of ``t`` over the ranks (float64 on the host)."""
-        hvd = _hvd()
-        return hvd.allreduce(t, op=hvd.Average, name=f"hvdgc.auto.{tag}", process_set=self.process_set)
-
-    def broadcast(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        """Rank 0's ``t`` (of the process set) on every rank."""
-        ranks = getattr(self.process_set, "ranks", None)
-        return _hvd().broadcast(t, root_rank=ranks[0] if ranks else 0, name=f"hvdgc.auto.{tag}",
-                                process_set=self.process_set)
-
-    def allreduce(self, t: torch.Tensor, tag: str) -> None:
-        """A blocking allreduce of ``t``, for the probe's timing."""
-        _hvd().allreduce(t, name=f"hvdgc.auto.probe.{tag}", process_set=self.process_set)
-
-    def allgather(self, t: torch.Tensor, tag: str) -> None:
-        """A blocking allgather of ``t``, for the probe's timing."""
-        _hvd().allgather(t, name=f"hvdgc.auto.probe.{tag}", process_set=self.process_set)
+HorovodComm = HorovodTransport
+"""Auto's collectives over Horovod: :class:`hvd_gradcomp.transport.HorovodTransport` (the name kept
+for code that imported it from here)."""
 
 
 class Auto(RoadSchedule, RoadMeasure, AutoState):
@@ -220,14 +194,15 @@ class Auto(RoadSchedule, RoadMeasure, AutoState):
 
     def _configure(self, mode: str, op: Any, process_set: Any) -> None:
         if self._setup is None:
-            self.configure(mode, HorovodComm(process_set), op == _hvd().Average)
+            self.configure(mode, HorovodTransport(process_set), op == _hvd().Average)
         elif self._setup.mode != mode:
             raise ValueError("this Auto() is already used by another optimizer; give each optimizer its own")
 
     def configure(self, mode: str, comm: Any, average: bool) -> None:
         """Bind to where it runs (once): ``mode`` ``"ours"`` (hvd_gradcomp's optimizer), ``"stock"``
         (inside ``hvd.DistributedOptimizer``) or ``"ddp"`` (the DDP hook); ``comm``: its
-        collectives (:class:`HorovodComm` or the same methods over another library)."""
+        collectives (a :class:`hvd_gradcomp.transport.Control`: Horovod's or ``torch.distributed``'s
+        transport, or the same methods over another library)."""
         if self._setup is not None:
             raise ValueError("this Auto() is already used by another optimizer or hook; give each its own")
         allowed = STOCK_ROADS if mode == "stock" else OURS_ROADS

@@ -159,11 +159,11 @@ class RoadMeasure:
                 best = min(best, time.perf_counter() - t0)
             return best
 
-        small = timed(comm.allreduce, 1, torch.float32, "s", 3)
-        n = self._probed_numel = self._probe_size(lambda numel: timed(comm.allreduce, numel, torch.float32, "p", 1))
-        large = timed(comm.allreduce, n, torch.float32, "l")
-        fp16 = timed(comm.allreduce, n, torch.float16, "h") if FP16 in roads else -1.0
-        gather = timed(comm.allgather, n, torch.uint8, "g") if roads & {SPARSE, QSGD_AR, QSGD_AG} else -1.0
+        small = timed(comm.probe_allreduce, 1, torch.float32, "s", 3)
+        n = self._probed_numel = self._probe_size(lambda numel: timed(comm.probe_allreduce, numel, torch.float32, "p", 1))
+        large = timed(comm.probe_allreduce, n, torch.float32, "l")
+        fp16 = timed(comm.probe_allreduce, n, torch.float16, "h") if FP16 in roads else -1.0
+        gather = timed(comm.probe_allgather, n, torch.uint8, "g") if roads & {SPARSE, QSGD_AR, QSGD_AG} else -1.0
         return small, large, fp16, gather
 
     def _probe_size(self, pilot: Any) -> int:

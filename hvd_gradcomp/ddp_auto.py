@@ -11,44 +11,13 @@ import torch.distributed as dist
 from . import kernels
 from .auto import Auto
 from .compressors import GradientCompressor, payload_size
-from .ddp_roads import (Future, State, _all_gather_single, _allgather, _allreduce, _Plan, _scatter_reduce, _Segment,
+from .ddp_roads import (Future, State, _allgather, _allreduce, _Plan, _scatter_reduce, _Segment,
                         _then, _when_all)
 from .policy import DENSE, FP16, QSGD_AR, SPARSE
+from .transport import TorchTransport
+
 
 # ---------------------------------------------------------------- Auto: a road per bucket
-class _TorchComm:
-    """:class:`hvd_gradcomp.Auto`'s collectives over a ``torch.distributed`` group (the same
-    methods as :class:`hvd_gradcomp.auto.HorovodComm`), on the buckets' device."""
-
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group, self.device = group, device
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self._root = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
-
-    def mean(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        t = t.to(self.device, copy=True)
-        dist.all_reduce(t, group=self.group)
-        return t.div_(self.size).cpu()
-
-    def broadcast(self, t: torch.Tensor, tag: str) -> torch.Tensor:
-        t = t.to(self.device, copy=True)
-        dist.broadcast(t, src=self._root, group=self.group)
-        return t.cpu()
-
-    def allreduce(self, t: torch.Tensor, tag: str) -> None:
-        dist.all_reduce(t, group=self.group)
-        self._sync()
-
-    def allgather(self, t: torch.Tensor, tag: str) -> None:
-        out = torch.empty(self.size * t.numel(), dtype=t.dtype, device=t.device)
-        _all_gather_single(out, t, group=self.group)
-        self._sync()
-
-    def _sync(self) -> None:  # the probe times the collective, not its launch
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
 class _RoadView:
     """The hook state as one of Auto's compressed roads sees it: ``compression`` is that road's
     compressor, everything else (counters, locks, the bucket order) is the state's own. It also
@@ -152,7 +121,7 @@ class _AutoRoads:
     def hook(self, bucket: dist.GradBucket, buffer: torch.Tensor, step: int) -> Future:
         state, auto = self.state, self.auto
         if auto._setup is None:
-            auto.configure("ddp", _TorchComm(state.process_group, buffer.device), average=True)
+            auto.configure("ddp", TorchTransport(state.process_group, state.world_size, buffer.device), average=True)
         if step != self._step_seen:
             self._begin_step(step)
         clock = self._clock(buffer.device)

@@ -1,9 +1,10 @@
 """The DDP hook's roads: how one bucket travels over ``torch.distributed`` (Gloo, NCCL, MPI alike).
 
 One function per declared collective (:data:`_ROADS`, see :mod:`hvd_gradcomp.codecs`):
-:func:`_allgather` (sparse payloads), :func:`_scatter_reduce` (QSGD's compressed allreduce),
-:func:`_rounds` (PowerSGD's two allreduces), plus the dense and float16 allreduces of what a
-bucket does not compress. Each returns a future and never waits: second-round collectives are
+:func:`_allgather` (sparse payloads), :func:`_scatter_reduce` (QSGD's compressed allreduce) and
+:func:`_rounds` (PowerSGD's two allreduces), the last two driving the algorithms of
+:mod:`hvd_gradcomp.rounds`, plus the dense and float16 allreduces of what a bucket does not
+compress. Each returns a future and never waits: second-round collectives are
 chained on the first round's futures and issued in bucket order on a second process group
 (``state._then_in_order``, :class:`_InOrder`), so their order is the same on every rank.
 
@@ -25,8 +26,9 @@ import torch.distributed as dist
 
 from . import codecs, kernels, wire
 from .compressors import payload_size
-from .reduce import chunk_bounds, decode_payloads, reduce_payloads, sparse_support, sum_parts
-from .rounds import low_rank_rounds
+from .reduce import chunk_bounds, decode_payloads, sparse_support, sum_parts
+from .rounds import compressed_allreduce, low_rank_rounds
+from .rounds import finish as finish_rounds
 from .transport import TorchTransport
 
 State = Any
@@ -377,17 +379,21 @@ def _encode_sparse(state: State, buffer: torch.Tensor, plan: _Plan
 
 # ---------------------------------------------------------------- QSGD: compressed allreduce
 def _scatter_reduce(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
+    """QSGD's compressed allreduce (:func:`hvd_gradcomp.rounds.compressed_allreduce`) of the bucket's
+    compressed segments: its scatter as one ``all_to_all_single`` on the hook's group, its gather
+    as one ``all_gather`` in bucket order on the second group. Payload sizes follow from the
+    chunk sizes alone, so no sizes travel, only a flag per rank: a rank whose bucket holds
+    NaN/Inf sends zeros and its flag, the bucket is NaN on every rank and no residual changes."""
     comp, world, rank = state.compression, state.world_size, state.rank
     bounds = [chunk_bounds(s.numel, world) for s in plan.compressed]
-    # QSGD payload sizes follow from the chunk sizes alone, so no sizes travel.
     sizes = [[payload_size(comp, (e - b,)) for b, e in zip(bd, bd[1:])] for bd in bounds]
     per_dest = [sum(sz[r] for sz in sizes) for r in range(world)]
+    run = compressed_allreduce(comp, [(s.name, s.view(buffer).view(s.shape)) for s in plan.compressed],
+                               [s.view(buffer) for s in plan.compressed], world, rank, flags=False)
     with state._lock:
         finite = kernels.all_finite(buffer)  # a host sync: what is sent depends on it
         if finite:
-            chunks = [comp._compress_chunks_finite(s.name, s.view(buffer).view(s.shape), bd)
-                      for s, bd in zip(plan.compressed, bounds)]
-            send = torch.cat([pl for r in range(world) for pls in chunks for pl in pls[r:r + 1]])
+            send = torch.cat([pl for to_rank in next(run).payloads for pl in to_rank])
         else:
             send = torch.zeros(sum(per_dest), dtype=torch.uint8, device=buffer.device)
     if send.numel() != sum(per_dest):
@@ -407,10 +413,7 @@ def _scatter_reduce(state: State, buffer: torch.Tensor, plan: _Plan, step: int) 
         n = len(plan.compressed)
         from_rank = [_split(received[r * per_dest[rank]:(r + 1) * per_dest[rank]], n) for r in range(world)]
         with state._lock:
-            reduced = []
-            for j, s in enumerate(plan.compressed):
-                mine = reduce_payloads(comp, [from_rank[r][j] for r in range(world)], True, world, buffer.dtype)
-                reduced.append(comp.compress_named(f"{s.name}#reduced{rank}", mine, relay=True))
+            reduced = run.send(from_rank).payloads
         padded = torch.zeros(cap, dtype=torch.uint8, device=buffer.device)
         padded[:per_dest[rank]] = torch.cat(reduced)
         gathered = torch.empty(world * cap, dtype=torch.uint8, device=buffer.device)
@@ -420,15 +423,8 @@ def _scatter_reduce(state: State, buffer: torch.Tensor, plan: _Plan, step: int) 
         state._record(step, "(flags+padding)", 0, cap - per_dest[rank])
         work = _all_gather_single(gathered, padded, group=state._second, async_op=True)
 
-        def decode() -> None:
-            for r in range(world):
-                pls = _split(gathered[r * cap:r * cap + per_dest[r]], n)
-                for s, bd, pl in zip(plan.compressed, bounds, pls):
-                    chunk = comp.decode(pl).reshape(-1)
-                    if chunk.numel() != bd[r + 1] - bd[r]:
-                        raise RuntimeError(f"{s.name}: chunk of {chunk.numel()} elements where "
-                                           f"{bd[r + 1] - bd[r]} were expected; ranks disagree on the model")
-                    s.view(buffer)[bd[r]:bd[r + 1]].copy_(chunk)
+        def decode() -> None:   # under state._lock (_InOrder)
+            finish_rounds(run, [_split(gathered[r * cap:r * cap + per_dest[r]], n) for r in range(world)])
             for s in plan.compressed:
                 state._received(s.name, s.view(buffer))
                 state._exchanged_average(s, buffer)
@@ -471,12 +467,7 @@ def _rounds(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Futur
         work = TorchTransport(state._second, world).allreduce(second, "q", average=True)
 
         def decode() -> None:   # under state._lock (_InOrder)
-            try:
-                run.send(work.wait())
-            except StopIteration:
-                pass
-            else:
-                raise RuntimeError("the rounds algorithm asked for a third collective")
+            finish_rounds(run, work.wait())
             for s in plan.compressed:
                 state._received(s.name, s.view(buffer))
                 state._exchanged_average(s, buffer)

@@ -34,11 +34,12 @@ import torch
 from . import codecs
 from .compressors import GradientCompressor
 from .fused import FusedAllgatherExchange, encode_carried
-from .inflight import (Envelope, Pending, _begin, _confirm, _hvd, check_steps, encode_or_flag, is_average, seal,
+from .inflight import (Envelope, Pending, _begin, _confirm, _hvd, check_steps, is_average, seal,
                        unseal)
 from .inflight import RankDivergenceError as RankDivergenceError   # raised on every road; documented here
-from .reduce import Parts, chunk_bounds, decode_payloads, finite_at_indices, sparse_support, sum_parts
-from .rounds import Algorithm, Average, low_rank_rounds
+from .reduce import Parts, decode_flagged, finite_at_indices, sparse_support, sum_parts
+from .rounds import Algorithm, Average, Payloads, compressed_allreduce, low_rank_rounds
+from .rounds import finish as finish_rounds
 from .transport import HorovodTransport
 
 
@@ -249,17 +250,21 @@ class AllgatherExchange:
 
 def decode_envelopes(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str,
                      numel: int, mine: Optional[Tuple[int, Tuple[torch.Tensor, torch.Tensor]]] = None) -> Parts:
-    """:func:`decode_payloads` of sealed payloads: steps checked first, and a rank whose input
-    was non-finite contributes NaN everywhere. ``mine``: (this rank, its part as its encoder
-    carried it, see :meth:`GradientCompressor.compress_carried`), taken as is, not decoded."""
+    """:func:`~hvd_gradcomp.reduce.decode_flagged` of sealed payloads, their steps checked first
+    (:func:`payloads_of`). ``mine``: (this rank, its part as its encoder carried it, see
+    :meth:`GradientCompressor.compress_carried`), taken as is, not decoded."""
+    payloads = payloads_of(compressor, envelopes, size, name)
+    device = envelopes[0].device if envelopes else torch.device("cpu")
+    return decode_flagged(compressor, [pls[0] for pls in payloads], numel, device, mine)
+
+
+def payloads_of(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str) -> Payloads:
+    """The payloads of one collective's envelopes, one segment per rank (``None``: that rank's
+    input held NaN/Inf), once every rank is seen at this rank's step (:func:`check_steps`)."""
     if len(envelopes) != size:
         raise RuntimeError(f"expected {size} payloads, got {len(envelopes)}: ranks disagree on this exchange")
     check_steps(compressor, name, [e.step for e in envelopes])
-    at, part = mine if mine is not None else (-1, None)
-    sent = [e.payload for r, e in enumerate(envelopes) if e.payload is not None and r != at]
-    decoded = iter(decode_payloads(compressor, sent, len(sent), numel))
-    return [(None, e.nan(numel)) if e.payload is None else part if r == at else next(decoded)
-            for r, e in enumerate(envelopes)]
+    return [[e.payload] for e in envelopes]
 
 
 class _TwoCollectives:
@@ -278,38 +283,38 @@ class _TwoCollectives:
 
 
 class ScatterReduceExchange(_TwoCollectives):
-    """QSGD's compressed allreduce: alltoall of quantised chunks, reduce, allgather."""
+    """QSGD's compressed allreduce (:func:`~hvd_gradcomp.rounds.compressed_allreduce`) on Horovod:
+    its :class:`~hvd_gradcomp.rounds.Scatter` as an alltoall, its
+    :class:`~hvd_gradcomp.rounds.Gather` as an allgather, each payload behind its envelope."""
 
     def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         _begin(self)
-        size = self.process_set.size()
-        bounds = chunk_bounds(grad.numel(), size)
-        payloads = encode_or_flag(lambda: self.compressor.compress_chunks(name, grad, bounds)) or [None] * size
-        sealed = [seal(pl, self.compressor.exchange_step, grad.device) for pl in payloads]
+        size, rank = self.process_set.size(), self.process_set.rank()
+        outs = [grad]   # where the average goes: set in finish(), written by the algorithm's last step
+        run = compressed_allreduce(self.compressor, [(name, grad)], outs, size, rank, is_average(self.op))
+        sealed = [seal(pls[0], self.compressor.exchange_step, grad.device) for pls in next(run).payloads]
         splits = torch.tensor([s.numel() for s in sealed], dtype=torch.int32)
         _confirm(self)
         handle = _hvd().alltoall_async(torch.cat(sealed), splits=splits, name=f"hvdgc.a2a.{name}",
                                        process_set=self.process_set)
         # The chunk this rank keeps never leaves it: count only what goes to the others, so
         # that alltoall + allgather together send exactly one payload's worth per rank.
-        sent = int(splits.sum()) - int(splits[self.process_set.rank()])
-        return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sent, bounds=bounds)
+        sent = int(splits.sum()) - int(splits[rank])
+        return Pending(name, grad.shape, grad.dtype, handle, _Rounds(run, outs), bytes_sent=sent)
 
     def advance(self, p: Pending) -> None:
-        """Stage 2: reduce my chunk from everybody's payloads, re-quantise, start the allgather."""
+        """Stage 2: hand every rank's payload of my chunk to the algorithm, which reduces and
+        re-quantises it; start the allgather of the result."""
         if p.stage != 1:
             return
         hvd = _hvd()
         received, _ = hvd.synchronize(p.handle)
-        rank, bounds = self.process_set.rank(), p.bounds
-        numel = bounds[rank + 1] - bounds[rank]
-        parts = decode_envelopes(self.compressor, unseal(received), self.process_set.size(), p.name, numel)
-        mine = sum_parts(parts, is_average(self.op), numel, p.dtype)
-        payload = encode_or_flag(lambda: self.compressor.compress_named(f"{p.name}#reduced{rank}", mine, relay=True))
-        sealed = seal(payload, self.compressor.exchange_step, mine.device)
+        payloads = payloads_of(self.compressor, unseal(received), self.process_set.size(), p.name)
+        gather = p.ctx.run.send(payloads)
+        sealed = seal(gather.payloads[0], self.compressor.exchange_step, received.device)
         p.handle = hvd.allgather_async(sealed, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
         p.bytes_sent += sealed.numel()
         p.stage = 2
@@ -317,20 +322,12 @@ class ScatterReduceExchange(_TwoCollectives):
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if p.stage == 1:
             self.advance(p)
-        envelopes = unseal(_hvd().synchronize(p.handle))
-        bounds = p.bounds
-        if len(envelopes) != len(bounds) - 1:
-            raise RuntimeError(f"{p.name}: got {len(envelopes)} chunks for {len(bounds) - 1} ranks")
-        check_steps(self.compressor, p.name, [e.step for e in envelopes])
+        payloads = payloads_of(self.compressor, unseal(_hvd().synchronize(p.handle)), self.process_set.size(), p.name)
         # A channels_last (or otherwise strided) gradient cannot be viewed flat: fill a flat
         # buffer in the tensor's logical order and copy it over.
         flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
-        for env, b, e in zip(envelopes, bounds, bounds[1:]):
-            chunk = env.nan(e - b) if env.payload is None else self.compressor.decode(env.payload).reshape(-1)
-            if chunk.numel() != e - b:
-                raise RuntimeError(f"{p.name}: chunk of {chunk.numel()} elements where {e - b} were expected; "
-                                   "ranks disagree on the tensor's shape")
-            flat[b:e].copy_(chunk)
+        p.ctx.out[0] = flat
+        finish_rounds(p.ctx.run, payloads)
         if not out.is_contiguous():
             out.copy_(flat.view(out.shape))
         self.compressor.received(p.name, out)
@@ -386,19 +383,14 @@ class RoundsExchange(_TwoCollectives):
             out.copy_(p.ctx.wait().view_as(out))
         else:
             p.ctx.out[0] = out
-            try:
-                p.ctx.run.send(p.ctx.work.wait())
-            except StopIteration:
-                pass
-            else:
-                raise RuntimeError(f"{p.name}: the rounds algorithm asked for a third collective")
+            finish_rounds(p.ctx.run, p.ctx.work.wait())
             self.compressor.received(p.name, out)
         p.finished = True
 
 
 @dataclass
 class _Rounds:
-    """A tensor's :func:`~hvd_gradcomp.rounds.low_rank_rounds` between its collectives."""
+    """A tensor's exchange algorithm (:mod:`hvd_gradcomp.rounds`) between its collectives."""
 
     run: Algorithm
     out: List[torch.Tensor]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -45,8 +45,6 @@ class Pending:
     out: Optional[torch.Tensor] = None
     # where the gradient lives (FusedAllgatherExchange.start, TimedExchange.start)
     device: torch.device = torch.device("cpu")
-    # each rank's chunk of the tensor, as index bounds (ScatterReduceExchange.start)
-    bounds: List[int] = field(default_factory=list)
     # its fusion group, a _Group (FusedAllgatherExchange.start); the group lets go of it once decoded
     group: Any = None
     # this rank's sparse part as its encoder carried it or _prepare decoded it (the allgather roads), taken by the decode

@@ -36,6 +36,25 @@ def decode_payloads(compressor: GradientCompressor, payloads: List[torch.Tensor]
     return [compressor.decode_parts(pl, h) for pl, h in zip(payloads, headers)]
 
 
+def decode_flagged(compressor: GradientCompressor, payloads: List[Optional[torch.Tensor]], numel: int,
+                   device: torch.device, mine: Optional[Tuple[int, Tuple[torch.Tensor, torch.Tensor]]] = None) -> Parts:
+    """:func:`decode_payloads` of payloads where ``None`` flags a rank whose input held NaN/Inf:
+    its part is NaN everywhere (float32 on ``device``), so every sum holding it is NaN.
+    ``mine``: (this rank, its part as its encoder carried it), taken as is, not decoded.
+
+    >>> from hvd_gradcomp.qsgd import QSGD
+    >>> c = QSGD(bits=8, seed=0)
+    >>> parts = decode_flagged(c, [c.compress_named("w", torch.ones(4)), None], 4, torch.device("cpu"))
+    >>> [v.tolist() for _, v in parts][1]
+    [nan, nan, nan, nan]
+    """
+    at, part = mine if mine is not None else (-1, None)
+    sent = [pl for r, pl in enumerate(payloads) if pl is not None and r != at]
+    decoded = iter(decode_payloads(compressor, sent, len(sent), numel))
+    return [(None, torch.full((numel,), float("nan"), device=device)) if pl is None else part if r == at
+            else next(decoded) for r, pl in enumerate(payloads)]
+
+
 def sparse_support(parts: Parts) -> Optional[torch.Tensor]:
     """Every rank's sent indices, concatenated (repeats kept), when every part is sparse: outside
     them the sum of ``parts`` is zero, so a feedback policy can rewrite the average there alone

@@ -428,6 +428,22 @@ def nonfinite(kind: str, bind: bool = False, **kw: Any) -> Dict[str, Any]:
             "next_finite": bool(torch.isfinite(flat_grads(model.module)).all())}
 
 
+def transport() -> Dict[str, Any]:
+    """hvd_gradcomp.transport.TorchTransport on the default group: the exchanges' asynchronous
+    allreduce (average and sum) and Auto's blocking collectives."""
+    from hvd_gradcomp.transport import TorchTransport
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = TorchTransport(None, world)
+    avg, total = t.allreduce(torch.tensor([1.0 + rank, 10.0]), "x", average=True), \
+        t.allreduce(torch.tensor([1.0 + rank]), "y", average=False)
+    probe = torch.full((4,), float(rank))
+    t.probe_allreduce(probe, "p")
+    t.probe_allgather(torch.ones(3, dtype=torch.uint8), "g")   # returns once done; nothing to read
+    return {"rank": t.rank, "size": t.size, "average": avg.wait().tolist(), "average_again": avg.wait().tolist(),
+            "sum": total.wait().tolist(), "mean": t.mean(torch.tensor([2.0 * rank], dtype=torch.float64), "m").tolist(),
+            "broadcast": t.broadcast(torch.tensor([rank + 5]), "b").tolist(), "probe": probe.tolist()}
+
+
 def errors() -> Dict[str, Any]:
     """Bad arguments: each gives a clear error."""
     out: Dict[str, Any] = {}
@@ -771,7 +787,8 @@ SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": acc
              "checkpoint": checkpoint, "ddp_options": ddp_options, "nonfinite": nonfinite, "errors": errors,
              "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup,
              "accumulation_clipped": accumulation_clipped, "scaled_averages": scaled_averages,
-             "min_ratio": min_ratio, "intermittent": intermittent, "optimizer_over_part": optimizer_over_part}
+             "min_ratio": min_ratio, "intermittent": intermittent, "optimizer_over_part": optimizer_over_part,
+             "transport": transport}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

@@ -67,6 +67,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
     "min-ratio": {"fn": "min_ratio"},
     "acc-clipped-sgd": {"fn": "accumulation_clipped", "optimizer": "sgd"},
     "exempt": {"fn": "exempt"},
+    "transport": {"fn": "transport"},
 }
 
 
@@ -115,6 +116,15 @@ def test_compressed_step_is_near_reference_and_smaller(battery, sid):
     assert 0 < r["rel"] <= ONE_STEP_TOL[sid]
     assert r["bytes"] < r["raw"] / 2.5
     assert r["ratio"] > 2.5
+
+
+def test_torch_transport_collectives(battery):
+    """The exchanges' allreduce averages once however often it is waited on; Auto's blocking
+    collectives: the mean on the host, the first rank's broadcast, the probe's allreduce summing in place."""
+    for rank, r in enumerate(battery["transport"]):
+        assert (r["rank"], r["size"]) == (rank, 2)
+        assert r["average"] == r["average_again"] == [1.5, 10.0]
+        assert r["sum"] == [3.0] and r["mean"] == [1.0] and r["broadcast"] == [5] and r["probe"] == [1.0] * 4
 
 
 def test_uncompressed_bytes_are_the_raw_bytes(battery):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hvd_gradcomp as gc
-from hvd_gradcomp.exchange import chunk_bounds
+from hvd_gradcomp.reduce import chunk_bounds
 from tests.workers.integration import all_ranks_equal, batch, make_model
 
 
