@@ -30,6 +30,7 @@ from .reduce import chunk_bounds, decode_payloads, sparse_support, sum_parts
 from .rounds import compressed_allreduce, low_rank_rounds
 from .rounds import finish as finish_rounds
 from .transport import TorchTransport
+from .transport import all_gather_single as _all_gather_single
 
 State = Any
 """The hook's state or Auto's view of it (see the module docstring)."""
@@ -139,8 +140,6 @@ def _drain_at_exit(timeout: float = 5.0, settle: float = 0.02) -> None:
 
 
 atexit.register(_drain_at_exit)
-# all_gather_into_tensor was renamed all_gather_single (torch 2.10); both gather equal-sized tensors.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ Example, one rank (the average of a tensor is the tensor)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -161,7 +162,8 @@ def compressed_allreduce(compressor: Any, segments: Sequence[Tuple[str, torch.Te
         numel = bd[rank + 1] - bd[rank]
         parts = decode_flagged(compressor, [received[r][j] for r in range(world)], numel, grad.device)
         mine = sum_parts(parts, average, numel, grad.dtype)
-        reduced.append(_encoded(lambda: compressor.compress_named(f"{name}#reduced{rank}", mine, relay=True), flags))
+        relay = partial(compressor.compress_named, f"{name}#reduced{rank}", mine, relay=True)
+        reduced.append(_flagged(relay) if flags else relay())
     gathered = yield Gather(reduced, "gather")
     _check_shape(gathered, world, len(segments))
     for j, ((name, _), bd, out) in enumerate(zip(segments, bounds, outs)):
@@ -180,13 +182,11 @@ def _chunks(compressor: Any, name: str, grad: torch.Tensor, bounds: List[int], f
     """This rank's payload of each chunk of ``grad``; all ``None`` when it held NaN/Inf (``flags``)."""
     if not flags:   # the driver checked the input: no second pass over it
         return compressor._compress_chunks_finite(name, grad, bounds)
-    return _encoded(lambda: compressor.compress_chunks(name, grad, bounds), flags) or [None] * (len(bounds) - 1)
+    return _flagged(lambda: compressor.compress_chunks(name, grad, bounds)) or [None] * (len(bounds) - 1)
 
 
-def _encoded(encode: Any, flags: bool) -> Any:
-    """``encode()``; with ``flags``, None when its input held NaN/Inf (the codec then changed nothing)."""
-    if not flags:
-        return encode()
+def _flagged(encode: Any) -> Any:
+    """``encode()``, or None when its input held NaN/Inf (the codec then changed nothing)."""
     try:
         return encode()
     except FloatingPointError:

@@ -26,6 +26,7 @@ Example (one process, Gloo)::
 """
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Optional, Protocol
 
 import torch
@@ -70,6 +71,14 @@ class Control(Protocol):
 def _hvd() -> Any:
     import horovod.torch as hvd
     return hvd
+
+
+def all_gather_single(out: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """``torch.distributed``'s gather of equal-sized tensors into one: ``all_gather_single`` from
+    torch 2.10, ``all_gather_into_tensor`` before (the same collective, renamed)."""
+    import torch.distributed as dist
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, tensor, group=group, async_op=async_op)
 
 
 class _HorovodWork:
@@ -147,8 +156,8 @@ class TorchTransport:
 
     size = property(lambda self: self.world_size)
 
-    @property
-    def rank(self) -> int:
+    @cached_property
+    def rank(self) -> int:   # asked once per use, not at construction: the roads build one per bucket
         import torch.distributed as dist
         return dist.get_rank(self.group)
 
@@ -175,9 +184,7 @@ class TorchTransport:
         self._sync()
 
     def probe_allgather(self, t: torch.Tensor, tag: str) -> None:
-        import torch.distributed as dist
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.10
-        gather(torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device), t, group=self.group)
+        all_gather_single(torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device), t, self.group)
         self._sync()
 
     def _root(self) -> int:
