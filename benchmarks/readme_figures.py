@@ -6,6 +6,8 @@ Reads the raw figures the benchmark and the study wrote:
 * Horovod step time at 1 and 10 Gbit/s: ``docs/data/bench.json`` (``python -m benchmarks --skip-ddp``);
 * DDP against PowerSGD at 1 Gbit/s: ``docs/ddp/data.json`` (``python -m benchmarks --only-ddp``);
 * convergence targets: ``docs/data/study/`` (``make study``);
+* recipes as users write them, bytes over the whole run and in its second half: ``docs/data/recipes/``
+  (``python benchmarks/study/study.py --recipes``);
 
 and rewrites the block between ``<!-- readme_figures: begin -->`` and ``<!-- readme_figures: end -->``
 in each file of :data:`PAGES`: README.md gets one compact headline table, docs/FIGURES.md every table.
@@ -25,7 +27,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.study import report  # noqa: E402
+from benchmarks.study import recipe_report, report  # noqa: E402
 from benchmarks.plan import REFERENCE_KEYS  # noqa: E402
 
 BEGIN, END = "<!-- readme_figures: begin -->", "<!-- readme_figures: end -->"
@@ -122,7 +124,8 @@ def study_section(out: Path) -> List[str]:
 RATE_TEXT = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
 
 
-def headline_section(bench: Optional[Dict[str, Any]], ddp: Optional[Dict[str, Any]], study: Path) -> List[str]:
+def headline_section(bench: Optional[Dict[str, Any]], ddp: Optional[Dict[str, Any]], study: Path,
+                     recipes_dir: Path) -> List[str]:
     """README's one table: step time of the main Horovod settings at 1 and 10 Gbit/s and their bytes
     per step, then one sentence each for DDP against PowerSGD and for the convergence study."""
     lines: List[str] = []
@@ -163,9 +166,34 @@ def headline_section(bench: Optional[Dict[str, Any]], ddp: Optional[Dict[str, An
                   "[docs/STUDY.md](docs/STUDY.md)): TopKQSGD(1%, 8) with its default feedback ended between "
                   f"{min(g for g, _ in gaps):+.2f}% and {max(g for g, _ in gaps):+.2f}% from uncompressed "
                   f"training's held-out loss (negative: below it; each task's gap beside its seed spread in "
-                  f"docs/FIGURES.md), sending {min(ratios):.0f}x to {max(ratios):.0f}x fewer bytes than float32; "
-                  f"{met} of {len(rows)} tasks meet the study's targets.", ""]
+                  f"docs/FIGURES.md), sending {min(ratios):.0f}x to {max(ratios):.0f}x fewer bytes than float32 in "
+                  f"the second half of each run (the steady state); {met} of {len(rows)} tasks meet the study's "
+                  "targets.", ""]
+    lines += recipes_sentence(recipes_dir)
     return lines
+
+
+def recipes_sentence(out: Path) -> List[str]:
+    """The recipe study in one sentence: rows within target, divergences, and bytes over the whole run
+    beside the steady state (AdamW's dense warm-up is in the first), per road and recipe."""
+    runs = recipe_report.load(out)
+    compressed = {k: rs for k, rs in runs.items() if k[1] in recipe_report.ROADS and k[1] != "none"}
+    if not compressed:
+        return []
+    names = sorted({rec for rec, _ in compressed})
+    verdicts = [line for rec in names for line in recipe_report.rows(rec, runs)[0]
+                if line.startswith("| ") and " | reference | " not in line and "clip=" not in line
+                and not line.startswith("| road")]
+    within = sum(" | within | " in v or " | better (see below) | " in v for v in verdicts)
+    diverged = sum(" | **diverged** | " in v for v in verdicts)
+    whole = [statistics.fmean(r["ratio_whole_run"] for r in rs) for rs in compressed.values()]
+    steady = [statistics.fmean(r["ratio_steady"] for r in rs) for rs in compressed.values()]
+    seeds = sorted({len(rs) for rs in compressed.values()})
+    return [f"Recipes as users copy them ({len(names)} recipes x 3 compressed roads, {seeds[0]} to {seeds[-1]} "
+            f"seeds, [docs/RECIPES.md](docs/RECIPES.md)): {within} of {len(verdicts)} within 3% of uncompressed "
+            f"or its seed spread, {diverged} diverged; bytes saved over the whole run {min(whole):.1f}x to "
+            f"{max(whole):.1f}x (AdamW's dense warm-up included), in the second half {min(steady):.0f}x to "
+            f"{max(steady):.0f}x.", ""]
 
 
 def _relative_to_docs(lines: List[str]) -> List[str]:
@@ -179,7 +207,7 @@ def render(root: Path = ROOT, kind: str = "full") -> str:
     bench = _load(root / "docs/data/bench.json")
     ddp = _load(root / "docs/ddp/data.json")
     if kind == "headline":
-        lines += headline_section(bench, ddp, root / "docs/data/study")
+        lines += headline_section(bench, ddp, root / "docs/data/study", root / "docs/data/recipes")
     else:
         body: List[str] = []
         if bench:
@@ -187,6 +215,7 @@ def render(root: Path = ROOT, kind: str = "full") -> str:
         if ddp:
             body += ddp_section(ddp)
         body += study_section(root / "docs/data/study")
+        body += recipes_sentence(root / "docs/data/recipes")
         lines += _relative_to_docs(body)
     return "\n".join(lines).rstrip() + "\n" + END
 

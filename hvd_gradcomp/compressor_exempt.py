@@ -67,23 +67,53 @@ class ExemptRoad:
     def _excluded(self, name: str) -> bool:
         return self.exclude is not None and self.exclude.search(name) is not None
 
-    def sends_half(self, name: str, dtype: torch.dtype, small: bool) -> bool:
-        """Whether tensor ``name``, not compressed, travels as float16 (``exempt="fp16"``): a float32
-        gradient exempt by design, ``small`` (under the caller's ``min_compress_numel``) or matched
-        by ``exclude``.
+    def sends_half(self, name: str, dtype: torch.dtype, small: bool, dense_steps: bool = True) -> bool:
+        """Whether tensor ``name``, not compressed this step, travels as float16 (``exempt="fp16"``,
+        with error feedback of the cast): every float32 gradient that goes uncompressed, whether
+        exempt by design (``small``: under the caller's ``min_compress_numel``; matched by
+        ``exclude``) or for a while (a feedback policy's dense steps: ``feedback="frozen"``'s
+        warm-up), the latter only where the road sums the float16 values (``dense_steps``: stock
+        Horovod's ``Average`` divides the float16 sum by the ranks once more, a rounding no residual
+        keeps, and Adam, which scales every coordinate to the same step, made the small gradients'
+        losses count: nanoGPT's recipe ended at 2.79 against 2.02 in float32).
 
-        Not the dense steps a feedback policy asks for: ``feedback="frozen"``'s warm-up is there
-        for fidelity (exact Adam, whose second moment is then frozen for the rest of the run), so
-        it stays float32; it ends after ``warmup`` steps, so it cannot be what the bytes come to.
+        Why the warm-up too: it is most of what a run sends (100 dense steps against 56-155x after
+        them: a 400-step AdamW run saved 3.9x over the whole run), and Adam's moments of an average
+        whose cast error is carried to the next step differ from float32's by float16 rounding
+        (docs/RECIPES.md: whole-run bytes and held-out loss). What the cast still owes when a tensor
+        starts compressing joins its first compressed gradient (:meth:`owed_half`).
 
         >>> from hvd_gradcomp.topk import TopK
         >>> c = TopK(exclude=r"norm")
         >>> c.sends_half("fc.bias", torch.float32, small=True), c.sends_half("norm.weight", torch.float32, False)
         (True, True)
         >>> c.sends_half("fc.weight", torch.float32, False), c.sends_half("fc.bias", torch.bfloat16, True)
-        (False, False)
+        (True, False)
+        >>> TopK(exempt="fp32").sends_half("fc.weight", torch.float32, False)
+        False
+        >>> c.sends_half("fc.weight", torch.float32, False, dense_steps=False)     # stock Horovod's road
+        False
         """
-        return self.exempt == "fp16" and dtype == torch.float32 and (small or self._excluded(name))
+        by_design = small or self._excluded(name)
+        return self.exempt == "fp16" and dtype == torch.float32 and (by_design or dense_steps)
+
+    def owed_half(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` plus what the float16 road still owes ``name`` (a tensor that travelled as float16
+        while dense, compressed from now on), which then leaves that road; ``grad`` itself if nothing
+        is owed. Called by the compressed paths, so the cast's residual is neither lost nor kept for
+        good (a gradient-sized tensor per parameter).
+
+        >>> from hvd_gradcomp.topk import TopK
+        >>> c = TopK()
+        >>> _ = c.encode_half([("w", torch.tensor([1.0, 1e-9]))], world=1)   # 1e-9: below float16
+        >>> owed = c.owed_half("w", torch.zeros(2))
+        >>> owed[0].item(), f"{owed[1].item():.3g}", "w" in c.half_residuals
+        (0.0, '1e-09', False)
+        """
+        if name not in self._half.residuals:
+            return grad
+        owed = self._half.residuals.pop(name)
+        return grad + owed.view(grad.shape).to(grad.dtype)
 
     def encode_half(self, named: List[Tuple[str, torch.Tensor]], world: int) -> Tuple[torch.Tensor, bool]:
         """The float16 send of tensors :meth:`sends_half` picked, fused: ``(flat float16 tensor,

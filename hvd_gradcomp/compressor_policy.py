@@ -34,9 +34,11 @@ HANDED_SAMPLE = 16
 class HandedCheck:
     """Whether the user's code scaled, between the exchange and the optimizer's step, the averages a
     compressor whose sent values carry held-back updates handed over
-    (:attr:`GradientCompressor.carries_held_back`): ``clip_grad_norm_`` there shrinks every step far
-    more than meant (the study's CNN with momentum SGD and ``clip_grad_norm_(1.0)`` on every step
-    ended at ~4x uncompressed's held-out loss).
+    (:attr:`GradientCompressor.carries_held_back`): ``clip_grad_norm_`` there measures the norm of
+    held-back updates, not of a gradient, so it binds on other steps and by other factors than
+    uncompressed. What that costs depends on the task (the study's CNN with momentum SGD and
+    ``clip_grad_norm_(1.0)`` lost far more than uncompressed; the clipped LSTM of docs/RECIPES.md
+    did not), so the warning states the fact and the fix, not an outcome.
 
     For :data:`HANDED_CHECK_STEPS` steps the compressor keeps a few nonzero values of each average
     (:meth:`keep`); an optimizer step post-hook compares them with ``p.grad`` (:meth:`check`). One
@@ -83,11 +85,12 @@ class HandedCheck:
             warnings.warn(
                 f"hvd_gradcomp: the averaged gradients {comp!r} handed to the optimizer were scaled by {factor:.3g} "
                 f"before its step, by a factor that changes from step to step (clip_grad_norm_?). Under feedback "
-                f"'{comp.feedback.key}' each sent value carries the updates of the steps it was held back, so its norm "
-                "is far above a gradient's and clipping it shrinks every step far more than meant (momentum SGD with "
-                "clip_grad_norm_(1.0): ~4x uncompressed's held-out loss; docs/PRECISION_AND_CLIPPING.md). Bound each "
-                f"rank's gradient before it is compressed instead: {type(comp).__name__}(..., clip=1.0), and do not "
-                "clip the averages.", RuntimeWarning, stacklevel=2)
+                f"'{comp.feedback.key}' each sent value carries the updates of the steps it was held back, so the "
+                "averages' norm is not the gradient's: clipping it binds on other steps, by other factors, than it "
+                "would uncompressed (what that does to training depends on the task: docs/RECIPES.md measures both "
+                "ways). To clip what clip_grad_norm_(max_norm) means, each rank's whole gradient before it is "
+                f"compressed: {type(comp).__name__}(..., clip=max_norm), and do not clip the averages.",
+                RuntimeWarning, stacklevel=2)
 
     @staticmethod
     def _factor(kept: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]], comp: "PolicyBinding"

@@ -144,8 +144,12 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
     * ``feedback``: ``"auto"`` (chosen from the wrapped optimizer by :meth:`attach`),
       ``"none"``, ``"classic"``, ``"momentum"``, ``"update"``, ``"frozen"`` or a
       :class:`~hvd_gradcomp.feedback.Feedback` instance (see :mod:`hvd_gradcomp.feedback`);
-    * ``clip``: local gradient clipping: each rank scales each tensor's gradient to L2 norm
-      <= ``clip`` before compression (DGC);
+    * ``clip``: local gradient clipping, what ``clip_grad_norm_(model.parameters(), clip)`` means,
+      done to each rank's own gradient before anything is compressed: the global L2 norm over
+      every tensor of the step (compressed, small and excluded ones) is scaled to at most ``clip``
+      (:meth:`clip_local`). ``hvd_gradcomp.DistributedOptimizer`` and the DDP hook then start the
+      exchanges once backward is over (the norm needs every gradient); stock
+      ``hvd.DistributedOptimizer`` compresses each tensor as its gradient arrives and refuses it;
     * ``exclude``: a regular expression; parameters whose name matches go uncompressed.
     * ``exempt``: how float32 tensors exempt from compression by design travel (fewer elements
       than ``min_compress_numel``, e.g. biases and norms, or matched by ``exclude``):
@@ -195,8 +199,8 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
-            raise ValueError(f"clip must be None or a positive number (the largest L2 norm of each "
-                             f"tensor's local gradient), got {clip!r}")
+            raise ValueError(f"clip must be None or a positive number (the largest global L2 norm of each "
+                             f"rank's gradient, as in clip_grad_norm_), got {clip!r}")
         if not error_feedback and feedback not in ("auto", "none"):
             raise ValueError(f"error_feedback=False contradicts feedback={feedback!r}: pass only feedback=")
         if not (isinstance(feedback, Feedback) or feedback == "auto"):
@@ -206,6 +210,10 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
         self.stream = 0  # set to the rank by hvd_gradcomp.horovod on every road: ranks draw independent noise
         self.clip = clip
+        # Set by a road that clips every tensor of a step at once (clip_local) before compressing any:
+        # compress() then leaves clipping to it. Unset (a direct compress() call) the one tensor handed
+        # is all there is, and is clipped alone.
+        self.road_clips = False
         try:
             self.exclude = re.compile(exclude) if exclude is not None else None
         except (re.error, TypeError) as exc:
@@ -287,6 +295,8 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         where the policy can. A caller may prepare several tensors, check them all, then
         :meth:`_send` each (the DDP hook: one finiteness verdict per bucket)."""
         policy = self._relay_policy() if relay else self.feedback
+        if not relay:
+            grad = self.owed_half(name, grad)
         k = self._selects(name, grad.numel())
         if k is None:
             acc, marked = policy.prepare(name, self._clipped(grad)), None
@@ -318,11 +328,40 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         return self._relay_policy().residuals
 
     def _clipped(self, grad: torch.Tensor) -> torch.Tensor:
-        """Local gradient clipping (DGC): each rank scales a tensor's gradient to norm <= clip."""
-        if self.clip is None:
+        """``grad`` clipped alone (a direct ``compress()`` call, no road); on a road, :meth:`clip_local`
+        clipped the whole step already."""
+        if self.clip is None or self.road_clips:
             return grad
         norm = float(grad.float().norm())
         return grad if norm <= self.clip else grad * (self.clip / norm)
+
+    def clip_local(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Scale this rank's gradients ``grads``, in place, to a global L2 norm of at most ``clip``, as
+        ``clip_grad_norm_`` does; the roads call it with every gradient of the step (compressed, small
+        and excluded tensors) before compressing any. Returns the norm before clipping (a tensor: no
+        host sync), or None without ``clip``.
+
+        Why the global norm, and every tensor: that is what users mean by clipping. A bound per
+        tensor let the total grow with the number of tensors, and tensors too small to compress
+        went unclipped: a 2-layer LSTM with SGD lr 20 and ``clip=0.25`` diverged through its
+        768-element biases (docs/RECIPES.md, ``lstm``). A NaN or Inf stays non-finite (as with
+        ``clip_grad_norm_``), so the step is still skipped on every rank.
+
+        >>> from hvd_gradcomp.topk import TopKQSGD
+        >>> c = TopKQSGD(ratio=0.01, bits=8, clip=1.0)
+        >>> a, b = torch.full((4,), 3.0), torch.full((9,), 2.0)    # norms 6 and 6: global 8.49
+        >>> round(float(c.clip_local([a, b])), 2), round(float(torch.cat([a, b]).norm()), 4)
+        (8.49, 1.0)
+        """
+        if self.clip is None or not grads:
+            return None
+        dev = grads[0].device
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(dev)
+                                                     for g in grads]))
+        coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+        return norm
 
     def dense_local(self, name: str, grad: torch.Tensor) -> None:
         """``grad``: this rank's own gradient of ``name``, a tensor large enough to compress, where it
@@ -367,7 +406,7 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         if bounds[0] != 0 or bounds[-1] != grad.numel() or any(b >= e for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"chunk bounds {bounds} do not split {grad.numel()} elements into non-empty chunks")
         policy = self.feedback
-        acc = policy.prepare(name, self._clipped(grad))
+        acc = policy.prepare(name, self._clipped(self.owed_half(name, grad)))
         payloads, sent = [], []
         for i, (b, e) in enumerate(zip(bounds, bounds[1:])):
             payload, what = self._encode_flat(acc[b:e], grad.dtype, (e - b,), f"{name}#{i}", contract=policy.contract)

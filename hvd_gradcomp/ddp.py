@@ -166,6 +166,7 @@ class GradCompState:
                 compression.note_optimizer(optimizer, self.rank)
             else:
                 compression.stream = self.rank  # independent rounding noise on every rank
+                compression.road_clips = True   # clip=: the hook clips the whole step (see _held_until_last)
                 _choose_feedback(compression, optimizer, self._names, self.rank)
                 if compression.feedback.moves_parameters:  # "frozen": applied at the optimizer step
                     self._step_hook = optimizer.register_step_pre_hook(self._apply_at_step)
@@ -176,6 +177,8 @@ class GradCompState:
             self._second = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group))
             _KEEP_ALIVE.extend([self.process_group, self._second])
         self.iter = 0
+        self._held: List[Tuple[dist.GradBucket, Future]] = []   # clip=: this step's buckets, until the last
+        self.last_local_norm: Optional[torch.Tensor] = None     # this rank's gradient norm before clip=
         self.comm_stats = ByteStats()   # bytes this rank hands to the collectives, all exchanges
         self.nonfinite_exchanges = 0    # buckets that carried NaN/Inf on some rank
         self._step_bytes: Dict[int, int] = {}
@@ -375,6 +378,38 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
 
         >>> ddp_model.register_comm_hook(state, gradcomp_hook)    # doctest: +SKIP
     """
+    if isinstance(state.compression, GradientCompressor) and state.compression.clip is not None:
+        return _held_until_last(state, bucket)
+    return _hook_now(state, bucket)
+
+
+def _held_until_last(state: GradCompState, bucket: dist.GradBucket) -> Future:
+    """``clip=``: every bucket of the step waits for the last one; then this rank's whole gradient is
+    clipped to one global norm (:meth:`GradientCompressor.clip_local`, every tensor, compressed or
+    not) and each bucket goes its road, in index order. The exchanges start once backward is over."""
+    result: Future = Future()
+    state._held.append((bucket, result))
+    if not bucket.is_last():
+        return result
+    held, state._held = state._held, []
+    state.last_local_norm = state.compression.clip_local([b.buffer() for b, _ in held])
+    for b, res in held:
+        _relay(_hook_now(state, b), res)
+    return result
+
+
+def _relay(source: Future, target: Future) -> None:
+    """Complete ``target`` with ``source``'s value or error."""
+    def done(fut: Future) -> None:
+        try:
+            target.set_result(fut.value())
+        except Exception as err:   # noqa: BLE001 - handed on to DDP, which raises it in backward
+            target.set_exception(err)
+    source.add_done_callback(done)
+
+
+def _hook_now(state: GradCompState, bucket: dist.GradBucket) -> Future:
+    """:func:`gradcomp_hook` on one bucket, now."""
     buffer = bucket.buffer()
     step = state.iter
     if bucket.is_last():  # DDP launches buckets in index order: the last one closes the exchange

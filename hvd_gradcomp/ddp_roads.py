@@ -229,7 +229,7 @@ def _dense_averages(state: State, buffer: torch.Tensor, segments: Iterable[_Segm
 
 def _sends_half(state: State, seg: _Segment, dtype: torch.dtype) -> bool:
     """Whether a segment the bucket does not compress travels as float16 (the compressor's
-    ``exempt="fp16"``: small or excluded, not a feedback policy's dense warm-up)."""
+    ``exempt="fp16"``: small, excluded, or a feedback policy's dense step)."""
     return state.compression.sends_half(seg.name, dtype, seg.numel < state.min_compress_numel)
 
 

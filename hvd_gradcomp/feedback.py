@@ -44,7 +44,7 @@ import importlib
 import inspect
 import logging
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -114,6 +114,7 @@ class ResidualStore:
         self._undo_units: Dict[str, Optional[float]] = {}
         # A retired residual per name (CPU only), the buffer of its next compensate (see _recycle).
         self._spare: Dict[str, torch.Tensor] = {}
+        self._taken: Set[str] = set()   # names pop() removed this step: their old residual is not recycled
 
     def check_shape(self, name: str, tensor: torch.Tensor) -> None:
         """Raise if ``name`` was used before with another shape: residuals would mix."""
@@ -214,6 +215,9 @@ class ResidualStore:
         elif lr > 0.0:
             self._units[name] = float(lr)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._residuals
+
     def track_rounds(self, on: bool) -> None:
         """Keep what each exchange step replaced until :meth:`end_round` (costs, during a step,
         the memory of the residuals it replaced)."""
@@ -229,7 +233,10 @@ class ResidualStore:
         for name in list(self._undo):
             unit = self._undo_units.pop(name, None)
             if keep:  # the residuals the step replaced are retired
-                self._recycle(name, self._undo.pop(name))
+                if name in self._taken:
+                    self._undo.pop(name)
+                else:
+                    self._recycle(name, self._undo.pop(name))
                 continue
             old = self._undo.pop(name)
             self._recycle(name, self._residuals.pop(name, None))
@@ -239,6 +246,7 @@ class ResidualStore:
                 self._units.pop(name, None)
             else:
                 self._units[name] = unit
+        self._taken.clear()
 
     def pop(self, name: str) -> Optional[torch.Tensor]:
         """Remove and return the residual of ``name`` (None if there is none): for a caller that
@@ -248,6 +256,7 @@ class ResidualStore:
             if name not in self._undo:
                 self._undo[name] = self._residuals.get(name)
                 self._undo_units[name] = self._units.get(name)
+            self._taken.add(name)   # kept: not recycled as a spare buffer (the name may never come back)
         self._units.pop(name, None)
         return self._residuals.pop(name, None)
 

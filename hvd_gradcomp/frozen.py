@@ -202,8 +202,31 @@ class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
         factor = self._scale_factor(name)
         if factor is not None:
             u = u * factor.to(u.dtype)
-        return torch.div(u, self.denom[name], out=acc) if res is None else \
-            torch.addcdiv(res, u, self.denom[name], out=acc)
+        step = torch.div(u, self.denom[name], out=acc)
+        bound = self._step_bound(name)
+        if bound is not None:
+            step.clamp_(-bound, bound)
+        return step if res is None else step.add_(res)
+
+    def _step_bound(self, name: str) -> Optional[float]:
+        """The most one gradient may add to a coordinate's movement (in units of ``lr``):
+        ``1 / sqrt(1 - b2)``, the most Adam moves a coordinate in answer to one gradient, however
+        large (its ``v`` takes at least ``(1 - b2) * g**2`` of it, so ``|g| / sqrt(v) <= 1 / sqrt(1 - b2)``);
+        None for ``b2 == 1``.
+
+        Why: with ``v`` frozen, a coordinate whose gradient was (almost) zero during the warm-up
+        (an embedding row of a rare token, a tied head's row) has the floor for ``denom``; its first
+        large gradient afterwards moved it ``|g| / denom`` times the rate, 100x what Adam would,
+        and a tied-embedding transformer at lr 2e-3 diverged ~80 steps after the freeze
+        (docs/RECIPES.md). Adam's own bound leaves every ordinary step alone.
+
+        >>> fv = FrozenVariance()
+        >>> fv._bound["w"] = (None, {"betas": (0.9, 0.99)}, None)
+        >>> round(fv._step_bound("w"), 6)
+        10.0
+        """
+        b2 = float(self._bound[name][1]["betas"][1])
+        return None if b2 >= 1.0 else (1.0 - b2) ** -0.5
 
     def _check_scale(self, name: str, grad: torch.Tensor) -> None:
         """Refuse gradients far larger than the warm-up's (a loss scaler's scaled gradients): the

@@ -305,6 +305,12 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
     if name is not None:
         return compressor.compress_named(name, tensor), _LOCAL
     call = find_horovod_call(tensor, names)
+    if call is not None and compressor.clip is not None:
+        raise ValueError(
+            f"{compressor!r}: clip= bounds the global norm of each rank's whole gradient (every tensor, as "
+            "clip_grad_norm_ does), so it needs every gradient before the first is compressed; stock "
+            "hvd.DistributedOptimizer compresses each tensor as soon as its gradient is ready. Use "
+            "hvd_gradcomp.DistributedOptimizer (same arguments) or the DDP hook, which clip the whole step first.")
     if call is not None:
         warn_unread_settings(compressor, what=f"hvd.DistributedOptimizer(compression={compressor!r})")
         compressor._claim(call.optimizer, call.process_set.size())
@@ -316,7 +322,7 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
             if tensor.numel() >= compressors.DEFAULT_MIN_COMPRESS_NUMEL:   # the policy's dense step
                 compressor.dense_local(call.name, tensor)
             small = tensor.numel() < compressors.DEFAULT_MIN_COMPRESS_NUMEL
-            if compressor.sends_half(call.name, tensor.dtype, small):
+            if compressor.sends_half(call.name, tensor.dtype, small, dense_steps=False):
                 return _compress_half(compressor, call, tensor)
             sent = allreducible(tensor)
             compressor.stats.record(call.name, tensor.numel() * tensor.element_size(),

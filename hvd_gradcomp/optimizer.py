@@ -164,6 +164,12 @@ class _SmallTensors:
                     self.compression.dense_average(self._names[p], p.grad)
 
 
+def _clips(compression: Any) -> bool:
+    """The compressor's ``clip=`` is set: each rank's whole gradient is clipped to that global norm
+    (:meth:`GradientCompressor.clip_local`) before any exchange starts, in ``synchronize()``."""
+    return isinstance(compression, GradientCompressor) and compression.clip is not None
+
+
 class _GradCompOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
@@ -182,6 +188,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
             compression._claim(self, process_set.size() if self._included else None)
+            compression.road_clips = True   # clip=: synchronize() clips the whole step (see _clip_local)
             bind_noise_stream(compression)  # independent rounding noise on each rank
             # The feedback policy ("auto") is chosen from this optimizer's class and settings.
             # A rank outside the process set has no rank in it (and compresses nothing): it stays quiet.
@@ -214,6 +221,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.comm_wait_s = 0.0          # time synchronize() spent waiting for the network
         self.exchange_timing = self._compressed  # .codec_s / .codec_sync_s / .wait_s, all steps
         self._step_bytes = 0
+        self.last_local_norm: Optional[torch.Tensor] = None   # this rank's gradient norm before clip= (a tensor)
         self._hook_handles: List[Any] = []
         self._changes = _ChangeWatch(self._parameter_names)   # user code changing a gradient before synchronize()
         if self._included:
@@ -247,6 +255,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._delay[p] -= 1
         if self._delay[p] == 0:
             self._changes.watch(p)
+        if self._delay[p] == 0 and _clips(self.compression):
+            return   # clip=: the global norm needs every gradient, so synchronize() starts the exchanges
         if self._delay[p] == 0 and (p.grad.is_sparse or not self._is_small(p)):
             self._start(p)
             self._progress()
@@ -305,6 +315,9 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         changed = self._changes.changed()   # refused once the exchanges are finished: every rank takes part
         self._adopt_unfrozen()
+        if _clips(self.compression):   # this rank's whole step, compressed or small tensors (not sparse ones)
+            self.last_local_norm = self.compression.clip_local(
+                [p.grad for p in self._delay if p.grad is not None and not p.grad.is_sparse])
         small = []
         for p in self._delay:
             if p in self._pending or p in self._sparse_pending:

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_gradcomp import FrozenVariance, QSGD, TopK, TopKQSGD
+from hvd_gradcomp import QSGD, TopK, TopKQSGD
 from hvd_gradcomp.feedback import HalfPrecision
 from hvd_gradcomp.kernels import HALF_MAX, half_bound, to_half_saturated
 
@@ -149,21 +149,35 @@ def test_which_tensors_go_float16():
     c = TopKQSGD(exclude=r"embed")
     assert c.sends_half("ln.bias", torch.float32, small=True)
     assert c.sends_half("tok_embed.weight", torch.float32, small=False)            # exclude=
-    assert not c.sends_half("fc.weight", torch.float32, small=False)               # compressed
+    # asked only of tensors not compressed this step: a policy's dense step goes float16 where the road sums
+    assert c.sends_half("fc.weight", torch.float32, small=False)
+    assert not c.sends_half("fc.weight", torch.float32, small=False, dense_steps=False)   # stock Horovod
     assert not c.sends_half("ln.bias", torch.float16, small=True)                  # already 16-bit
     assert not c.sends_half("ln.bias", torch.bfloat16, small=True)
     assert not c.sends_half("ln.bias", torch.float64, small=True)
     assert not TopKQSGD(exempt="fp32").sends_half("ln.bias", torch.float32, small=True)
 
 
-def test_frozen_warm_up_stays_float32():
-    """feedback="frozen" sends big tensors dense during Adam's warm-up: those are not exempt."""
+def test_frozen_warm_up_goes_float16_and_what_it_owes_joins_the_first_compressed_step():
+    """feedback="frozen" sends big tensors dense during Adam's warm-up: as float16 with error feedback
+    where the road sums (hvd_gradcomp.DistributedOptimizer, DDP), float32 on stock Horovod (whose
+    Average divides the float16 sum once more). At the first compressed step what the cast still owed
+    joins the gradient, and the float16 road keeps nothing of the tensor (no gradient-sized residual
+    kept for good)."""
     w = torch.nn.Parameter(torch.ones(4096))
     opt = torch.optim.AdamW([w], lr=0.1)
-    c = TopKQSGD(feedback=FrozenVariance(warmup=5))
-    c.feedback.bind("w", opt.param_groups[0], w, opt)
-    assert not c.compresses("w", w.numel())        # dense: the warm-up
-    assert not c.sends_half("w", torch.float32, small=False)
+    c = TopKQSGD(ratio=1.0, bits=8, feedback="classic")
+    assert c.sends_half("w", torch.float32, small=False)
+    assert not c.sends_half("w", torch.float32, small=False, dense_steps=False)
+    g = torch.full((4096,), 1e-9)                       # below float16's resolution: all of it owed
+    half, _ = c.encode_half([("w", g)], world=1)
+    assert torch.count_nonzero(half) == 0 and "w" in c.half_residuals
+    sent = c.decode(c.compress_named("w", torch.zeros(4096))).reshape(-1)   # a zero gradient: only what was owed
+    assert "w" not in c.half_residuals
+    kept = c.residuals.residual("w")
+    total = sent + (kept.reshape(-1) if kept is not None else 0.0)   # error feedback keeps what the codec did not send
+    torch.testing.assert_close(total, g, rtol=1e-5, atol=1e-15)
+    del opt
 
 
 def test_checkpoint_holds_the_float16_residuals():

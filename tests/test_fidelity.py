@@ -122,7 +122,8 @@ def test_update_feedback_without_an_optimizer_says_how_to_use_it():
 
 # ------------------------------------------------------------------ Adam with v frozen
 def frozen_reference(w, grads, opts, warmup, floor=0.1, gamma=None, momentum=False, follow="down", window=50):
-    """Adam for ``warmup`` steps, then v frozen (floored) and the step ``g / denom`` (``momentum``:
+    """Adam for ``warmup`` steps, then v frozen (floored) and the step ``g / denom``, at most
+    ``1 / sqrt(1 - b2)`` per coordinate (``momentum``:
     Adam's ``m = b1*m + (1-b1)*g`` carried over, bias-corrected, in place of ``g``), each step
     lengthened by sqrt(s_freeze / s_t) where that is above 1 (``follow="down"``; ``"both"``: also
     shortened below 1; None: never), s the average over ``window`` steps (weight 1/window) of the
@@ -151,11 +152,12 @@ def frozen_reference(w, grads, opts, warmup, floor=0.1, gamma=None, momentum=Fal
             denom = root.clamp(min=floor * root.mean().item()) + eps
             m = st["exp_avg"].clone()
         m = b1 * m + (1 - b1) * g
-        step = lr / (1 - b1 ** t) * m if momentum else lr * g
         with torch.no_grad():
             p.mul_(1 - lr * wd)
             factor = {"down": (s_freeze / s).clamp(min=1.0), "both": s_freeze / s, None: torch.tensor(1.0)}[follow]
-            p.sub_(step / denom * factor.sqrt())
+            # no more than Adam's largest answer to one gradient, 1/sqrt(1 - b2) (FrozenVariance._step_bound)
+            u = ((m if momentum else g) * factor.sqrt() / denom).clamp(-(1 - b2) ** -0.5, (1 - b2) ** -0.5)
+            p.sub_(u * (lr / (1 - b1 ** t) if momentum else lr))
             if sched is not None:
                 sched.step()
     return p.detach()
@@ -771,7 +773,7 @@ def test_averages_scaled_before_the_step_are_said_once(edit, warned, scaled):
     comp = TopKQSGD(ratio=0.1)
     comp.attach(opt, {p: "w"})
     assert comp.carries_held_back
-    with pytest.warns(RuntimeWarning, match=r"scaled by 0\.\d+ before .*changes from step to step.*clip=1\.0") \
+    with pytest.warns(RuntimeWarning, match=r"scaled by 0\.\d+ before .*changes from step to step.*clip=max_norm") \
             if warned else _no_warning():
         for k in range(3):
             _handed_once(comp, p, opt, edit, k)

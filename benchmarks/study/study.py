@@ -8,6 +8,13 @@ covers every task.
     python benchmarks/study/study.py                      # everything (about an hour on 2 quiet cores)
     python benchmarks/study/study.py --seeds 0 --tasks cnn-sgd
     python benchmarks/study/study.py --report-only        # regenerate docs/STUDY.md from runs/study
+
+``--recipes`` runs the recipe study instead (:mod:`benchmarks.study.recipes`: recipes as users copy
+them from well-known training scripts, on every road; one job per recipe, seed and launcher,
+:mod:`benchmarks.study.recipe_worker`) and writes docs/RECIPES.md:
+
+    python benchmarks/study/study.py --recipes                        # every recipe, seeds 0-2 (about an hour)
+    python benchmarks/study/study.py --recipes --tasks lstm --seeds 0
 """
 from __future__ import annotations
 
@@ -22,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.study import report  # noqa: E402
+from benchmarks.study import recipe_report, recipes, report  # noqa: E402
+from benchmarks.study.recipe_worker import _value as setting_value  # noqa: E402
+from benchmarks.study.recipe_worker import file_name as result_name  # noqa: E402
 from benchmarks.study.tasks import TASKS  # noqa: E402
 from benchmarks.study import ddp_worker  # noqa: E402
 from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS  # noqa: E402
@@ -99,22 +108,78 @@ def command(task: str, seed: int, settings: list, out: Path, steps: int = 0) -> 
             sys.executable, str(ROOT / "benchmarks/study/worker.py"), "--task", task] + args
 
 
+RECIPE_VARIANTS = {"lstm": [("gc", "clip=0.25"), ("ddp", "clip=0.25")]}
+"""Recipe rows beyond the default roads: the clipping the library recommends (the compressor's
+``clip=``, the recipe's threshold, no clipping by hand), where the recipe clips."""
+
+
+def recipe_plan(names: list, seeds: list) -> list:
+    """The recipe study's jobs: ``(recipe, roads, setting or "", seed, launcher)``, seeds outermost;
+    the Horovod roads share one horovodrun job, the DDP hook runs under torchrun.
+
+    >>> [j[:3] for j in recipe_plan(["lstm"], [0])]
+    [('lstm', 'none,stock,gc', ''), ('lstm', 'ddp', ''), ('lstm', 'gc', 'clip=0.25'), ('lstm', 'ddp', 'clip=0.25')]
+    """
+    jobs = []
+    for seed in seeds:
+        for name in names:
+            jobs += [(name, ",".join(recipes.HOROVOD_ROADS), "", seed, "horovodrun"), (name, "ddp", "", seed, "torchrun")]
+            jobs += [(name, road, setting, seed, "torchrun" if road == "ddp" else "horovodrun")
+                     for road, setting in RECIPE_VARIANTS.get(name, [])]
+    return jobs
+
+
+def recipe_command(name: str, roads: str, setting: str, seed: int, launcher: str, out: Path) -> list:
+    """One 2-rank job of the recipe study."""
+    args = [str(ROOT / "benchmarks/study/recipe_worker.py"), "--recipe", name, "--roads", roads,
+            "--seed", str(seed), "--out", str(out)] + (["--setting", setting] if setting else [])
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + args
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    return [str(horovodrun if horovodrun.exists() else "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
+            sys.executable] + args
+
+
+def recipe_done(out: Path, name: str, roads: str, setting: str, seed: int) -> bool:
+    """Whether every road of a job has its result under ``out`` (an interrupted study resumes)."""
+    extra = {k: setting_value(v) for k, v in [setting.split("=", 1)]} if setting else {}
+    return all((out / result_name(name, road, seed, extra)).exists() for road in roads.split(","))
+
+
+def run_recipes(names: list, seeds: list, out: Path, docs: Path, timeout: int) -> bool:
+    """The recipe study: every job not done yet, then docs/RECIPES.md."""
+    ok = True
+    out.mkdir(parents=True, exist_ok=True)
+    for name, roads, setting, seed, launcher in recipe_plan(names, seeds):
+        if recipe_done(out, name, roads, setting, seed):
+            continue
+        print(f"{name} seed {seed}: {roads} {setting}", flush=True)
+        ok = run(recipe_command(name, roads, setting, seed, launcher, out), f"{name} seed {seed}", timeout) and ok
+    path = recipe_report.write(out, docs, command=" ".join(["python benchmarks/study/study.py"] + sys.argv[1:]))
+    print(f"wrote {path}")
+    return ok
+
+
 def job(task: str, seed: int, settings: list, out: Path, timeout: int, steps: int = 0) -> bool:
     """Run one 2-rank job; False (and its output on stderr) when it failed or timed out."""
-    cmd = command(task, seed, settings, out, steps)
+    return run(command(task, seed, settings, out, steps), f"{task} seed {seed}", timeout)
+
+
+def run(cmd: list, what: str, timeout: int) -> bool:
+    """Run one 2-rank job's command; False (and its output on stderr) when it failed or timed out."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        print(f"  {task} seed {seed}: timed out after {timeout}s\n{exc.stdout or ''}{exc.stderr or ''}",
+        print(f"  {what}: timed out after {timeout}s\n{exc.stdout or ''}{exc.stderr or ''}",
               file=sys.stderr, flush=True)
         return False
     lines = [ln for ln in proc.stdout.splitlines() if "held-out loss" in ln]
     print("\n".join(f"  {ln}" for ln in lines), f"\n  ({time.time() - t0:.0f}s)", flush=True)
     if proc.returncode != 0:
-        print(f"  {task} seed {seed} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}",
+        print(f"  {what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}",
               file=sys.stderr, flush=True)
         return False
     return True
@@ -131,7 +196,16 @@ def main() -> int:
     ap.add_argument("--docs", default=str(ROOT / "docs"))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per horovodrun job")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--recipes", action="store_true",
+                    help=f"the recipe study (--tasks: of {list(recipes.RECIPES)}; --out default docs/data/recipes)")
     args = ap.parse_args()
+    if args.recipes:
+        names = list(recipes.RECIPES) if args.tasks == ap.get_default("tasks") else args.tasks.split(",")
+        if set(names) - set(recipes.RECIPES):
+            ap.error(f"unknown recipes {sorted(set(names) - set(recipes.RECIPES))}; choose from {list(recipes.RECIPES)}")
+        out = Path(args.out) if args.out != ap.get_default("out") else ROOT / "docs/data/recipes"
+        seeds = [] if args.report_only else [int(x) for x in args.seeds.split(",")]
+        return 0 if run_recipes(names, seeds, out, Path(args.docs), args.timeout) else 1
     out = Path(args.out)
     tasks = args.tasks.split(",")
     unknown = sorted(set(tasks) - set(ALL_TASKS))

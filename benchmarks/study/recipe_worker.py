@@ -1,0 +1,173 @@
+"""One 2-rank job of the recipe study: a recipe and a seed on one or more roads, each driven as a
+user drives it (see :mod:`benchmarks.study.recipes`). Rank 0 writes one JSON per road into ``--out``.
+
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/study/recipe_worker.py --recipe nanogpt --roads none,stock,gc
+    torchrun --standalone --nproc-per-node 2 benchmarks/study/recipe_worker.py --recipe nanogpt --roads ddp
+
+``--setting KEY=VALUE`` passes a compressor argument (for the probes of a search: e.g.
+``min_compress_numel=1`` on the gc road, ``feedback=classic``); the JSON file then carries it in its name.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch  # noqa: E402
+
+import hvd_gradcomp as gc  # noqa: E402
+from benchmarks.study import recipes  # noqa: E402
+from benchmarks.study.loop import code_version  # noqa: E402
+
+
+class _Comm:
+    """The few collectives the worker needs, on Horovod or torch.distributed."""
+
+    def __init__(self, ddp: bool) -> None:
+        self.ddp = ddp
+        if ddp:
+            import datetime
+            import torch.distributed as dist
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+            self.dist, self.rank, self.size = dist, dist.get_rank(), dist.get_world_size()
+        else:
+            import horovod.torch as hvd
+            hvd.init()
+            self.hvd, self.rank, self.size = hvd, hvd.rank(), hvd.size()
+
+    def identical(self, model: torch.nn.Module) -> bool:
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if self.ddp:
+            every = [torch.empty_like(flat) for _ in range(self.size)]
+            self.dist.all_gather(every, flat)
+        else:
+            every = list(self.hvd.allgather(flat[None]))
+        return all(bool(torch.equal(every[0], e)) for e in every)
+
+
+def _counter(road: str, opt: Any, comp: Any, state: Any, raw: int):
+    """Bytes this rank handed to the collectives in the last step, on each road."""
+    seen = [0]
+
+    def step() -> int:
+        if road == "none":
+            return raw
+        if road == "gc":
+            return opt.last_step_bytes
+        if road == "ddp":
+            return state.last_step_bytes
+        now = comp.stats.bytes_out            # stock road: the compressor's count over all steps
+        sent, seen[0] = now - seen[0], now
+        return sent
+    return step
+
+
+def run(recipe: recipes.Recipe, road: str, seed: int, comm: _Comm, extra: Dict[str, Any]) -> Dict[str, Any]:
+    built = recipes.build(recipe, seed, comm.rank, comm.size)
+    net, opt = built.model, built.optimizer
+    comp = None if road == "none" else gc.TopKQSGD(ratio=0.01, bits=8, seed=1000 * seed + comm.rank, **extra)
+    model, state = net, None
+    if road == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from hvd_gradcomp import ddp as gc_ddp
+        model = DDP(net)
+        state = gc_ddp.register(model, compression=comp, optimizer=opt)
+    else:
+        hvd = comm.hvd
+        kw: Dict[str, Any] = dict(named_parameters=net.named_parameters())
+        if comp is not None:
+            kw["compression"] = comp
+        opt = gc.DistributedOptimizer(opt, **kw) if road == "gc" else hvd.DistributedOptimizer(opt, **kw)
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    raw = recipes.raw_bytes(net)
+    hand_clip = recipe.clip and "clip" not in extra   # a probe with the compressor's clip= clips nothing by hand
+    count = _counter(road, opt, comp, state, raw)
+    evals: List[Dict[str, float]] = [dict(zip(("step", "val_loss", "val_accuracy"), (0, *recipes.evaluate(net, built.val))))]
+    sent: List[int] = []
+    t0 = time.perf_counter()
+    for step in range(recipe.steps):
+        for group in opt.param_groups:
+            group["lr"] = recipe.lr_at(step)
+        x, y = built.batch()
+        opt.zero_grad()
+        recipes.loss_of(model(x), y).backward()
+        if hand_clip and road != "ddp":        # Horovod's documented pattern
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), recipe.clip)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            if hand_clip:                      # DDP: the averaged gradients are there after backward
+                torch.nn.utils.clip_grad_norm_(net.parameters(), recipe.clip)
+            opt.step()
+        sent.append(count())
+        if recipes.evals_due(step + 1, recipe.steps):
+            loss, acc = recipes.evaluate(net, built.val)
+            evals.append({"step": step + 1, "val_loss": loss, "val_accuracy": acc})
+    wall = time.perf_counter() - t0
+    return {"recipe": recipe.name, "road": road, "seed": seed, "steps": recipe.steps, "extra": extra,
+            "parameters": sum(p.numel() for p in net.parameters()), "identical": comm.identical(net),
+            "feedback": getattr(getattr(comp, "feedback", None), "key", None), "wall_s": wall,
+            "code": code_version(), **recipes.summary(evals, sent, raw)}
+
+
+def file_name(recipe: str, road: str, seed: int, extra: Dict[str, Any]) -> str:
+    """``nanogpt-gc-s0.json``; a probe's settings go into the name: ``nanogpt-gc+min_compress_numel=1-s0.json``.
+
+    >>> file_name("lstm", "ddp", 2, {}), file_name("nanogpt", "gc", 0, {"feedback": "classic"})
+    ('lstm-ddp-s2.json', 'nanogpt-gc+feedback=classic-s0.json')
+    """
+    tag = "".join(f"+{k}={v}" for k, v in sorted(extra.items()))
+    return f"{recipe}-{road}{tag}-s{seed}.json"
+
+
+def _value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", choices=sorted(recipes.RECIPES), required=True)
+    ap.add_argument("--roads", default="none,stock,gc", help=f"comma-separated, of {list(recipes.ROADS)}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=0, help="override the recipe's steps (smoke tests)")
+    ap.add_argument("--peak", type=float, default=0.0, help="override the recipe's peak learning rate (a probe)")
+    ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                    help="a compressor argument for the compressed roads (a probe), repeatable")
+    ap.add_argument("--out", default="runs/recipes")
+    args = ap.parse_args()
+    roads = args.roads.split(",")
+    if "ddp" in roads and len(roads) > 1:
+        ap.error("the ddp road runs alone, under torchrun")
+    extra = {k: _value(v) for k, v in (s.split("=", 1) for s in args.setting)}
+    torch.set_num_threads(1)
+    comm = _Comm(ddp=roads == ["ddp"])
+    recipe = recipes.RECIPES[args.recipe]
+    if args.steps or args.peak:
+        recipe = recipes.Recipe(**{**recipe.__dict__, "steps": args.steps or recipe.steps,
+                                   "peak": args.peak or recipe.peak,
+                                   "name": recipe.name + (f"@{args.peak:g}" if args.peak else "")})
+    out = Path(args.out)
+    for road in roads:
+        rec = run(recipe, road, args.seed, comm, extra if road != "none" else {})
+        if comm.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / file_name(recipe.name, road, args.seed, rec["extra"])).write_text(json.dumps(rec, indent=1) + "\n")
+            print(f"{recipe.name} {road} seed {args.seed} {rec['extra'] or ''}: held-out loss {rec['val_loss']:.4f} "
+                  f"whole-run {rec['ratio_whole_run']:.1f}x steady {rec['ratio_steady']:.0f}x "
+                  f"identical {rec['identical']} feedback {rec['feedback']} {rec['wall_s']:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
