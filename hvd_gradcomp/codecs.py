@@ -28,6 +28,15 @@ here without importing torch.
 ('a compressor of ratio', 0.5)
 >>> unregister("mine")
 
+Codecs of other packages are found two ways, so that ``hvdgc-launch --compression NAME`` and
+``HVDGC_COMPRESSION=NAME`` reach them without editing this package:
+
+* a Python entry point in the group :data:`ENTRY_POINTS` (``[project.entry-points."hvd_gradcomp.codecs"]
+  mycodec = "mypkg.codec:MyCodec"`` in the package's pyproject.toml), registered on first use of
+  the registry and imported when built;
+* a module that registers its codecs when imported (``@register("mycodec")``), named by
+  ``hvdgc-launch --codec-module mypkg.codec`` or ``HVDGC_CODEC_MODULE`` (:func:`load_module`).
+
 This module imports nothing heavy (no torch, no Horovod): :mod:`hvd_gradcomp.config` and the
 launcher read it.
 """
@@ -56,6 +65,10 @@ _REGISTRY: Dict[str, Tuple[Factory, Optional[Tuple[str, ...]]]] = {
     "powersgd": ("hvd_gradcomp.horovod:PowerSGD", ("error_feedback", "seed")),
 }
 _RESERVED = ("none", "fp16", "auto")   # settings of HVDGC_COMPRESSION that are not compressors
+
+ENTRY_POINTS = "hvd_gradcomp.codecs"
+"""The entry-point group other packages declare their codecs in (name = "module:factory")."""
+_entry_points_read = False
 
 
 def register(name: str, factory: Optional[Factory] = None, *, settings: Optional[Sequence[str]] = None,
@@ -88,6 +101,8 @@ def register(name: str, factory: Optional[Factory] = None, *, settings: Optional
     def add(fn: Factory) -> Factory:
         if not (callable(fn) or (isinstance(fn, str) and ":" in fn)):
             raise ValueError(f"factory must be callable or 'module:attribute', got {fn!r}")
+        if inspect.isclass(fn):
+            _check_class(name, fn)
         if name in _REGISTRY and not replace:
             raise ValueError(f"a compressor named {name!r} is registered already ({_describe(name)}): pass "
                              "replace=True to replace it, or choose another name")
@@ -97,18 +112,63 @@ def register(name: str, factory: Optional[Factory] = None, *, settings: Optional
     return add if factory is None else add(factory)
 
 
+def _check_class(name: str, cls: type) -> None:
+    """Refuse, when it is registered, a compressor class the roads could not carry: its declared
+    ``collective`` and ``codec_name`` are what every road reads (see the module docstring)."""
+    collective = getattr(cls, "collective", None)
+    if collective is not None and collective not in COLLECTIVES:
+        raise ValueError(f"{cls.__qualname__}.collective is {collective!r}: declare one of {COLLECTIVES} "
+                         "(how the payload travels; see hvd_gradcomp.codecs)")
+    declared = getattr(cls, "codec_name", None)
+    if declared is not None and declared != name:
+        raise ValueError(f"{cls.__qualname__}.codec_name is {declared!r} but it is registered as {name!r}: "
+                         f"set codec_name = {name!r} in the class (the roads and HVDGC_COMPRESSION use it)")
+
+
+def _read_entry_points() -> None:
+    """Register, once, the codecs other packages declare in :data:`ENTRY_POINTS` (imported when built;
+    a name registered already keeps its factory)."""
+    global _entry_points_read
+    if _entry_points_read:
+        return
+    _entry_points_read = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS):
+        if ep.name not in _REGISTRY and ep.name not in _RESERVED and ":" in ep.value:
+            _REGISTRY[ep.name] = (ep.value, None)
+
+
+def load_module(module: str) -> None:
+    """Import ``module``, whose import registers codecs of its own (``hvdgc-launch --codec-module``,
+    ``HVDGC_CODEC_MODULE``); a clear error when it cannot be imported.
+
+    >>> load_module("hvd_gradcomp.topk")
+    >>> load_module("no_such_module_here")
+    Traceback (most recent call last):
+    ValueError: cannot import the codec module 'no_such_module_here' (No module named 'no_such_module_here'): install it in this environment, or put its folder on PYTHONPATH
+    """
+    try:
+        import_module(module)
+    except ImportError as err:
+        raise ValueError(f"cannot import the codec module {module!r} ({err}): install it in this environment, "
+                         "or put its folder on PYTHONPATH") from None
+
+
 def unregister(name: str) -> None:
     """Remove ``name`` from the registry (a test's own compressor, say)."""
     _REGISTRY.pop(name, None)
 
 
 def names() -> Tuple[str, ...]:
-    """The registered compressor names, in registration order."""
+    """The registered compressor names, in registration order (entry points' after the built-in ones)."""
+    _read_entry_points()
     return tuple(_REGISTRY)
 
 
 def lookup(name: str) -> Callable[..., Any]:
     """The factory registered under ``name``; ``KeyError`` naming the known ones otherwise."""
+    _read_entry_points()
     entry = _REGISTRY.get(name)
     if entry is None:
         raise KeyError(f"no compressor named {name!r}; registered: {', '.join(names())}")
@@ -124,10 +184,31 @@ def accepted_settings(name: str) -> Tuple[str, ...]:
     declared = _REGISTRY[name][1] if name in _REGISTRY else None
     if declared is not None:
         return declared
-    params = inspect.signature(lookup(name)).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return SETTINGS
-    return tuple(s for s in SETTINGS if s in params)
+    return signature_settings(lookup(name))
+
+
+def signature_settings(factory: Callable[..., Any]) -> Tuple[str, ...]:
+    """Which of :data:`SETTINGS` ``factory`` takes, by its signature. For a class, ``__init__`` along
+    its MRO while each passes ``**kwargs`` on (a Horovod-ready class: ``HorovodCompressor``'s
+    ``__init__(*args, **kwargs)`` in front of the codec's own); every setting only for a function
+    that takes ``**kwargs`` itself.
+
+    >>> class Codec:
+    ...     def __init__(self, ratio=0.01, error_feedback=True): ...
+    >>> class Ready(Codec):
+    ...     def __init__(self, *args, named_parameters=None, **kwargs): super().__init__(*args, **kwargs)
+    >>> signature_settings(Ready), signature_settings(lambda **kw: None)
+    (('ratio', 'error_feedback'), ('ratio', 'bits', 'error_feedback', 'seed'))
+    """
+    inits = [c.__dict__["__init__"] for c in factory.__mro__ if "__init__" in c.__dict__ and c is not object] \
+        if inspect.isclass(factory) else [factory]
+    taken = set()
+    for fn in inits:
+        params = inspect.signature(fn).parameters
+        taken |= {s for s in SETTINGS if s in params}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return tuple(s for s in SETTINGS if s in taken)
+    return SETTINGS if not inspect.isclass(factory) else tuple(s for s in SETTINGS if s in taken)
 
 
 def build(name: str, **settings: Any) -> Any:

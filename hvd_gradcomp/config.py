@@ -20,6 +20,7 @@ HVDGC_ACCUMULATE      backward passes per optimizer step, >= 1                 1
 HVDGC_ERROR_FEEDBACK  1 or 0                                                   1        the script (from_env)
 HVDGC_SEED            seed of the stochastic rounding                          unset    the script (from_env)
 HVDGC_COMPILE         torch.compile the kernels: auto | 0 | 1                  auto     the library (kernels)
+HVDGC_CODEC_MODULE    a module to import: it registers codecs of its own       unset    the library (from_env)
 ====================  =======================================================  =======  =====================
 
 The first six are the script's to read: a script that never calls :func:`from_env` would

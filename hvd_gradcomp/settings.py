@@ -148,6 +148,7 @@ def compressions() -> Tuple[str, ...]:
     return ("none", "fp16", *codecs.names(), "auto")
 
 ENV_COMPRESSION = "HVDGC_COMPRESSION"
+ENV_CODEC_MODULE = "HVDGC_CODEC_MODULE"
 ENV_RATIO = "HVDGC_RATIO"
 ENV_BITS = "HVDGC_BITS"
 ENV_ACCUMULATE = "HVDGC_ACCUMULATE"
@@ -163,6 +164,7 @@ VARIABLES = {
     ENV_ERROR_FEEDBACK: ("error_feedback", "1 or 0", "1"),
     ENV_SEED: ("seed", "seed of the stochastic rounding", "unset"),
     ENV_COMPILE: (None, "torch.compile the kernels: auto | 0 | 1", "auto"),
+    ENV_CODEC_MODULE: (None, "a module to import: it registers codecs of its own", "unset"),
 }
 """variable -> (CompressionConfig field, or None when the library reads it itself; meaning; default)."""
 
@@ -191,6 +193,12 @@ def parse_env(env: Mapping[str, str]) -> Dict[str, Any]:
     >>> parse_env({"HVDGC_COMPRESSION": "topk", "HVDGC_RATIO": "0.05"})["ratio"]
     0.05
     """
+    if env.get(ENV_CODEC_MODULE, ""):   # its codecs first: HVDGC_COMPRESSION may name one of them
+        from . import codecs
+        try:
+            codecs.load_module(env[ENV_CODEC_MODULE])
+        except ValueError as exc:
+            raise ValueError(f"{ENV_CODEC_MODULE}: {exc}") from None
     ef_raw = env.get(ENV_ERROR_FEEDBACK, "1").strip().lower()
     if ef_raw not in ("1", "0", "true", "false", "yes", "no", "on", "off", ""):
         raise ValueError(f"{ENV_ERROR_FEEDBACK}={ef_raw!r}: use 1 or 0")

@@ -600,8 +600,8 @@ def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
     """AdamW through the hook with feedback='frozen' at ratio 1 (nothing dropped): exact AdamW for the
     dense warm-up, then AdamW with v frozen, written out here from each rank's gradients (its
     momentum, its step lengthened by sqrt(s_freeze / s_t) where that is above 1, s its own gradients'
-    mean square averaged over the policy's window; the compressed weights) and plain AdamW (the small
-    tensors, always dense)."""
+    mean square averaged over the policy's window, each coordinate's step at most 1/sqrt(1 - b2); the
+    compressed weights) and plain AdamW (the small tensors, always dense)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = dict(lr=1e-2, weight_decay=0.1)
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
@@ -648,7 +648,8 @@ def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
                 sent = 0
                 for r in range(world):
                     us[r].mul_(b1).add_(local[r][p], alpha=1 - b1)
-                    sent = sent + us[r] / denom * (at_freeze[r] / scale[p, r]).clamp(min=1.0).sqrt()
+                    step = us[r] / denom * (at_freeze[r] / scale[p, r]).clamp(min=1.0).sqrt()
+                    sent = sent + step.clamp(-(1 - b2) ** -0.5, (1 - b2) ** -0.5)   # Adam's bound per gradient
                 with torch.no_grad():
                     p.mul_(1 - lr * wd).sub_(lr / (1 - b1 ** t) * sent / world)
                 p.grad = None   # AdamW steps only the small tensors from here on

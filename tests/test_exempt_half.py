@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_gradcomp import QSGD, TopK, TopKQSGD
+from hvd_gradcomp import FrozenVariance, QSGD, TopK, TopKQSGD
 from hvd_gradcomp.feedback import HalfPrecision
 from hvd_gradcomp.kernels import HALF_MAX, half_bound, to_half_saturated
 
@@ -149,9 +149,7 @@ def test_which_tensors_go_float16():
     c = TopKQSGD(exclude=r"embed")
     assert c.sends_half("ln.bias", torch.float32, small=True)
     assert c.sends_half("tok_embed.weight", torch.float32, small=False)            # exclude=
-    # asked only of tensors not compressed this step: a policy's dense step goes float16 where the road sums
-    assert c.sends_half("fc.weight", torch.float32, small=False)
-    assert not c.sends_half("fc.weight", torch.float32, small=False, dense_steps=False)   # stock Horovod
+    assert not c.sends_half("fc.weight", torch.float32, small=False)               # no dense step of its policy
     assert not c.sends_half("ln.bias", torch.float16, small=True)                  # already 16-bit
     assert not c.sends_half("ln.bias", torch.bfloat16, small=True)
     assert not c.sends_half("ln.bias", torch.float64, small=True)
@@ -166,9 +164,12 @@ def test_frozen_warm_up_goes_float16_and_what_it_owes_joins_the_first_compressed
     kept for good)."""
     w = torch.nn.Parameter(torch.ones(4096))
     opt = torch.optim.AdamW([w], lr=0.1)
-    c = TopKQSGD(ratio=1.0, bits=8, feedback="classic")
+    c = TopKQSGD(ratio=1.0, bits=8, feedback=FrozenVariance(warmup=5))
+    c.feedback.bind("w", opt.param_groups[0], w, opt)
+    assert not c.compresses("w", w.numel())        # dense: the warm-up
     assert c.sends_half("w", torch.float32, small=False)
     assert not c.sends_half("w", torch.float32, small=False, dense_steps=False)
+    c = TopKQSGD(ratio=1.0, bits=8, feedback="classic")      # the road's end of it, on a policy that compresses
     g = torch.full((4096,), 1e-9)                       # below float16's resolution: all of it owed
     half, _ = c.encode_half([("w", g)], world=1)
     assert torch.count_nonzero(half) == 0 and "w" in c.half_residuals

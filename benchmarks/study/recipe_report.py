@@ -61,22 +61,25 @@ def rows(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[List[str
     ref = statistics.fmean(by_seed.values())
     allowed = max(TARGET, spread(list(by_seed.values())) / ref)
     lines = ["| road | held-out loss (mean; per seed) | gap (mean; per seed) | uncompressed spread | "
-             "verdict | bytes saved, whole run | second half | replicas identical |",
-             "| --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
+             "verdict | bytes saved, whole run | second half | replicas identical | distance moved |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | --- | ---: |"]
     better = []
-    names = sorted({row for (rec, row) in runs if rec == recipe},
-                   key=lambda r: (list(ROADS).index(r.split("+")[0]), r))
-    for row in names:
-        rs = sorted(runs[(recipe, row)], key=lambda r: r["seed"])
+    keys = sorted(((rec, row) for (rec, row) in runs if rec == recipe or rec.startswith(recipe + "@")),
+                  key=lambda k: (k[0] != recipe, list(ROADS).index(k[1].split("+")[0]), k[1]))
+    for rec, row in keys:
+        rs = sorted(runs[(rec, row)], key=lambda r: r["seed"])
         losses = [r["val_loss"] for r in rs]
         gaps = [(r["val_loss"] - by_seed[r["seed"]]) / by_seed[r["seed"]] for r in rs if r["seed"] in by_seed]
         gap = statistics.fmean(gaps) if gaps else float("nan")
         div = sum(bool(r["diverged"]) for r in rs)
         road, _, setting = row.partition("+")
         label = ROADS[road] + (f" {VARIANTS.get('+' + setting, '`' + setting + '`')}" if setting else "")
+        if rec != recipe:   # a probe of the recipe with one setting changed: "lstm@clip0.1", "nanogpt@0.004"
+            probe = rec.split("@", 1)[1]
+            label += ", the recipe " + (f"clipped at {probe[4:]}" if probe.startswith("clip") else f"at peak rate {probe}")
         per_seed = ", ".join(f"{x:.3f}" for x in losses)
         per_gap = ", ".join(f"{g:+.1%}" for g in gaps)
-        is_ref = row == "none"
+        is_ref = row == "none" and rec == recipe
         v = "reference" if is_ref else verdict(gap, allowed, div)
         if v.startswith("better"):
             better.append(f"{recipe}: {label} {gap:+.1%}")
@@ -85,8 +88,14 @@ def rows(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[List[str
             f"{'' if is_ref else f'{gap:+.1%} ({per_gap})'} | {spread(list(by_seed.values())) / ref:.1%} | {v} | "
             f"{statistics.fmean(r['ratio_whole_run'] for r in rs):.1f}x | "
             f"{statistics.fmean(r['ratio_steady'] for r in rs):.0f}x | "
-            f"{'yes' if all(r['identical'] for r in rs) else '**no**'} ({len(rs)} seeds) |")
+            f"{'yes' if all(r['identical'] for r in rs) else '**no**'} ({len(rs)} seeds) | {_distance(rs)} |")
     return lines, better
+
+
+def _distance(rs: List[dict]) -> str:
+    """Mean distance the weights moved from their start (L2), over the seeds that recorded it."""
+    ds = [r["distance"] for r in rs if "distance" in r]
+    return f"{statistics.fmean(ds):.1f}" if ds else "-"
 
 
 def write(out: Path, docs: Path, command: str) -> Path:

@@ -86,6 +86,7 @@ def run(recipe: recipes.Recipe, road: str, seed: int, comm: _Comm, extra: Dict[s
         opt = gc.DistributedOptimizer(opt, **kw) if road == "gc" else hvd.DistributedOptimizer(opt, **kw)
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
+    start = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
     raw = recipes.raw_bytes(net)
     hand_clip = recipe.clip and "clip" not in extra   # a probe with the compressor's clip= clips nothing by hand
     count = _counter(road, opt, comp, state, raw)
@@ -112,9 +113,12 @@ def run(recipe: recipes.Recipe, road: str, seed: int, comm: _Comm, extra: Dict[s
             loss, acc = recipes.evaluate(net, built.val)
             evals.append({"step": step + 1, "val_loss": loss, "val_accuracy": acc})
     wall = time.perf_counter() - t0
+    # how far training moved the weights: a compressed road ending far below uncompressed training
+    # with a longer distance took longer steps (docs/RECIPES.md)
+    distance = float((torch.cat([p.detach().reshape(-1) for p in net.parameters()]) - start).norm())
     return {"recipe": recipe.name, "road": road, "seed": seed, "steps": recipe.steps, "extra": extra,
             "parameters": sum(p.numel() for p in net.parameters()), "identical": comm.identical(net),
-            "feedback": getattr(getattr(comp, "feedback", None), "key", None), "wall_s": wall,
+            "feedback": getattr(getattr(comp, "feedback", None), "key", None), "wall_s": wall, "distance": distance,
             "code": code_version(), **recipes.summary(evals, sent, raw)}
 
 
@@ -142,6 +146,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=0, help="override the recipe's steps (smoke tests)")
     ap.add_argument("--peak", type=float, default=0.0, help="override the recipe's peak learning rate (a probe)")
+    ap.add_argument("--clip", type=float, default=0.0, help="override the recipe's clipping threshold (a probe)")
     ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
                     help="a compressor argument for the compressed roads (a probe), repeatable")
     ap.add_argument("--out", default="runs/recipes")
@@ -153,10 +158,11 @@ def main() -> int:
     torch.set_num_threads(1)
     comm = _Comm(ddp=roads == ["ddp"])
     recipe = recipes.RECIPES[args.recipe]
-    if args.steps or args.peak:
+    if args.steps or args.peak or args.clip:
         recipe = recipes.Recipe(**{**recipe.__dict__, "steps": args.steps or recipe.steps,
-                                   "peak": args.peak or recipe.peak,
-                                   "name": recipe.name + (f"@{args.peak:g}" if args.peak else "")})
+                                   "peak": args.peak or recipe.peak, "clip": args.clip or recipe.clip,
+                                   "name": recipe.name + (f"@{args.peak:g}" if args.peak else "")
+                                   + (f"@clip{args.clip:g}" if args.clip else "")})
     out = Path(args.out)
     for road in roads:
         rec = run(recipe, road, args.seed, comm, extra if road != "none" else {})

@@ -108,53 +108,66 @@ def command(task: str, seed: int, settings: list, out: Path, steps: int = 0) -> 
             sys.executable, str(ROOT / "benchmarks/study/worker.py"), "--task", task] + args
 
 
-RECIPE_VARIANTS = {"lstm": [("gc", "clip=0.25"), ("ddp", "clip=0.25")]}
+RECIPE_VARIANTS = {"lstm": [("gc", ("--setting", "clip=0.25")), ("ddp", ("--setting", "clip=0.25")),
+                            ("none", ("--clip", "0.1"))],
+                   **{name: [("none", ("--peak", f"{2 * recipes.RECIPES[name].peak:g}"))]
+                      for name in ("nanogpt", "tied-1e-3", "bert-ft")},
+                   "tied-2e-3": [("none", ("--peak", "0.004")),
+                                 ("none,gc", ("--peak", "0.008")), ("ddp", ("--peak", "0.008"))]}
 """Recipe rows beyond the default roads: the clipping the library recommends (the compressor's
-``clip=``, the recipe's threshold, no clipping by hand), where the recipe clips."""
+``clip=``, the recipe's threshold, no clipping by hand), where the recipe clips; and uncompressed
+training with a smaller step (the LSTM clipped at 0.1) or a longer one (AdamW at twice the peak
+rate), which tells whether a compressed road ending below uncompressed took a smaller or a longer
+effective step than the recipe's (docs/RECIPES.md); and the tied-embedding recipe at 4x its rate
+(8e-3), where uncompressed training still learns and the frozen second moment diverged before its
+step was bounded by Adam's (hvd_gradcomp.frozen.FrozenVariance._step_bound)."""
 
 
 def recipe_plan(names: list, seeds: list) -> list:
-    """The recipe study's jobs: ``(recipe, roads, setting or "", seed, launcher)``, seeds outermost;
+    """The recipe study's jobs: ``(recipe, roads, worker arguments, seed, launcher)``, seeds outermost;
     the Horovod roads share one horovodrun job, the DDP hook runs under torchrun.
 
-    >>> [j[:3] for j in recipe_plan(["lstm"], [0])]
-    [('lstm', 'none,stock,gc', ''), ('lstm', 'ddp', ''), ('lstm', 'gc', 'clip=0.25'), ('lstm', 'ddp', 'clip=0.25')]
+    >>> [j[:3] for j in recipe_plan(["lstm"], [0])][1:]
+    [('lstm', 'ddp', ()), ('lstm', 'gc', ('--setting', 'clip=0.25')), ('lstm', 'ddp', ('--setting', 'clip=0.25')), ('lstm', 'none', ('--clip', '0.1'))]
     """
     jobs = []
     for seed in seeds:
         for name in names:
-            jobs += [(name, ",".join(recipes.HOROVOD_ROADS), "", seed, "horovodrun"), (name, "ddp", "", seed, "torchrun")]
-            jobs += [(name, road, setting, seed, "torchrun" if road == "ddp" else "horovodrun")
-                     for road, setting in RECIPE_VARIANTS.get(name, [])]
+            jobs += [(name, ",".join(recipes.HOROVOD_ROADS), (), seed, "horovodrun"), (name, "ddp", (), seed, "torchrun")]
+            jobs += [(name, road, args, seed, "torchrun" if road == "ddp" else "horovodrun")
+                     for road, args in RECIPE_VARIANTS.get(name, [])]
     return jobs
 
 
-def recipe_command(name: str, roads: str, setting: str, seed: int, launcher: str, out: Path) -> list:
+def recipe_command(name: str, roads: str, args: tuple, seed: int, launcher: str, out: Path) -> list:
     """One 2-rank job of the recipe study."""
-    args = [str(ROOT / "benchmarks/study/recipe_worker.py"), "--recipe", name, "--roads", roads,
-            "--seed", str(seed), "--out", str(out)] + (["--setting", setting] if setting else [])
+    argv = [str(ROOT / "benchmarks/study/recipe_worker.py"), "--recipe", name, "--roads", roads,
+            "--seed", str(seed), "--out", str(out), *args]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + args
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + argv
     horovodrun = Path(sys.executable).parent / "horovodrun"
     return [str(horovodrun if horovodrun.exists() else "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
-            sys.executable] + args
+            sys.executable] + argv
 
 
-def recipe_done(out: Path, name: str, roads: str, setting: str, seed: int) -> bool:
+def recipe_done(out: Path, name: str, roads: str, args: tuple, seed: int) -> bool:
     """Whether every road of a job has its result under ``out`` (an interrupted study resumes)."""
-    extra = {k: setting_value(v) for k, v in [setting.split("=", 1)]} if setting else {}
-    return all((out / result_name(name, road, seed, extra)).exists() for road in roads.split(","))
+    opts = dict(zip(args[::2], args[1::2]))
+    extra = {k: setting_value(v) for k, v in [opts["--setting"].split("=", 1)]} if "--setting" in opts else {}
+    label = name + (f"@{float(opts['--peak']):g}" if "--peak" in opts else "") \
+        + (f"@clip{float(opts['--clip']):g}" if "--clip" in opts else "")
+    return all((out / result_name(label, road, seed, extra)).exists() for road in roads.split(","))
 
 
 def run_recipes(names: list, seeds: list, out: Path, docs: Path, timeout: int) -> bool:
     """The recipe study: every job not done yet, then docs/RECIPES.md."""
     ok = True
     out.mkdir(parents=True, exist_ok=True)
-    for name, roads, setting, seed, launcher in recipe_plan(names, seeds):
-        if recipe_done(out, name, roads, setting, seed):
+    for name, roads, args, seed, launcher in recipe_plan(names, seeds):
+        if recipe_done(out, name, roads, args, seed):
             continue
-        print(f"{name} seed {seed}: {roads} {setting}", flush=True)
-        ok = run(recipe_command(name, roads, setting, seed, launcher, out), f"{name} seed {seed}", timeout) and ok
+        print(f"{name} seed {seed}: {roads} {' '.join(args)}", flush=True)
+        ok = run(recipe_command(name, roads, args, seed, launcher, out), f"{name} seed {seed}", timeout) and ok
     path = recipe_report.write(out, docs, command=" ".join(["python benchmarks/study/study.py"] + sys.argv[1:]))
     print(f"wrote {path}")
     return ok

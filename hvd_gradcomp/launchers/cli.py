@@ -28,7 +28,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import click
 
-from hvd_gradcomp import config  # the settings module only: importing it loads no torch
+from hvd_gradcomp import codecs, config, settings  # the settings modules only: importing them loads no torch
 from hvd_gradcomp.settings import compressions
 from . import guard
 from .command import FORWARDED_ENV, KEEP_FREED_MEMORY, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec, build_command, \
@@ -111,19 +111,27 @@ def _extra_env(items: Sequence[str], owned: Sequence[str],
 
 
 def _compression_env(compression: str, ratio: float, bits: int, accumulate: int,
-                     error_feedback: bool, seed: Optional[int]) -> Tuple[Dict[str, str], Tuple[str, ...]]:
+                     error_feedback: bool, seed: Optional[int],
+                     codec_module: Optional[str] = None) -> Tuple[Dict[str, str], Tuple[str, ...]]:
     """The ``HVDGC_*`` variables for these settings, and every name the launcher owns.
 
     Owned names that these settings leave unset (``HVDGC_SEED`` without ``--seed``) are
     removed from the job's environment, so a stale value in the shell cannot reach the ranks.
+    ``codec_module`` (``--codec-module``) is imported here first, so that ``--compression`` may name a
+    codec it registers, and handed to the ranks (``HVDGC_CODEC_MODULE``: ``from_env`` imports it there).
     """
     try:
+        if codec_module:
+            codecs.load_module(codec_module)
         cfg = config.CompressionConfig(compression=compression, ratio=ratio, bits=bits, accumulate=accumulate,
                                        error_feedback=error_feedback, seed=seed)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    owned = tuple(config.CompressionConfig(seed=0).to_env())
-    return cfg.to_env(), owned
+    owned = tuple(config.CompressionConfig(seed=0).to_env()) + (settings.ENV_CODEC_MODULE,)
+    env = cfg.to_env()
+    if codec_module:
+        env[settings.ENV_CODEC_MODULE] = codec_module
+    return env, owned
 
 
 def _hosts(hosts: Optional[str], hostfile: Optional[str],
@@ -296,6 +304,10 @@ def _self_command() -> List[str]:
 @click.option("--torchrun", is_flag=True, help="Same as --launcher torchrun.")
 @click.option("--compression", default="none", show_default=True,
               help=f"{', '.join(compressions())} (hvd_gradcomp.settings.compressions).")
+@click.option("--codec-module", metavar="MODULE",
+              help="Import MODULE first (here and on every rank): it registers codecs of its own that "
+                   "--compression may name. Installed packages' codecs are found without it (entry points "
+                   "in the group hvd_gradcomp.codecs).")
 @click.option("--ratio", type=float, default=0.01, show_default=True, help="TopK: fraction of entries sent.")
 @click.option("--bits", type=int, default=8, show_default=True, help="QSGD: bits per value (2..8).")
 @click.option("--accumulate", type=int, default=1, show_default=True, help="Backward passes per optimizer step.")
@@ -322,7 +334,7 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
     _check_sbatch_only(ctx)
     _torchrun_flag(ctx, opts)
     env, owned = _compression_env(opts["compression"], opts["ratio"], opts["bits"], opts["accumulate"],
-                                  opts["error_feedback"], opts["seed"])
+                                  opts["error_feedback"], opts["seed"], opts["codec_module"])
     try:
         if opts["sbatch"]:
             _sbatch(ctx, command, launcher_args, env, owned, opts)

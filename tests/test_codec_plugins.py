@@ -1,0 +1,100 @@
+"""Codecs of other packages: found through the ``hvd_gradcomp.codecs`` entry points or a module named
+by ``--codec-module`` / ``HVDGC_CODEC_MODULE``, and checked when registered (issue 54).
+
+The plugin (tests/plugins/randomk_plugin) is installed with pip into a folder of its own, which the
+subprocesses put on their path: the test venv is left as it was.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvd_gradcomp import codecs
+from hvd_gradcomp.compressors import GradientCompressor
+from hvd_gradcomp.horovod import HorovodCompressor
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory) -> str:
+    target = tmp_path_factory.mktemp("plugin")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(ROOT / "tests/plugins/randomk_plugin")], check=True)
+    return f"{target}{os.pathsep}{ROOT}"
+
+
+def _run(argv, path: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": path, **env})
+
+
+def test_an_installed_packages_codec_is_built_from_the_environment(plugin_path):
+    code = ("from hvd_gradcomp.config import from_env; "
+            "c = from_env({'HVDGC_COMPRESSION': 'randomk-plugin', 'HVDGC_RATIO': '0.05'}).make_compressor(); "
+            "print(type(c).__name__, c.ratio)")
+    res = _run([sys.executable, "-c", code], plugin_path)
+    assert res.returncode == 0 and res.stdout.split() == ["PluginRandomK", "0.05"], res.stderr
+
+
+def test_hvdgc_launch_finds_it_by_name(plugin_path):
+    res = _run([str(BIN / "hvdgc-launch"), "--dry-run", "-np", "2", "--compression", "randomk-plugin",
+                str(ROOT / "examples/train.py")], plugin_path)
+    assert res.returncode == 0 and "HVDGC_COMPRESSION=randomk-plugin" in res.stdout, res.stdout + res.stderr
+
+
+def test_without_the_package_the_name_is_refused_naming_the_known_ones():
+    res = _run([str(BIN / "hvdgc-launch"), "--dry-run", "-np", "2", "--compression", "randomk-plugin",
+                str(ROOT / "examples/train.py")], str(ROOT))
+    assert res.returncode != 0 and "unknown compression 'randomk-plugin'" in res.stderr and "topk-qsgd" in res.stderr
+
+
+def test_codec_module_is_imported_by_the_launcher_and_handed_to_the_ranks():
+    res = _run([str(BIN / "hvdgc-launch"), "--dry-run", "-np", "2", "--codec-module", "tests.external_randomk",
+                "--compression", "randomk", str(ROOT / "examples/train.py")], str(ROOT))
+    assert res.returncode == 0 and "HVDGC_CODEC_MODULE=tests.external_randomk" in res.stdout, res.stdout + res.stderr
+    code = ("from hvd_gradcomp.config import from_env; "
+            "print(type(from_env().make_compressor()).__name__)")
+    ranks = _run([sys.executable, "-c", code], str(ROOT), HVDGC_CODEC_MODULE="tests.external_randomk",
+                 HVDGC_COMPRESSION="randomk")
+    assert ranks.stdout.split() == ["RandomK"], ranks.stderr
+    bad = _run([str(BIN / "hvdgc-launch"), "--dry-run", "-np", "2", "--codec-module", "no_such_codecs",
+                "--compression", "randomk", str(ROOT / "examples/train.py")], str(ROOT))
+    assert bad.returncode != 0 and "cannot import the codec module 'no_such_codecs'" in bad.stderr, bad.stderr
+
+
+def test_a_class_the_roads_cannot_carry_is_refused_when_registered():
+    class Odd(GradientCompressor):
+        codec_name, collective = "odd", "broadcast"
+
+    with pytest.raises(ValueError, match=r"collective is 'broadcast': declare one of"):
+        codecs.register("odd", Odd)
+
+    class Misnamed(GradientCompressor):
+        codec_name, collective = "other", codecs.ALLGATHER
+
+    with pytest.raises(ValueError, match=r"set codec_name = 'odd'"):
+        codecs.register("odd", Misnamed)
+    assert "odd" not in codecs.names()
+
+
+def test_a_horovod_ready_class_registered_without_settings_gets_only_those_it_takes():
+    """``HorovodCompressor.__init__(*args, **kwargs)`` passes everything on: the settings are read from
+    the codec's own ``__init__`` further along the MRO (before: every setting, and a TypeError)."""
+    class Signs(HorovodCompressor, GradientCompressor):
+        codec_name, collective = "signs-test", codecs.ALLGATHER
+
+        def __init__(self, error_feedback: bool = True, seed=None) -> None:
+            super().__init__(error_feedback=error_feedback, seed=seed)
+
+    codecs.register("signs-test", Signs)
+    try:
+        assert codecs.accepted_settings("signs-test") == ("error_feedback", "seed")
+        assert isinstance(codecs.build("signs-test", ratio=0.01, bits=4, error_feedback=False, seed=3), Signs)
+    finally:
+        codecs.unregister("signs-test")
