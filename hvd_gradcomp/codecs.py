@@ -52,6 +52,15 @@ ALLREDUCE_ROUNDS = "allreduce_rounds"
 COLLECTIVES = (ALLGATHER, COMPRESSED_ALLREDUCE, ALLREDUCE_ROUNDS)
 """How a compressor's payload travels (a compressor class's ``collective``)."""
 
+SPARSE, DENSE, LOW_RANK = "sparse", "dense", "low-rank"
+NATURES = (SPARSE, DENSE, LOW_RANK)
+"""What a codec's payload is, declared by a compressor class as ``nature`` (default: its collective's,
+:data:`NATURE_OF_COLLECTIVE`): ``feedback="auto"`` chooses by it. ``sparse``: a few coordinates carry
+everything, error feedback holds the rest for many steps (AdamW: ``frozen``; momentum SGD: DGC's
+correction); ``dense``: every coordinate every step, an unbiased or nearly exact value (``classic``,
+``none`` for low-bit QSGD); ``low-rank``: a projection of every matrix (as sparse)."""
+NATURE_OF_COLLECTIVE = {ALLGATHER: SPARSE, COMPRESSED_ALLREDUCE: DENSE, ALLREDUCE_ROUNDS: LOW_RANK}
+
 SETTINGS = ("ratio", "bits", "error_feedback", "seed")
 """The settings :func:`build` may pass (the ``HVDGC_*`` ones, see :mod:`hvd_gradcomp.config`)."""
 
@@ -119,6 +128,10 @@ def _check_class(name: str, cls: type) -> None:
     if collective is not None and collective not in COLLECTIVES:
         raise ValueError(f"{cls.__qualname__}.collective is {collective!r}: declare one of {COLLECTIVES} "
                          "(how the payload travels; see hvd_gradcomp.codecs)")
+    nature = getattr(cls, "nature", None)
+    if nature is not None and nature not in NATURES:
+        raise ValueError(f"{cls.__qualname__}.nature is {nature!r}: declare one of {NATURES} (what feedback='auto' "
+                         "chooses by; see hvd_gradcomp.codecs)")
     declared = getattr(cls, "codec_name", None)
     if declared is not None and declared != name:
         raise ValueError(f"{cls.__qualname__}.codec_name is {declared!r} but it is registered as {name!r}: "
@@ -223,6 +236,20 @@ def collective_of(compressor: Any) -> Optional[str]:
     is not a compressor of this library's interface (a Horovod compressor, None)."""
     value = getattr(type(compressor), "collective", None)
     return value if value in COLLECTIVES else None
+
+
+def nature_of(compressor: Any) -> Optional[str]:
+    """What ``compressor``'s payload is (:data:`NATURES`): its class's ``nature``, else its collective's.
+
+    >>> class Signs:
+    ...     collective, nature = ALLGATHER, DENSE      # one sign per value, gathered: dense all the same
+    >>> class Sparse:
+    ...     collective = ALLGATHER
+    >>> nature_of(Signs()), nature_of(Sparse()), nature_of(None)
+    ('dense', 'sparse', None)
+    """
+    declared = getattr(type(compressor), "nature", None)
+    return declared if declared in NATURES else NATURE_OF_COLLECTIVE.get(collective_of(compressor))
 
 
 def name_of(compressor: Any) -> str:

@@ -181,7 +181,7 @@ class PolicyBinding:
         self._attached = optimizer
         why = "chosen by the user"
         if self.feedback_choice == "auto" and not self._restored:
-            key, why = fb.choose(optimizer, self.collective == codecs.COMPRESSED_ALLREDUCE, self._contracting)
+            key, why = fb.choose(optimizer, codecs.nature_of(self) == codecs.DENSE, self._contracting)
             if key != self.feedback.key:
                 self._set_policy(self._auto_policy(key))
         self.bind_groups(optimizer, names)

@@ -640,7 +640,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
                          "copy of the optimizer on each rank, which only the Horovod roads do): use feedback="
                          "'frozen' for Adam/AdamW, 'momentum' for SGD with momentum, or 'classic'")
     auto = comp.feedback_choice == "auto" and not comp._restored
-    dense_codec = comp.collective == codecs.COMPRESSED_ALLREDUCE   # its choice does not depend on the optimizer (feedback.choose)
+    dense_codec = codecs.nature_of(comp) == codecs.DENSE   # its choice does not depend on the optimizer (feedback.choose)
     if optimizer is None:
         if isinstance(comp.feedback, MomentumCorrection) and comp.feedback.momentum is None:
             raise ValueError("feedback='momentum' reads the momentum from the optimizer: pass optimizer= to "

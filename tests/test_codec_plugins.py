@@ -98,3 +98,22 @@ def test_a_horovod_ready_class_registered_without_settings_gets_only_those_it_ta
         assert isinstance(codecs.build("signs-test", ratio=0.01, bits=4, error_feedback=False, seed=3), Signs)
     finally:
         codecs.unregister("signs-test")
+
+
+def test_feedback_auto_chooses_by_the_codecs_declared_nature():
+    """A codec on the allgather that declares ``nature = codecs.DENSE`` (a sign or a dense quantiser
+    gathered per rank) gets ``classic`` under AdamW, not the sparse codecs' ``frozen`` warm-up."""
+    import torch
+
+    from tests.external_randomk import RandomK
+
+    class DenseGathered(RandomK):
+        codec_name, nature = "dense-gathered", codecs.DENSE
+
+    chosen = {}
+    for cls in (RandomK, DenseGathered):
+        w = torch.nn.Parameter(torch.zeros(2048))
+        c = cls(ratio=0.5, seed=0)
+        c.attach(torch.optim.AdamW([w]), {w: "w"})
+        chosen[cls.__name__] = (codecs.nature_of(c), c.feedback.key)
+    assert chosen == {"RandomK": ("sparse", "frozen"), "DenseGathered": ("dense", "classic")}

@@ -111,12 +111,12 @@ def command(task: str, seed: int, settings: list, out: Path, steps: int = 0) -> 
 RECIPE_VARIANTS = {"lstm": [("gc", ("--setting", "clip=0.25")), ("ddp", ("--setting", "clip=0.25")),
                             ("none", ("--clip", "0.1"))],
                    **{name: [("none", ("--peak", f"{2 * recipes.RECIPES[name].peak:g}"))]
-                      for name in ("nanogpt", "tied-1e-3", "bert-ft")},
+                      for name in ("nanogpt", "tied-1e-3", "bert-ft", "cnn-bn")},
                    "tied-2e-3": [("none", ("--peak", "0.004")),
                                  ("none,gc", ("--peak", "0.008")), ("ddp", ("--peak", "0.008"))]}
 """Recipe rows beyond the default roads: the clipping the library recommends (the compressor's
 ``clip=``, the recipe's threshold, no clipping by hand), where the recipe clips; and uncompressed
-training with a smaller step (the LSTM clipped at 0.1) or a longer one (AdamW at twice the peak
+training with a smaller step (the LSTM clipped at 0.1) or a longer one (AdamW and the CNN at twice the peak
 rate), which tells whether a compressed road ending below uncompressed took a smaller or a longer
 effective step than the recipe's (docs/RECIPES.md); and the tied-embedding recipe at 4x its rate
 (8e-3), where uncompressed training still learns and the frozen second moment diverged before its
