@@ -5,7 +5,8 @@ A payload is one contiguous ``torch.uint8`` tensor, self-describing, 8-byte alig
     header (40 bytes, little-endian)
         magic  b"GC"        2 B
         version             1 B   (FORMAT_VERSION)
-        kind                1 B   (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD)
+        kind                1 B   (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD; 16..255: a codec's own
+                                  layout, :func:`register_layout`)
         dtype               1 B   (index into DTYPES)
         bits                1 B   (QSGD bits per value, 0 when values are raw)
         mode                1 B   index mode (low 4 bits: INDEX_NONE, INDEX_DELTA, INDEX_BITMAP)
@@ -61,6 +62,64 @@ HEADER_BYTES = _HEADER.size  # 40
 
 class WireFormatError(ValueError):
     """A payload that is not a valid hvd-gradcomp payload (truncated, wrong version, ...)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A payload layout of a codec's own: the sections its ``_encode`` writes after the header, as
+    the receiving ranks check them before any decoder runs (see :func:`register_layout`).
+
+    * ``name``: for messages;
+    * ``min_section_bytes(header)``: the fewest section bytes a valid payload with this header holds
+      (what the decoder will read); every count the decoder allocates for must follow from it, so
+      a truncated or forged payload is refused before decoding;
+    * ``check(header)``: raise :class:`WireFormatError` for header fields the encoder never writes
+      (default: ``k`` in ``0..numel``).
+    """
+
+    name: str
+    min_section_bytes: Callable[["Header"], int]
+    check: Optional[Callable[["Header"], None]] = None
+
+
+FIRST_OWN_KIND = 16
+"""Kinds below this are the built-in layouts' (and reserved for them)."""
+_LAYOUTS: dict = {}
+
+
+def register_layout(kind: int, layout: Layout) -> int:
+    """Declare the payload layout ``kind`` (``FIRST_OWN_KIND``..255) for a codec of your own, whose
+    ``kind`` class attribute names it; returns ``kind``. The same kind with the same layout may be
+    registered again (a module imported twice); another layout under a taken kind is refused.
+
+    >>> SIGNS = register_layout(40, Layout("signs", lambda h: padded(4) + padded((h.numel + 7) // 8)))
+    >>> SIGNS, layout_name(SIGNS), layout_name(KIND_TOPK)
+    (40, 'signs', 'topk')
+    >>> register_layout(2, Layout("mine", lambda h: 0))
+    Traceback (most recent call last):
+    hvd_gradcomp.wire.WireFormatError: payload kind 2 is a built-in layout's: choose a kind in 16..255
+    """
+    if isinstance(kind, bool) or not isinstance(kind, int) or not FIRST_OWN_KIND <= kind <= 255:
+        raise WireFormatError(f"payload kind {kind!r} is a built-in layout's: choose a kind in {FIRST_OWN_KIND}..255")
+    if not isinstance(layout, Layout) or not callable(layout.min_section_bytes):
+        raise WireFormatError(f"register_layout needs a wire.Layout with a callable min_section_bytes, got {layout!r}")
+    old = _LAYOUTS.get(kind)
+    if old is not None and old != layout:
+        raise WireFormatError(f"payload kind {kind} is taken by layout {old.name!r}: choose another kind in "
+                              f"{FIRST_OWN_KIND}..255")
+    _LAYOUTS[kind] = layout
+    return kind
+
+
+def layout_name(kind: int) -> str:
+    """The name of payload kind ``kind`` (built-in or registered); ``WireFormatError`` when unknown."""
+    builtin = {KIND_QSGD: "qsgd", KIND_TOPK: "topk", KIND_TOPKQSGD: "topk-qsgd"}
+    if kind in builtin:
+        return builtin[kind]
+    if kind in _LAYOUTS:
+        return _LAYOUTS[kind].name
+    raise WireFormatError(f"unknown payload kind {kind}: a codec with a layout of its own registers it with "
+                          "hvd_gradcomp.wire.register_layout on every rank (import its module before training)")
 
 
 @dataclass(frozen=True)
@@ -156,7 +215,13 @@ def _check_fields(h: Header) -> None:
     """Reject header fields no encoder writes, before they reach a decoder."""
     kind, bits, mode, numel, k, bucket = h.kind, h.bits, h.index_mode, h.numel, h.k, h.bucket_size
     if kind not in (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD):
-        raise WireFormatError(f"unknown payload kind {kind}")
+        layout_name(kind)   # unknown: refused, naming the fix
+        own = _LAYOUTS[kind]
+        if own.check is not None:
+            own.check(h)
+        elif not 0 <= k <= numel:
+            raise WireFormatError(f"corrupt payload: {own.name} payload with k {k} of {numel}")
+        return
     quantised = kind in (KIND_QSGD, KIND_TOPKQSGD)
     if quantised and not (2 <= bits <= 8 and bucket >= 1):
         raise WireFormatError(f"corrupt payload: QSGD bits {bits} (2..8), bucket size {bucket} (>= 1)")
@@ -172,7 +237,10 @@ def min_section_bytes(h: Header) -> int:
     """The fewest section bytes a valid payload with this header has (delta-coded index data
     excluded: its size depends on the indices). Every count a decoder allocates for is thus
     bounded by the payload's own size, except the dense output of a delta-coded sparse payload.
+    A registered layout says its own (:class:`Layout`).
     """
+    if h.kind in _LAYOUTS:
+        return int(_LAYOUTS[h.kind].min_section_bytes(h))
     if h.kind == KIND_QSGD:
         values = h.numel
     elif h.index_mode == INDEX_BITMAP:

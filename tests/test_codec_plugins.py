@@ -117,3 +117,27 @@ def test_feedback_auto_chooses_by_the_codecs_declared_nature():
         c.attach(torch.optim.AdamW([w]), {w: "w"})
         chosen[cls.__name__] = (codecs.nature_of(c), c.feedback.key)
     assert chosen == {"RandomK": ("sparse", "frozen"), "DenseGathered": ("dense", "classic")}
+
+
+def test_a_payload_layout_of_a_codecs_own_is_read_once_registered():
+    """A codec with a layout of its own (here: one float32 scale, then a bit per value) registers its
+    kind with ``wire.register_layout``; a receiving rank then checks such payloads like the built-in
+    ones (truncation refused before decoding), and an unregistered kind is refused naming the fix."""
+    import torch
+
+    from hvd_gradcomp import wire
+
+    signs = wire.register_layout(41, wire.Layout("signs-test", lambda h: wire.padded(4) + wire.padded((h.numel + 7) // 8)))
+    bits = wire.pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1, 1], dtype=torch.uint8), 1)
+    scale = wire.as_bytes(torch.tensor([0.5]))
+    header = wire.Header(signs, torch.float32, 1, wire.INDEX_NONE, (10,), 10, 10, 0, 0)
+    payload = wire.assemble(header, [scale, bits], torch.device("cpu"))
+    assert wire.read_header(payload).kind == signs
+    with pytest.raises(wire.WireFormatError, match="truncated"):
+        wire.read_header(payload[:wire.padded(wire.HEADER_BYTES + 8) + 8])   # the sign bits cut off
+    unknown = payload.clone()
+    unknown[3] = 42
+    with pytest.raises(wire.WireFormatError, match="unknown payload kind 42: .*register_layout"):
+        wire.read_header(unknown)
+    with pytest.raises(wire.WireFormatError, match="taken by layout 'signs-test'"):
+        wire.register_layout(41, wire.Layout("other", lambda h: 0))
