@@ -130,6 +130,28 @@ def explain(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
     return [" ".join(said), ""]
 
 
+def before_section(before: Path, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
+    """The runs of the code before the fixes (``docs/data/recipes_before``: the same worker on a
+    checkout of that commit) beside the same runs now."""
+    old = load(before) if before.is_dir() else {}
+    if not old:
+        return []
+    lines = ["## Before the fixes", "",
+             "The same worker (`recipes.py`, `recipe_worker.py` copied into a checkout of the commit named) "
+             "on the code before `FrozenVariance` bounded each gradient's step by Adam's (`1/sqrt(1 - b2)` "
+             "times the rate), e.g. `git worktree add /tmp/old 40933ca`, then from there "
+             "`horovodrun -np 2 -H localhost:2 --gloo python benchmarks/study/recipe_worker.py --recipe "
+             "tied-2e-3 --peak 0.008 --roads none,gc --seed 0 --out docs/data/recipes_before`. Seed 0:", "",
+             "| recipe | road | code | held-out loss then | diverged then | held-out loss now (seed 0) |",
+             "| --- | --- | --- | ---: | --- | ---: |"]
+    for (rec, row), rs in sorted(old.items()):
+        r = rs[0]
+        now = [x["val_loss"] for x in runs.get((rec, row), []) if x["seed"] == r["seed"]]
+        lines.append(f"| `{rec}` | {ROADS[row.split('+')[0]]} | {r['code']} | {r['val_loss']:.3f} | "
+                     f"{'**yes**' if r['diverged'] else 'no'} | {f'{now[0]:.3f}' if now else '-'} |")
+    return lines + [""]
+
+
 def _distance(rs: List[dict]) -> str:
     """Mean distance the weights moved from their start (L2), over the seeds that recorded it."""
     ds = [r["distance"] for r in rs if "distance" in r]
@@ -169,6 +191,7 @@ def write(out: Path, docs: Path, command: str) -> Path:
                  for line in explain(recipe, runs)]
     else:
         text += ["None beyond the target.", ""]
+    text += before_section(out.parent / "recipes_before", runs)
     path = docs / "RECIPES.md"
     path.write_text("\n".join(text))
     return path
