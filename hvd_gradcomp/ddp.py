@@ -388,6 +388,8 @@ def _held_until_last(state: GradCompState, bucket: dist.GradBucket) -> Future:
     clipped to one global norm (:meth:`GradientCompressor.clip_local`, every tensor, compressed or
     not) and each bucket goes its road, in index order. The exchanges start once backward is over."""
     result: Future = Future()
+    if bucket.index() == 0:
+        state._held = []   # a new backward pass: nothing left of one that raised before its last bucket
     state._held.append((bucket, result))
     if not bucket.is_last():
         return result
