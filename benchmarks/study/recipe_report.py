@@ -52,6 +52,28 @@ def verdict(gap: float, allowed: float, diverged: int) -> str:
     return "within"
 
 
+def compressed_rows(runs: Dict[Tuple[str, str], List[dict]]) -> List[dict]:
+    """Every recipe's compressed roads at their defaults (no probe, no setting): gap, target, verdict,
+    bytes; what the README's sentence counts."""
+    out = []
+    for recipe in RECIPES:
+        base = {r["seed"]: r["val_loss"] for r in runs.get((recipe, "none"), [])}
+        if not base:
+            continue
+        allowed = max(TARGET, spread(list(base.values())) / statistics.fmean(base.values()))
+        for road in ("stock", "gc", "ddp"):
+            rs = runs.get((recipe, road), [])
+            gaps = [(r["val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in rs if r["seed"] in base]
+            if not gaps:
+                continue
+            gap = statistics.fmean(gaps)
+            out.append({"recipe": recipe, "road": road, "gap": gap, "allowed": allowed, "seeds": len(rs),
+                        "verdict": verdict(gap, allowed, sum(bool(r["diverged"]) for r in rs)),
+                        "whole": statistics.fmean(r["ratio_whole_run"] for r in rs),
+                        "steady": statistics.fmean(r["ratio_steady"] for r in rs)})
+    return out
+
+
 def rows(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[List[str], List[str]]:
     """The recipe's table (markdown lines), and the rows far better than uncompressed."""
     base = runs.get((recipe, "none"), [])
