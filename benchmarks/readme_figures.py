@@ -187,7 +187,7 @@ def recipes_sentence(out: Path) -> List[str]:
     names = sorted({r["recipe"] for r in rows})
     return [f"Recipes as users copy them from well-known training scripts ({len(names)} recipes x 3 compressed "
             f"roads, {count} seeds, [docs/RECIPES.md](docs/RECIPES.md)): {within} of {len(rows)} end within 3% of "
-            f"uncompressed training or its seed spread, or below it ({better}: explained there), {diverged} "
+            f"uncompressed training or its seed spread, or below it ({better} of them; docs/RECIPES.md measures why), {diverged} "
             f"diverged. TopKQSGD(1%, 8) saved {_span(rows, 'whole', ('gc', 'ddp'))} of the bytes over the whole "
             f"run on `hvd_gradcomp.DistributedOptimizer` and the DDP hook, {_span(rows, 'whole', ('stock',))} on "
             "stock Horovod (AdamW's dense warm-up included: float16 on the first two, float32 on stock), and "

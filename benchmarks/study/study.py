@@ -174,7 +174,8 @@ def run_recipes(names: list, seeds: list, out: Path, docs: Path, timeout: int) -
             continue
         print(f"{name} seed {seed}: {roads} {' '.join(args)}", flush=True)
         ok = run(recipe_command(name, roads, args, seed, launcher, out), f"{name} seed {seed}", timeout) and ok
-    path = recipe_report.write(out, docs, command=" ".join(["python benchmarks/study/study.py"] + sys.argv[1:]))
+    ran = [a for a in sys.argv[1:] if a != "--report-only"]   # the page names the command that ran the study
+    path = recipe_report.write(out, docs, command=" ".join(["python benchmarks/study/study.py"] + ran))
     print(f"wrote {path}")
     return ok
 
