@@ -108,6 +108,7 @@ def rows(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[List[str
         v = "reference" if is_ref else "(another step)" if row == "none" else verdict(gap, allowed, div)
         if rec != recipe and row != "none":
             label += " (gap against uncompressed training at the same rate)"
+            v = v.replace(" (see below)", "")   # a probe: the list below is of the recipes' own rows
         if v.startswith("better") and rec == recipe and row != "none":
             better.append(f"{recipe}: {label} {gap:+.1%}")
         lines.append(
