@@ -23,7 +23,8 @@ _LAZY = {
     "Auto": "auto",
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "PowerSGD": "horovod",
     "HorovodIntegrationError": "horovod",
-    "GradientCompressor": "compressors", "SparsityWarmup": "compressors",
+    "GradientCompressor": "compressors", "SparsityWarmup": "compressors", "Encoded": "compressor_codec",
+    "HorovodCompressor": "horovod",   # a codec of your own serves stock hvd.DistributedOptimizer with it
     "ResidualStore": "feedback", "FrozenVariance": "frozen", "MomentumCorrection": "momentum",
     "ByteStats": "stats",
     "WireFormatError": "wire",
