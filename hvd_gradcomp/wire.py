@@ -19,7 +19,16 @@ A payload is one contiguous ``torch.uint8`` tensor, self-describing, 8-byte alig
         crc32               4 B   with FLAG_CRC32: zlib.crc32 of the whole payload with this
                                   field read as zero; else 0
     shape                   8 B per dimension
-    sections                each padded to 8 bytes (see compressors.py for their order)
+    sections                each padded to 8 bytes, in this order:
+        KIND_QSGD           bucket norms (float32, one per bucket_size values), then the packed
+                            codes (bits per value: sign and level)
+        KIND_TOPK           the index sections (INDEX_DELTA: a width per block of INDEX_BLOCK
+                            deltas, then the packed deltas; INDEX_BITMAP: a bit per element), then
+                            the k values (in ``dtype``)
+        KIND_TOPKQSGD       the index sections, then the bucket norms and packed codes of the k
+                            values, as QSGD
+        16..255             a codec's own layout (:func:`register_layout`): its ``_encode`` writes
+                            the sections, its ``_decode`` reads them in the same order
 
 Because every payload carries ``total_bytes``, payloads gathered from several ranks can be
 split apart by walking headers (:func:`split_payloads`) with no extra collective.
