@@ -17,6 +17,27 @@ from benchmarks.study.tasks import TASKS, Task, evaluate, lr_factor
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def wrap_as_user(road: str, net: torch.nn.Module, opt: Any, comp: Any, hvd: Any = None) -> Tuple[Any, Any, Any]:
+    """The README's lines for ``road``: ``"ddp"`` wraps ``net`` in DDP and registers the hook (``comp``,
+    ``opt``); ``"gc"`` and ``"stock"``/``"none"`` wrap ``opt`` in ``hvd_gradcomp.DistributedOptimizer``
+    or Horovod's, then broadcast the parameters and the optimizer's state. Returns (the model to call,
+    the optimizer to step, the hook's state or None)."""
+    if road == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from hvd_gradcomp import ddp as gc_ddp
+        model = DDP(net)
+        return model, opt, gc_ddp.register(model, compression=comp, optimizer=opt)
+    import hvd_gradcomp as gc
+    kw: Dict[str, Any] = dict(named_parameters=net.named_parameters())
+    if comp is not None:
+        kw["compression"] = comp
+    opt = gc.DistributedOptimizer(opt, **kw) if road == "gc" else hvd.DistributedOptimizer(opt, **kw)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return net, opt, None
+
+
 def code_version() -> str:
     """The checkout's commit, ``+changes`` when the code that trains (the library, the study,
     the examples) differs from it, so that a page mixing runs of several code versions says so;

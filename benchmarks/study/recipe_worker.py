@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import hvd_gradcomp as gc  # noqa: E402
 from benchmarks.study import recipes  # noqa: E402
-from benchmarks.study.loop import code_version  # noqa: E402
+from benchmarks.study.loop import code_version, wrap_as_user  # noqa: E402
 
 
 class _Comm:
@@ -72,20 +72,7 @@ def run(recipe: recipes.Recipe, road: str, seed: int, comm: _Comm, extra: Dict[s
     built = recipes.build(recipe, seed, comm.rank, comm.size)
     net, opt = built.model, built.optimizer
     comp = None if road == "none" else gc.TopKQSGD(ratio=0.01, bits=8, seed=1000 * seed + comm.rank, **extra)
-    model, state = net, None
-    if road == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        from hvd_gradcomp import ddp as gc_ddp
-        model = DDP(net)
-        state = gc_ddp.register(model, compression=comp, optimizer=opt)
-    else:
-        hvd = comm.hvd
-        kw: Dict[str, Any] = dict(named_parameters=net.named_parameters())
-        if comp is not None:
-            kw["compression"] = comp
-        opt = gc.DistributedOptimizer(opt, **kw) if road == "gc" else hvd.DistributedOptimizer(opt, **kw)
-        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    model, opt, state = wrap_as_user(road, net, opt, comp, None if road == "ddp" else comm.hvd)
     start = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
     raw = recipes.raw_bytes(net)
     hand_clip = recipe.clip and "clip" not in extra   # a probe with the compressor's clip= clips nothing by hand

@@ -63,14 +63,15 @@ def worker(road: str, seed: int) -> Dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
     import data as datasets
     import hvd_gradcomp as gc
+    from benchmarks.study.loop import wrap_as_user
 
     torch.set_num_threads(1)
+    hvd = None
     if road == "ddp":
         import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
         dist.init_process_group("gloo")
         rank = dist.get_rank()
     else:
@@ -86,18 +87,7 @@ def worker(road: str, seed: int) -> Dict[str, Any]:
     vx, vy = val[starts[:, None] + offs], val[starts[:, None] + offs + 1]
     opt = torch.optim.AdamW(net.parameters(), lr=PEAK, weight_decay=0.1)
     comp = None if road == "none" else gc.TopKQSGD(ratio=0.01, bits=8, seed=seed)
-    model, state = net, None
-    if road == "ddp":
-        from hvd_gradcomp import ddp as gc_ddp
-        model = DDP(net)
-        state = gc_ddp.register(model, compression=comp, optimizer=opt)
-    else:
-        kw: Dict[str, Any] = dict(named_parameters=net.named_parameters())
-        if comp is not None:
-            kw["compression"] = comp
-        opt = gc.DistributedOptimizer(opt, **kw) if road == "gc" else hvd.DistributedOptimizer(opt, **kw)
-        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    model, opt, state = wrap_as_user(road, net, opt, comp, None if road == "ddp" else hvd)
     raw = sum(p.numel() * p.element_size() for p in net.parameters())
     counter = _Bytes(road, opt, comp, state, raw)
     sent: List[int] = []
