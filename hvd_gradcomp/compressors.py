@@ -135,6 +135,13 @@ class _Prepared(NamedTuple):
         return None if self.marked is None else self.marked.total
 
 
+def clips_whole_step(compression: Any) -> bool:
+    """Whether ``compression`` has ``clip=`` set: the roads that can (``hvd_gradcomp.DistributedOptimizer``,
+    the DDP hook) then clip each rank's whole gradient (:meth:`GradientCompressor.clip_local`) before
+    any exchange starts."""
+    return isinstance(compression, GradientCompressor) and compression.clip is not None
+
+
 class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
     """Base class of the codecs: feedback policy, random stream and byte statistics.
 

@@ -63,7 +63,7 @@ from . import feedback as fb
 from . import codecs, kernels, settings, wire
 from .accumulate import check_clippable, check_max_grad_norm
 from .auto import Auto
-from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, refuse_class
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step, refuse_class
 from .ddp_auto import _AutoRoads
 from .ddp_roads import _KEEP_ALIVE, _ROADS, Future, _allreduce, _dense_bucket, _InOrder, _Plan, _Segment
 from .momentum import MomentumCorrection
@@ -378,7 +378,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
 
         >>> ddp_model.register_comm_hook(state, gradcomp_hook)    # doctest: +SKIP
     """
-    if isinstance(state.compression, GradientCompressor) and state.compression.clip is not None:
+    if clips_whole_step(state.compression):
         return _held_until_last(state, bucket)
     return _hook_now(state, bucket)
 

@@ -48,7 +48,7 @@ import torch
 
 from . import kernels, wire
 from .auto import Auto
-from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, refuse_class
+from .compressors import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step, refuse_class
 from .exchange import DenseExchange, HalfExchange, JoinGuard, Pending, SparseExchange, choose_exchange
 from .horovod import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from .stats import ByteStats
@@ -164,12 +164,6 @@ class _SmallTensors:
                     self.compression.dense_average(self._names[p], p.grad)
 
 
-def _clips(compression: Any) -> bool:
-    """The compressor's ``clip=`` is set: each rank's whole gradient is clipped to that global norm
-    (:meth:`GradientCompressor.clip_local`) before any exchange starts, in ``synchronize()``."""
-    return isinstance(compression, GradientCompressor) and compression.clip is not None
-
-
 class _GradCompOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
@@ -188,7 +182,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
         if isinstance(compression, GradientCompressor):
             compression._claim(self, process_set.size() if self._included else None)
-            compression.road_clips = True   # clip=: synchronize() clips the whole step (see _clip_local)
+            compression.road_clips = True   # clip=: synchronize() clips the whole step (clips_whole_step)
             bind_noise_stream(compression)  # independent rounding noise on each rank
             # The feedback policy ("auto") is chosen from this optimizer's class and settings.
             # A rank outside the process set has no rank in it (and compresses nothing): it stays quiet.
@@ -255,7 +249,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._delay[p] -= 1
         if self._delay[p] == 0:
             self._changes.watch(p)
-        if self._delay[p] == 0 and _clips(self.compression):
+        if self._delay[p] == 0 and clips_whole_step(self.compression):
             return   # clip=: the global norm needs every gradient, so synchronize() starts the exchanges
         if self._delay[p] == 0 and (p.grad.is_sparse or not self._is_small(p)):
             self._start(p)
@@ -315,7 +309,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         changed = self._changes.changed()   # refused once the exchanges are finished: every rank takes part
         self._adopt_unfrozen()
-        if _clips(self.compression):   # this rank's whole step, compressed or small tensors (not sparse ones)
+        if clips_whole_step(self.compression):   # this rank's whole step, compressed or small tensors (not sparse ones)
             self.last_local_norm = self.compression.clip_local(
                 [p.grad for p in self._delay if p.grad is not None and not p.grad.is_sparse])
         small = []

@@ -37,6 +37,20 @@ def spread(losses: List[float]) -> float:
     return max(losses) - min(losses) if len(losses) > 1 else 0.0
 
 
+def paired_gaps(rs: List[dict], base: Dict[int, float]) -> List[float]:
+    """Each run's held-out loss against the reference run of its seed (``base``: seed -> loss), relative.
+
+    >>> paired_gaps([{"seed": 0, "val_loss": 2.2}, {"seed": 5, "val_loss": 1.0}], {0: 2.0})
+    [0.10000000000000009]
+    """
+    return [(r["val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in rs if r["seed"] in base]
+
+
+def allowed_gap(base: Dict[int, float]) -> float:
+    """The target: :data:`TARGET`, or the reference's seed spread relative to its mean if larger."""
+    return max(TARGET, spread(list(base.values())) / statistics.fmean(base.values()))
+
+
 def verdict(gap: float, allowed: float, diverged: int) -> str:
     """How a row compares with uncompressed training.
 
@@ -60,10 +74,10 @@ def compressed_rows(runs: Dict[Tuple[str, str], List[dict]]) -> List[dict]:
         base = {r["seed"]: r["val_loss"] for r in runs.get((recipe, "none"), [])}
         if not base:
             continue
-        allowed = max(TARGET, spread(list(base.values())) / statistics.fmean(base.values()))
+        allowed = allowed_gap(base)
         for road in ("stock", "gc", "ddp"):
             rs = runs.get((recipe, road), [])
-            gaps = [(r["val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in rs if r["seed"] in base]
+            gaps = paired_gaps(rs, base)
             if not gaps:
                 continue
             gap = statistics.fmean(gaps)
@@ -81,7 +95,7 @@ def rows(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[List[str
         return [f"No uncompressed run of `{recipe}` yet."], []
     by_seed = {r["seed"]: r["val_loss"] for r in base}
     ref = statistics.fmean(by_seed.values())
-    allowed = max(TARGET, spread(list(by_seed.values())) / ref)
+    allowed = allowed_gap(by_seed)
     lines = ["| road | held-out loss (mean; per seed) | gap (mean; per seed) | uncompressed spread | "
              "verdict | bytes saved, whole run | second half | replicas identical | distance moved |",
              "| --- | --- | --- | ---: | --- | ---: | ---: | --- | ---: |"]
@@ -94,7 +108,7 @@ def rows(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> Tuple[List[str
         # a compressed road of a probe against uncompressed training of the same probe
         ref_seed = by_seed if rec == recipe or row == "none" else \
             {r["seed"]: r["val_loss"] for r in runs.get((rec, "none"), [])}
-        gaps = [(r["val_loss"] - ref_seed[r["seed"]]) / ref_seed[r["seed"]] for r in rs if r["seed"] in ref_seed]
+        gaps = paired_gaps(rs, ref_seed)
         gap = statistics.fmean(gaps) if gaps else float("nan")
         div = sum(bool(r["diverged"]) for r in rs)
         road, _, setting = row.partition("+")
@@ -139,20 +153,18 @@ def explain(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
     """The paragraph on ``recipe``'s compressed roads ending below uncompressed training: the mechanism,
     then its probes (uncompressed at another step) and the distance the weights moved, measured."""
     base = {r["seed"]: r["val_loss"] for r in runs.get((recipe, "none"), [])}
-    mean = lambda rs, key="val_loss": statistics.fmean(r[key] for r in rs)  # noqa: E731
     said = [f"**`{recipe}`.** {MECHANISM[RECIPES[recipe].optimizer]}"]
+    probes = []   # (probe, mean gap): uncompressed training at another step
     for (rec, row), rs in sorted(runs.items()):
-        if rec.startswith(recipe + "@") and row == "none":
+        gaps = paired_gaps(rs, base) if rec.startswith(recipe + "@") and row == "none" else []
+        if gaps:
             probe = rec.split("@", 1)[1]
+            probes.append((probe, statistics.fmean(gaps)))
             what = f"clipped at {probe[4:]}" if probe.startswith("clip") else f"at peak rate {probe}"
-            gaps = [(r["val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in rs if r["seed"] in base]
-            said.append(f"Uncompressed training {what} ends at {mean(rs):.3f} ({statistics.fmean(gaps):+.1%} "
-                        f"against the recipe's, {len(rs)} seeds).")
-    comp_gaps = [(r["val_loss"] - base[r["seed"]]) / base[r["seed"]] for road in ("stock", "gc", "ddp")
-                 for r in runs.get((recipe, road), []) if r["seed"] in base]
-    probes = [(rec.split("@", 1)[1], [(r["val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in rs if r["seed"] in base])
-              for (rec, row), rs in sorted(runs.items()) if rec.startswith(recipe + "@") and row == "none"]
-    best = min(((p, statistics.fmean(g)) for p, g in probes if g), key=lambda x: x[1], default=None)
+            said.append(f"Uncompressed training {what} ends at {statistics.fmean(r['val_loss'] for r in rs):.3f} "
+                        f"({probes[-1][1]:+.1%} against the recipe's, {len(rs)} seeds).")
+    comp_gaps = [g for road in ("stock", "gc", "ddp") for g in paired_gaps(runs.get((recipe, road), []), base)]
+    best = min(probes, key=lambda x: x[1], default=None)
     if comp_gaps and best is not None:
         cg = statistics.fmean(comp_gaps)
         if best[1] <= cg / 2:

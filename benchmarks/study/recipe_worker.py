@@ -119,7 +119,12 @@ def file_name(recipe: str, road: str, seed: int, extra: Dict[str, Any]) -> str:
     return f"{recipe}-{road}{tag}-s{seed}.json"
 
 
-def _value(text: str) -> Any:
+def setting_value(text: str) -> Any:
+    """A ``--setting`` value as Python reads it (``0.25``, ``'classic'``), else the text itself.
+
+    >>> setting_value("0.25"), setting_value("classic")
+    (0.25, 'classic')
+    """
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -141,7 +146,7 @@ def main() -> int:
     roads = args.roads.split(",")
     if "ddp" in roads and len(roads) > 1:
         ap.error("the ddp road runs alone, under torchrun")
-    extra = {k: _value(v) for k, v in (s.split("=", 1) for s in args.setting)}
+    extra = {k: setting_value(v) for k, v in (s.split("=", 1) for s in args.setting)}
     torch.set_num_threads(1)
     comm = _Comm(ddp=roads == ["ddp"])
     recipe = recipes.RECIPES[args.recipe]

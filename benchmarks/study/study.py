@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.study import recipe_report, recipes, report  # noqa: E402
-from benchmarks.study.recipe_worker import _value as setting_value  # noqa: E402
+from benchmarks.study.recipe_worker import setting_value  # noqa: E402
 from benchmarks.study.recipe_worker import file_name as result_name  # noqa: E402
 from benchmarks.study.tasks import TASKS  # noqa: E402
 from benchmarks.study import ddp_worker  # noqa: E402
