@@ -43,7 +43,8 @@ from models import CharMLP, digits_mlp  # noqa: E402  (shared with train_ddp.py)
 import horovod.torch as hvd  # noqa: E402
 import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import feedback as gcfb  # noqa: E402
-from hvd_gradcomp.config import COMPRESSIONS, CompressionConfig, from_env  # noqa: E402
+from hvd_gradcomp.config import CompressionConfig, from_env  # noqa: E402
+from hvd_gradcomp.settings import compressions  # noqa: E402
 
 CSV_FIELDS = ["step", "epoch", "loss", "samples_per_s", "step_s", "wall_s", "bytes_sent", "ratio", "comm_s", "lr"]
 
@@ -52,8 +53,8 @@ CSV_FIELDS = ["step", "epoch", "loss", "samples_per_s", "step_s", "wall_s", "byt
 def add_compression_args(parser: argparse.ArgumentParser) -> None:
     """The compression flags shared by the examples; None means "take it from the environment"."""
     g = parser.add_argument_group("compression (defaults: HVDGC_* variables set by hvdgc-launch)")
-    g.add_argument("--compression", choices=COMPRESSIONS, default=None,
-                   help="none | fp16 | qsgd | topk | topk-qsgd | auto (env HVDGC_COMPRESSION, else none)")
+    g.add_argument("--compression", choices=compressions(), default=None,
+                   help="none | fp16 | qsgd | topk | topk-qsgd | powersgd | auto, or a registered codec (env HVDGC_COMPRESSION, else none)")
     g.add_argument("--ratio", type=float, default=None, help="TopK fraction of elements sent, in (0, 1]")
     g.add_argument("--bits", type=int, default=None, help="QSGD bits per value, 2..8")
     g.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,

@@ -33,7 +33,8 @@ import data as datasets  # noqa: E402  (examples/data.py, beside this file)
 from models import CharMLP, digits_mlp  # noqa: E402
 
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
-from hvd_gradcomp.config import COMPRESSIONS, CompressionConfig, from_env  # noqa: E402
+from hvd_gradcomp.config import CompressionConfig, from_env  # noqa: E402
+from hvd_gradcomp.settings import compressions  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace, CompressionConfig]:
@@ -58,7 +59,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
                    help="also record the held-out loss every this many steps (summary's val_curve); 0: only at the end")
     p.add_argument("--out", default=None, help="JSON summary written by rank 0")
     g = p.add_argument_group("compression (defaults: HVDGC_* variables set by hvdgc-launch)")
-    g.add_argument("--compression", choices=COMPRESSIONS, default=None)
+    g.add_argument("--compression", choices=compressions(), default=None)
     g.add_argument("--ratio", type=float, default=None)
     g.add_argument("--bits", type=int, default=None)
     g.add_argument("--accumulate", type=int, default=None, help="micro-batches per optimizer step")

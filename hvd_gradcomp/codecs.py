@@ -112,7 +112,7 @@ def register(name: str, factory: Optional[Factory] = None, *, settings: Optional
             raise ValueError(f"factory must be callable or 'module:attribute', got {fn!r}")
         if inspect.isclass(fn):
             _check_class(name, fn)
-        if name in _REGISTRY and not replace:
+        if name in _REGISTRY and not replace and not _same_factory(_REGISTRY[name][0], fn):
             raise ValueError(f"a compressor named {name!r} is registered already ({_describe(name)}): pass "
                              "replace=True to replace it, or choose another name")
         _REGISTRY[name] = (fn, tuple(settings) if settings is not None else None)
@@ -136,6 +136,18 @@ def _check_class(name: str, cls: type) -> None:
     if declared is not None and declared != name:
         raise ValueError(f"{cls.__qualname__}.codec_name is {declared!r} but it is registered as {name!r}: "
                          f"set codec_name = {name!r} in the class (the roads and HVDGC_COMPRESSION use it)")
+    check = getattr(cls, "check_codec", None)   # the codec's methods and payload layout (compressor_codec)
+    if callable(check):
+        check()
+
+
+def _same_factory(known: Factory, fn: Factory) -> bool:
+    """Whether ``fn`` is the factory registered already, or the one its entry point names (a codec
+    module that registers itself and is also declared as an entry point, imported after they were read)."""
+    if known is fn:
+        return True
+    spelled = f"{getattr(fn, '__module__', '')}:{getattr(fn, '__qualname__', '')}"
+    return isinstance(known, str) and known.replace(" ", "") == spelled
 
 
 def _read_entry_points() -> None:

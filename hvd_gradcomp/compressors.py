@@ -172,8 +172,9 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
     its payload travels: :data:`~hvd_gradcomp.codecs.ALLGATHER` for a sparse payload,
     :data:`~hvd_gradcomp.codecs.COMPRESSED_ALLREDUCE` for a dense quantised one) and ``kind`` (the
     wire layout of its payload, :mod:`hvd_gradcomp.wire`), and implements
-    ``_encode(flat, dtype, seed, contract, marked) -> Encoded``, ``_decode(header, reader) -> flat
-    tensor`` and, for a sparse payload, ``_decode_sparse(header, reader) -> (indices, values)``.
+    ``pack(flat, dtype, seed, contract, marked) -> Encoded``, ``unpack(header, reader) -> flat
+    tensor`` and, for a sparse payload, ``unpack_sparse(header, reader) -> (indices, values)``
+    (:mod:`hvd_gradcomp.compressor_codec`, docs/WRITING_A_CODEC.md).
     ``seed`` differs per tensor, step and rank (:meth:`_next_seed`).
 
     ``checksum``: put a CRC32 of each payload in its header and refuse payloads whose bytes
@@ -232,6 +233,7 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         self.feedback = fb.make("classic" if self.feedback_choice == "auto" else self.feedback_choice)
         self._relay = fb.ErrorFeedback()  # re-quantisation in QSGD's compressed allreduce
         self._half = fb.HalfPrecision()   # the float16 road of exempt tensors (see sends_half)
+        type(self).check_codec()   # a class never registered is checked (and its layout registered) here
         self._init_binding()
         self.stats = ByteStats()
         self._init_steps()

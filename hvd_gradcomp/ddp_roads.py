@@ -332,7 +332,7 @@ def _allgather(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Fu
                                          world - 1, s.numel)
                 mine = sends[j][1]
                 if buffer.is_cuda:  # made on the hook's stream, read on this callback's: keep them till done
-                    for t in mine:
+                    for t in (t for t in mine if t is not None):
                         t.record_stream(torch.cuda.current_stream(buffer.device))
                 parts = others[:state.rank] + [mine] + others[state.rank:]
                 sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))

@@ -51,7 +51,9 @@ import torch
 from . import kernels
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-Sent = Union["kernels.QSGDDecoded", Tuple[torch.Tensor, torch.Tensor]]
+Sent = Union["kernels.QSGDDecoded", Tuple[Optional[torch.Tensor], torch.Tensor]]
+"""What a payload carries (see :class:`hvd_gradcomp.compressor_codec.Encoded`): ``(indices, values)``
+of a sparse payload, ``(None, values)`` of a dense one (flat), or QSGD's codes."""
 Marked = Optional["kernels.Marks"]  # see kernels.add_marked and kernels.topk_indices(marked=)
 log = logging.getLogger("hvd_gradcomp")
 
@@ -72,15 +74,24 @@ def spare_or_new(spare: Optional[torch.Tensor], shape: Tuple[int, ...], dtype: t
 
 
 def subtract_sent(acc: torch.Tensor, sent: Any) -> None:
-    """acc -= what the payload carries (dense QSGD codes or sparse (indices, values)), in place.
+    """acc -= what the payload carries (QSGD codes, sparse ``(indices, values)`` or dense
+    ``(None, values)``), in place.
 
     ``sent`` may also be a list of ``(begin, end, what)``: the chunks of one tensor.
+
+    >>> acc = torch.tensor([3.0, -1.0, 2.0])
+    >>> subtract_sent(acc, (None, torch.tensor([2.0, -2.0, 2.0]))); acc.tolist()
+    [1.0, 1.0, 0.0]
+    >>> subtract_sent(acc, (torch.tensor([1]), torch.tensor([1.0]))); acc.tolist()
+    [1.0, 0.0, 0.0]
     """
     if isinstance(sent, list):
         for b, e, what in sent:
             subtract_sent(acc[b:e], what)
     elif isinstance(sent, kernels.QSGDDecoded):
         sent.subtract_from(acc)  # one fused pass, no dense decoded temporary
+    elif sent[0] is None:
+        acc.sub_(sent[1].to(acc.dtype).view_as(acc))
     else:
         idx, vals = sent
         # One pass over the k entries (indices are distinct): ``acc[idx] -= vals`` gathers,

@@ -144,7 +144,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
             self._replace("velocity", name, u)
         super().sent(name, acc, what)
         if self.masking and isinstance(what, tuple):
-            idx = what[0]
+            idx = what[0] if what[0] is not None else slice(None)   # a dense payload sent every value
             self.velocity[name][idx] = 0
             acc[idx] = 0
 

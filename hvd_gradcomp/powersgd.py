@@ -243,11 +243,11 @@ class PowerSGD(GradientCompressor):
         super()._close_round(ok)
 
     # ------------------------------------------------------------ no single payload
-    def _encode(self, *args: Any, **kwargs: Any) -> Any:
+    def pack(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"{self!r} sends no single payload: its factors travel in two dependent allreduces, on "
                         "hvd_gradcomp.DistributedOptimizer or the DDP hook (hvd_gradcomp.ddp.register)")
 
-    _decode = _encode
+    unpack = pack
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:

@@ -76,7 +76,7 @@ class QSGD(_Quantiser, GradientCompressor):
         nb = (n + self.bucket_size - 1) // self.bucket_size
         return _head_bytes(shape) + wire.padded(4 * nb) + wire.padded((n * self.bits + 7) // 8)
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
+    def pack(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
                 marked: fb.Marked = None) -> Encoded:
         n = flat.numel()
         if self.bits == 8 and n >= kernels.COMPILE_MIN_NUMEL:
@@ -94,7 +94,7 @@ class QSGD(_Quantiser, GradientCompressor):
         sent = kernels.QSGDDecoded(norms, codes, self.bits, self.bucket_size, dtype)
         return Encoded(n, self.bits, wire.INDEX_NONE, self.bucket_size, sections, sent)
 
-    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+    def unpack(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
         return _read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
 
     def _caution(self) -> str:

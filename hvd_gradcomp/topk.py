@@ -216,16 +216,16 @@ class TopK(GradientCompressor):
         mode, sections = wire.encode_indices(idx, flat.numel())
         return idx, vals, mode, sections
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
+    def pack(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
                 marked: fb.Marked = None) -> Encoded:
         idx, vals, mode, sections = self._select(flat, marked)
         vals = _in_range(vals, dtype)
         return Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
 
-    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+    def unpack(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
         if h.index_mode == wire.INDEX_DELTA:
             self._check_expansion(h)
-        return _scatter(*self._decode_sparse(h, reader), h.numel)
+        return _scatter(*self.unpack_sparse(h, reader), h.numel)
 
     def _check_expansion(self, h: wire.Header) -> None:
         """Refuse a payload whose dense output is out of proportion to it (see MAX_EXPANSION)."""
@@ -234,7 +234,7 @@ class TopK(GradientCompressor):
             raise wire.WireFormatError(f"corrupt payload: {h.k} values of a {h.numel}-element tensor in "
                                        f"{h.total_bytes} bytes, far sparser than ratio={self.ratio}")
 
-    def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
+    def unpack_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
         idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
         vals = wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
         if not bool(torch.isfinite(vals).all()):  # encoders never send them (inputs are checked)
@@ -268,7 +268,7 @@ class TopKQSGD(_Quantiser, TopK):
         nb = (k + self.bucket_size - 1) // self.bucket_size
         return wire.padded(4 * nb) + wire.padded((k * self.bits + 7) // 8)
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
+    def pack(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
                 marked: fb.Marked = None) -> Encoded:
         idx, vals, mode, sections = self._select(flat, marked)
         norms, codes = kernels.qsgd_encode(vals, self.bits, self.bucket_size, seed, dtype=dtype)
@@ -277,7 +277,7 @@ class TopKQSGD(_Quantiser, TopK):
         sections += [wire.as_bytes(norms), wire.pack_bits(codes, self.bits)]
         return Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
 
-    def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
+    def unpack_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
         idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
         return idx, qsgd._read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
 

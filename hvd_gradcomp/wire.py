@@ -27,8 +27,8 @@ A payload is one contiguous ``torch.uint8`` tensor, self-describing, 8-byte alig
                             the k values (in ``dtype``)
         KIND_TOPKQSGD       the index sections, then the bucket norms and packed codes of the k
                             values, as QSGD
-        16..255             a codec's own layout (:func:`register_layout`): its ``_encode`` writes
-                            the sections, its ``_decode`` reads them in the same order
+        16..255             a codec's own layout (:func:`register_layout`): its ``pack`` writes
+                            the sections, its ``unpack`` reads them in the same order
 
 Because every payload carries ``total_bytes``, payloads gathered from several ranks can be
 split apart by walking headers (:func:`split_payloads`) with no extra collective.
@@ -56,6 +56,7 @@ FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)  # 1: no flags, no checksum
 MAGIC = b"GC"
 KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD = 1, 2, 3
+BUILTIN_KINDS = (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD)
 INDEX_NONE, INDEX_DELTA, INDEX_BITMAP = 0, 1, 2
 FLAG_CRC32 = 0x10
 _MODE_MASK = 0x0F
@@ -75,7 +76,7 @@ class WireFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """A payload layout of a codec's own: the sections its ``_encode`` writes after the header, as
+    """A payload layout of a codec's own: the sections its ``pack`` writes after the header, as
     the receiving ranks check them before any decoder runs (see :func:`register_layout`).
 
     * ``name``: for messages;
@@ -223,7 +224,7 @@ def parse_header(raw: bytes, available: int) -> Header:
 def _check_fields(h: Header) -> None:
     """Reject header fields no encoder writes, before they reach a decoder."""
     kind, bits, mode, numel, k, bucket = h.kind, h.bits, h.index_mode, h.numel, h.k, h.bucket_size
-    if kind not in (KIND_QSGD, KIND_TOPK, KIND_TOPKQSGD):
+    if kind not in BUILTIN_KINDS:
         layout_name(kind)   # unknown: refused, naming the fix
         own = _LAYOUTS[kind]
         if own.check is not None:

@@ -2,7 +2,7 @@
 (docs/ARCHITECTURE.md, "Add a compressor"): random-k sparsification.
 
 Each rank sends k = ceil(ratio * n) coordinates of each tensor, drawn at random (a fresh draw
-per tensor, step and rank, from the seed the base class hands ``_encode``), with their indices:
+per tensor, step and rank, from the seed the base class hands ``pack``), with their indices:
 a sparse payload in TopK's wire layout, carried by allgather. Error feedback, checkpoints,
 byte statistics, the float16 road of small tensors and every exchange road come from
 :class:`~hvd_gradcomp.compressors.GradientCompressor`; the Horovod protocol (stock
@@ -60,19 +60,19 @@ class RandomK(HorovodCompressor, GradientCompressor):
         head = wire.padded(wire.HEADER_BYTES + 8 * len(shape))
         return head + index_bytes + wire.padded(self.selected(math.prod(shape)) * dtype.itemsize)
 
-    def _encode(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
+    def pack(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,
                 marked: fb.Marked = None) -> Encoded:
         idx = self.indices(flat.numel(), seed, flat.device)
         vals = flat[idx].to(dtype)
         mode, sections = wire.encode_indices(idx, flat.numel())
         return Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
 
-    def _decode_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
+    def unpack_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
         idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
         return idx, wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
 
-    def _decode(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
-        idx, vals = self._decode_sparse(h, reader)
+    def unpack(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:
+        idx, vals = self.unpack_sparse(h, reader)
         out = torch.zeros(h.numel, dtype=h.dtype, device=vals.device)
         out[idx] = vals
         return out

@@ -12,7 +12,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -21,21 +21,28 @@ from tests.harness import ROOT, launch, rank_env, run_ranks
 pytestmark = pytest.mark.multirank
 
 
-def _ddp_job() -> List[Dict[str, Any]]:
+def _ddp_job(codec: str, env: Optional[Dict[str, str]]) -> List[Dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="hvdgc-ddp-ext-") as outdir:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                str(ROOT / "tests" / "ddp_external_workers.py"), json.dumps([{"fn": "randomk_ddp"}]), outdir]
-        res = launch(argv, 300, rank_env())
+                str(ROOT / "tests" / "ddp_external_workers.py"),
+                json.dumps([{"fn": "external_ddp", "codec": codec}]), outdir]
+        res = launch(argv, 300, rank_env(env))
         if res.returncode != 0:
             pytest.fail(f"DDP job exited {res.returncode}\n--- output of all ranks ---\n{res.output}")
         return [json.loads((Path(outdir) / f"rank{r}.json").read_text())[0] for r in range(2)]
 
 
+def run_road(road: str, codec: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Both ranks' reports (tests/workers/external.py) of ``codec`` on ``road`` (ours, stock or ddp);
+    ``env``: the ranks' extra environment (the folder a codec package was installed into)."""
+    if road == "ddp":
+        return {"road": "ddp", "ranks": _ddp_job(codec, env)}
+    return {"road": road, "ranks": run_ranks("external:horovod_road", np=2, env=env, road=road, codec=codec)}
+
+
 @pytest.fixture(scope="module", params=["ours", "stock", "ddp"])
 def road(request) -> Dict[str, Any]:
-    if request.param == "ddp":
-        return {"road": "ddp", "ranks": _ddp_job()}
-    return {"road": request.param, "ranks": run_ranks("external:horovod_road", np=2, road=request.param)}
+    return run_road(request.param, "randomk")
 
 
 def test_every_rank_ends_identical_and_gets_the_mean_of_what_was_sent(road):
@@ -54,6 +61,7 @@ def test_error_feedback_keeps_exactly_what_was_not_sent(road):
         assert sum(r["sent_counts"]) > 0.9 * sum(ks) * len(r["sent_counts"]) / 2
         # ... and left nothing of them in the residual
         assert max(r["ef_error"]) == 0.0
+        assert max(r["sent_error"]) == 0.0
 
 
 def test_bytes_are_the_payloads(road):
