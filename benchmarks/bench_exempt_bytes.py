@@ -38,7 +38,7 @@ def measure(exempt: str) -> Dict[str, float]:
         opt.step()
         per_step.append(opt.last_step_bytes)
         # the fused allreduces: the exempt tensors (and, at step 1, Adam's dense warm-up)
-        fused.append(sum(sent for name, (_, sent) in opt.comm_stats.per_tensor.items() if name.startswith("fused.")))
+        fused.append(sum(entry[1] for name, entry in opt.comm_stats.per_tensor.items() if name.startswith("fused.")))
     opt.remove_hooks()
     late = STEPS - 2
     return {"raw": raw, "small_values": small, "step": sum(per_step[2:]) / late, "exempt": (fused[-1] - fused[1]) / late}

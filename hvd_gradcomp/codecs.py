@@ -85,8 +85,10 @@ def register(name: str, factory: Optional[Factory] = None, *, settings: Optional
     """Register ``factory`` under ``name`` (also usable as a decorator: ``@register("mycodec")``).
 
     ``settings``: which of :data:`SETTINGS` the factory takes (default: those its signature names).
-    A name already taken raises ``ValueError`` unless ``replace=True``; so do the reserved names
-    ``none``, ``fp16`` and ``auto``. Returns the factory.
+    A name already taken by another factory raises ``ValueError`` unless ``replace=True`` (the same
+    factory again, or the one its entry point names, is kept: a codec module that registers itself
+    and is declared as an entry point too); so do the reserved names ``none``, ``fp16`` and ``auto``.
+    Returns the factory.
 
     Example::
 

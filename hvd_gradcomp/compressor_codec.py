@@ -187,7 +187,6 @@ class WireCodec:
         header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
                              enc.bucket_size, self._checksummed)
         payload = wire.assemble(header, enc.sections, flat.device)
-        self.stats.record(name, flat.numel() * dtype.itemsize, payload.numel())
         return payload, enc.sent
 
     def payload_size(self, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,

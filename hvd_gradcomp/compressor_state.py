@@ -135,8 +135,9 @@ class StepState:
             self.abandon_round()
         self._in_flight.add(name)
 
-    def exchange_closed(self, name: str, finite: bool) -> None:
-        """The exchange of ``name`` finished; the last one of a step ends it (:meth:`end_round`).
+    def exchange_closed(self, name: str, finite: bool) -> bool:
+        """The exchange of ``name`` finished; the last one of a step ends it (:meth:`end_round`) and
+        returns True.
 
         Horovod starts every exchange of a step before it finishes the first, so "none left
         in flight" marks the end of the step on every rank alike.
@@ -145,6 +146,8 @@ class StepState:
         self._round_ok = self._round_ok and finite
         if not self._in_flight:
             self.end_round(self._round_ok)
+            return True
+        return False
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:

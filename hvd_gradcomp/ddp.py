@@ -179,9 +179,9 @@ class GradCompState:
         self.iter = 0
         self._held: List[Tuple[dist.GradBucket, Future]] = []   # clip=: this step's buckets, until the last
         self.last_local_norm: Optional[torch.Tensor] = None     # this rank's gradient norm before clip=
-        self.comm_stats = ByteStats()   # bytes this rank hands to the collectives, all exchanges
+        # Bytes this rank hands to the collectives: one ledger, the compressor's own when it has one.
+        self.comm_stats = compression.stats if isinstance(compression, GradientCompressor) else ByteStats()
         self.nonfinite_exchanges = 0    # buckets that carried NaN/Inf on some rank
-        self._step_bytes: Dict[int, int] = {}
         self._plans: Dict[Tuple[int, Tuple[int, ...]], _Plan] = {}
         self._lock = threading.Lock()   # the compressor is used from the hook and callback threads
         self._in_order = _InOrder(self._lock)   # second-round collectives, in bucket order
@@ -194,14 +194,13 @@ class GradCompState:
     @property
     def last_step_bytes(self) -> int:
         """Bytes this rank handed to the collectives in the last finished exchange (all buckets)."""
-        return self._step_bytes.get(self.iter - 1, 0)
+        return self.comm_stats.at(self.iter - 1).sent
 
-    def _record(self, step: int, name: str, raw: int, sent: int) -> None:
+    def _record(self, step: int, name: str, raw: int, payload: int, framing: int = 0) -> None:
+        """Where the hook's roads count bytes (:class:`~hvd_gradcomp.stats.ByteStats`), as each hands
+        them to a collective; ``step``: the exchange they belong to (callbacks finish asynchronously)."""
         with self._lock:
-            self.comm_stats.record(name, raw, sent)
-            self._step_bytes[step] = self._step_bytes.get(step, 0) + sent
-            for old in [s for s in self._step_bytes if s < step - 1]:
-                del self._step_bytes[old]
+            self.comm_stats.record(name, raw, payload, framing, step=step)
 
     def auto_report(self) -> Dict[str, Any]:
         """With ``compression=gc.Auto()``: :meth:`hvd_gradcomp.Auto.report` of the hook, one
@@ -416,6 +415,7 @@ def _hook_now(state: GradCompState, bucket: dist.GradBucket) -> Future:
     step = state.iter
     if bucket.is_last():  # DDP launches buckets in index order: the last one closes the exchange
         state.iter += 1
+        state.comm_stats.end_step(state.iter)
     comp = state.compression
     if state.auto is not None and step >= state.start_compress_iter:
         return state.auto.hook(bucket, buffer, step)

@@ -50,9 +50,9 @@ class _RoadView:
         else:
             setattr(self._state, name, value)
 
-    def _record(self, step: int, name: str, raw: int, sent: int) -> None:
-        object.__setattr__(self, "sent", self.sent + sent)
-        self._state._record(step, name, raw, sent)
+    def _record(self, step: int, name: str, raw: int, payload: int, framing: int = 0) -> None:
+        object.__setattr__(self, "sent", self.sent + payload + framing)
+        self._state._record(step, name, raw, payload, framing)
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
         t0 = self._clock()

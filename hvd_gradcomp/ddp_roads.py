@@ -319,7 +319,7 @@ def _allgather(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Fu
         padded = torch.zeros(cap, dtype=torch.uint8, device=buffer.device)
         padded[:blob.numel()] = blob
         gathered = torch.empty(world * cap, dtype=torch.uint8, device=buffer.device)
-        state._record(step, "(sizes+padding)", 0, 8 + cap - blob.numel())
+        state._record(step, "(sizes+padding)", 0, 0, 8 + cap - blob.numel())
         work = _all_gather_single(gathered, padded, group=state._second, async_op=True)
 
         def decode() -> None:
@@ -403,7 +403,7 @@ def _scatter_reduce(state: State, buffer: torch.Tensor, plan: _Plan, step: int) 
     flags, meta_fut = _meta(state, 1 if finite else -1, buffer.device)
     dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
     cap = max(per_dest)
-    state._record(step, "(flags)", 0, 8)
+    state._record(step, "(flags)", 0, 0, 8)
 
     def launch() -> Optional[Tuple[Future, Callable]]:
         if min(flags.tolist()) < 0:
@@ -419,7 +419,7 @@ def _scatter_reduce(state: State, buffer: torch.Tensor, plan: _Plan, step: int) 
         for j, s in enumerate(plan.compressed):
             to_others = sum(sizes[j]) - sizes[j][rank]
             state._record(step, s.name, s.numel * buffer.element_size(), to_others + reduced[j].numel())
-        state._record(step, "(flags+padding)", 0, cap - per_dest[rank])
+        state._record(step, "(flags+padding)", 0, 0, cap - per_dest[rank])
         work = _all_gather_single(gathered, padded, group=state._second, async_op=True)
 
         def decode() -> None:   # under state._lock (_InOrder)
@@ -455,7 +455,7 @@ def _rounds(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Futur
     dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
     for s, (n, m, r) in zip(plan.compressed, shapes):
         state._record(step, s.name, s.numel * buffer.element_size(), (n + m) * r * 4)
-    state._record(step, "(flags)", 0, 8)
+    state._record(step, "(flags)", 0, 0, 8)
 
     def launch() -> Optional[Tuple[Future, Callable]]:
         if min(flags.tolist()) < 0:

@@ -34,8 +34,8 @@ import torch
 from . import codecs
 from .compressors import GradientCompressor
 from .fused import FusedAllgatherExchange, encode_carried
-from .inflight import (Envelope, Pending, _begin, _confirm, _hvd, check_steps, is_average, seal,
-                       unseal)
+from .inflight import (ENVELOPE_BYTES, Envelope, Pending, _begin, _confirm, _hvd, check_steps, is_average,
+                       seal, unseal)
 from .inflight import RankDivergenceError as RankDivergenceError   # raised on every road; documented here
 from .reduce import Parts, decode_flagged, finite_at_indices, sparse_support, sum_parts
 from .rounds import Algorithm, Average, Payloads, compressed_allreduce, low_rank_rounds
@@ -215,7 +215,7 @@ class AllgatherExchange:
         sealed = seal(payload, self.compressor.exchange_step, grad.device)
         _confirm(self)
         handle = _hvd().allgather_async(sealed, name=f"hvdgc.ag.{name}", process_set=self.process_set)
-        p = Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel())
+        p = Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel(), framing_bytes=ENVELOPE_BYTES)
         if own is not None:   # this rank's part, not decoded again
             p.own = own
         return p
@@ -303,7 +303,8 @@ class ScatterReduceExchange(_TwoCollectives):
         # The chunk this rank keeps never leaves it: count only what goes to the others, so
         # that alltoall + allgather together send exactly one payload's worth per rank.
         sent = int(splits.sum()) - int(splits[rank])
-        return Pending(name, grad.shape, grad.dtype, handle, _Rounds(run, outs), bytes_sent=sent)
+        return Pending(name, grad.shape, grad.dtype, handle, _Rounds(run, outs), bytes_sent=sent,
+                       framing_bytes=ENVELOPE_BYTES * (size - 1))
 
     def advance(self, p: Pending) -> None:
         """Stage 2: hand every rank's payload of my chunk to the algorithm, which reduces and
@@ -317,6 +318,7 @@ class ScatterReduceExchange(_TwoCollectives):
         sealed = seal(gather.payloads[0], self.compressor.exchange_step, received.device)
         p.handle = hvd.allgather_async(sealed, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
         p.bytes_sent += sealed.numel()
+        p.framing_bytes += ENVELOPE_BYTES
         p.stage = 2
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:

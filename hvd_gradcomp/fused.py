@@ -155,6 +155,7 @@ class FusedAllgatherExchange:
         g.members, g.payloads = [g.members[i] for i in order], [g.payloads[i] for i in order]
         blob = g.blob(self.compressor.exchange_step, g.members[0].device)
         g.members[0].bytes_sent += g.prefix_bytes()  # the index travels once per group
+        g.members[0].framing_bytes += g.prefix_bytes()
         _confirm(self)
         g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
         for m in g.members:

@@ -325,8 +325,7 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
             if compressor.sends_half(call.name, tensor.dtype, small, dense_steps=False):
                 return _compress_half(compressor, call, tensor)
             sent = allreducible(tensor)
-            compressor.stats.record(call.name, tensor.numel() * tensor.element_size(),
-                                    sent.numel() * sent.element_size())
+            _count(compressor, call.name, tensor.numel() * tensor.element_size(), sent.numel() * sent.element_size())
             return sent, DenseContext(call.name, tensor.dtype)
         if not compressor.join_checked:  # the step's first allgather (float16 allreduces work with join)
             check_no_joined_ranks(call.process_set)
@@ -370,7 +369,7 @@ def _compress_half(compressor: GradientCompressor, call: HorovodCall, tensor: to
     world = call.process_set.size()
     compressor.exchange_opened(call.name)
     half, _ = compressor.encode_half([(call.name, tensor)], world)
-    compressor.stats.record(call.name, tensor.numel() * tensor.element_size(), half.numel() * half.element_size())
+    _count(compressor, call.name, tensor.numel() * tensor.element_size(), half.numel() * half.element_size())
     return half, HalfContext(call.name, tensor.shape, tensor.dtype, world)
 
 
@@ -378,8 +377,19 @@ def _decompress_half(compressor: GradientCompressor, tensor: torch.Tensor, ctx: 
     # Horovod's Average divides the float16 sum (already the average) by the ranks once more, and
     # its Sum leaves the average: either way multiplying by the ranks gives what the op asks for.
     out = tensor.to(ctx.dtype).mul_(ctx.world).view(ctx.shape)
-    compressor.exchange_closed(ctx.name, kernels.all_finite(out))
+    if compressor.exchange_closed(ctx.name, kernels.all_finite(out)):
+        compressor.stats.end_step()
     return out
+
+
+def _count(compressor: GradientCompressor, name: str, raw: int, payload: int, framing: int = 0) -> None:
+    """Where the stock road counts bytes (:class:`~hvd_gradcomp.stats.ByteStats`): as ``compress()``
+    hands a tensor to Horovod, or, for an allgathered payload, once its exchange finished. The end of a
+    compressed step closes the ledger's step; a step of dense tensors alone (``feedback="frozen"``'s
+    warm-up) is closed by the next one's first tensor, since each tensor travels once per step."""
+    if compressor.stats.recorded_in_step(name):
+        compressor.stats.end_step()
+    compressor.stats.record(name, raw, payload, framing)
 
 
 def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -394,11 +404,14 @@ def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -
         return _decompress_half(compressor, tensor, ctx)
     if isinstance(ctx, StockContext):
         out = torch.empty(ctx.pending.shape, dtype=ctx.pending.dtype, device=ctx.device)
-        ctx.exchange.finish(ctx.pending, out)
+        p = ctx.pending
+        ctx.exchange.finish(p, out)
+        _count(compressor, p.name, out.numel() * out.element_size(), p.bytes_sent - p.framing_bytes, p.framing_bytes)
         # Horovod starts every exchange of a step before it finishes the first, so the last one
         # to finish ends the step: kept, or undone when an average came back NaN/Inf.
-        known = ctx.pending.finite  # read at the payloads' indices only, when that suffices
-        compressor.exchange_closed(ctx.pending.name, bool(known) if known is not None else kernels.all_finite(out))
+        known = p.finite  # read at the payloads' indices only, when that suffices
+        if compressor.exchange_closed(p.name, bool(known) if known is not None else kernels.all_finite(out)):
+            compressor.stats.end_step()
         return out
     if ctx == _LOCAL:
         return compressor.decode(tensor)

@@ -38,7 +38,9 @@ class Pending:
     dtype: torch.dtype
     handle: Any
     ctx: Any = None
+    # bytes handed to Horovod for it, and how many of them are framing (envelopes, a fused group's index)
     bytes_sent: int = 0
+    framing_bytes: int = 0
     stage: int = 1
     finished: bool = False
     # p.grad, final for this step (optimizer._start): a road may write the average there early

@@ -39,6 +39,7 @@ rank; the compressor then undoes the step, see :meth:`_GradCompOptimizer.synchro
 """
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from contextlib import contextmanager
@@ -111,6 +112,11 @@ class _ChangeWatch:
         self._final.clear()
 
 
+def _count(stats: ByteStats, name: str, raw_bytes: int, pending: Pending) -> None:
+    """Where this road counts bytes: once per tensor (or fused group), when its exchange finished."""
+    stats.record(name, raw_bytes, pending.bytes_sent - pending.framing_bytes, pending.framing_bytes)
+
+
 class _SmallTensors:
     """The tensors exchanged uncompressed (small, a dtype the wire cannot encode, or excluded by the
     compressor's policy), fused: one allreduce per dtype, and one of float16 casts
@@ -120,11 +126,11 @@ class _SmallTensors:
                  half: Optional[HalfExchange]) -> None:
         self.compression, self._names, self._dense, self._half = compression, names, dense, half
 
-    def start(self, params: List[torch.Tensor], min_compress_numel: int, record: Callable[[str, int, int], None],
+    def start(self, params: List[torch.Tensor], min_compress_numel: int, record: Callable[[str, int, Pending], None],
               tag: str = "") -> List[Tuple[List[torch.Tensor], Pending]]:
         """One allreduce per dtype for all small tensors: fewer, larger messages. Those the
         compressor sends as float16 (:meth:`GradientCompressor.sends_half`) form their own.
-        ``record(name, raw bytes, bytes sent)`` counts each; ``tag``: part of the exchanges' names,
+        ``record(name, raw bytes, pending)`` counts each; ``tag``: part of the exchanges' names,
         for a second fused exchange in the same step."""
         groups: Dict[str, List[torch.Tensor]] = {}
         ours = isinstance(self.compression, GradientCompressor)
@@ -144,7 +150,7 @@ class _SmallTensors:
                 pending.half = True
             else:
                 pending = self._dense.start(f"fused{tag}.{key}", torch.cat([p.grad.reshape(-1) for p in ps]))
-            record(pending.name, raw, pending.bytes_sent)
+            record(pending.name, raw, pending)
             fused.append((ps, pending))
         return fused
 
@@ -197,8 +203,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._compressed = choose_exchange(compression, op, process_set, self._join)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
-        self._half = HalfExchange(compression, op, process_set) if isinstance(compression, GradientCompressor) \
-            else None
+        self._half = HalfExchange(compression, op, process_set) if isinstance(compression, GradientCompressor) else None
         self._sparse = SparseExchange(op, process_set)
         self._small_road = _SmallTensors(compression, self._parameter_names, self._dense, self._half)
         self._delay: Dict[torch.Tensor, int] = {}
@@ -210,11 +215,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._early_fused: Optional[List[Tuple[List[torch.Tensor], Pending]]] = None
         self._synchronized = False
         self._should_synchronize = True
-        self.comm_stats = ByteStats()   # bytes this rank hands to Horovod, all steps
-        self.last_step_bytes = 0        # ... in the last synchronize()
+        # Bytes this rank hands to Horovod: one ledger, the compressor's own when it has one.
+        self.comm_stats = compression.stats if isinstance(compression, GradientCompressor) else ByteStats()
+        self._record = functools.partial(_count, self.comm_stats)
         self.comm_wait_s = 0.0          # time synchronize() spent waiting for the network
         self.exchange_timing = self._compressed  # .codec_s / .codec_sync_s / .wait_s, all steps
-        self._step_bytes = 0
         self.last_local_norm: Optional[torch.Tensor] = None   # this rank's gradient norm before clip= (a tensor)
         self._hook_handles: List[Any] = []
         self._changes = _ChangeWatch(self._parameter_names)   # user code changing a gradient before synchronize()
@@ -336,11 +341,11 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             if not pending.finished:
                 self._compressed.finish(pending, p.grad)
             # Counted once finished: the QSGD road adds its allgather's bytes in advance().
-            self._record(pending.name, p.numel() * p.element_size(), pending.bytes_sent)
+            self._record(pending.name, p.numel() * p.element_size(), pending)
         self._small_road.finish(fused)
         for p, pending in self._sparse_pending.items():
             self._sparse.finish(pending, p.grad)
-            self._record(pending.name, pending.bytes_sent, pending.bytes_sent)
+            self._record(pending.name, pending.bytes_sent, pending)
         self._join.end_step()
         if isinstance(self.compression, GradientCompressor):
             known = {p: pending.finite for p, pending in self._pending.items()}
@@ -354,7 +359,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         self._early_fused, self._small, self._small_ready = None, None, 0
-        self.last_step_bytes, self._step_bytes = self._step_bytes, 0
+        self.comm_stats.end_step()
         self.comm_wait_s += time.perf_counter() - t0
         self._synchronized = True
         if changed is not None:
@@ -388,9 +393,10 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         exact = known_ok + [torch.isfinite(g).all() for g in rest]
         return bool(torch.stack([c.to(exact[0].device) for c in exact]).all())
 
-    def _record(self, name: str, raw_bytes: int, sent_bytes: int) -> None:
-        self._step_bytes += sent_bytes
-        self.comm_stats.record(name, raw_bytes, sent_bytes)
+    @property
+    def last_step_bytes(self) -> int:
+        """Bytes this rank handed to Horovod in the last ``synchronize()`` (``comm_stats.last_step``)."""
+        return self.comm_stats.last_step.sent
 
     @contextmanager
     def skip_synchronize(self):

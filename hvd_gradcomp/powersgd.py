@@ -193,7 +193,6 @@ class PowerSGD(GradientCompressor):
         matrix = acc.view(n, m).float()
         q = self._start_q(name, m, r, matrix.device)
         p = matrix @ q
-        self.stats.record(name, grad.numel() * grad.element_size(), (n + m) * r * 4)
         return RoundsWork(name, acc, matrix, None, p)
 
     def second_round(self, work: RoundsWork, p_average: torch.Tensor) -> torch.Tensor:

@@ -115,8 +115,9 @@ def test_a_registered_compressor_is_a_setting_of_the_launcher_and_config() -> No
         assert "halver-test" in compressions() and "halver-test" in codecs.names()
         c = from_env({"HVDGC_COMPRESSION": "halver-test", "HVDGC_SEED": "4"}).make_compressor()
         assert isinstance(c, _Halver) and c.seed == 4 and c.error_feedback
+        codecs.register("halver-test", _Halver)    # the same class again (a module imported twice): kept
         with pytest.raises(ValueError, match="registered already"):
-            codecs.register("halver-test", _Halver)
+            codecs.register("halver-test", type("Other", (_Halver,), {}))
         codecs.register("halver-test", _Halver, replace=True)
     finally:
         codecs.unregister("halver-test")

@@ -103,3 +103,17 @@ def test_no_two_pages_share_a_title() -> None:
         first = page.read_text().splitlines()[:1]
         titles.setdefault(first[0] if first else "", []).append(str(page.relative_to(ROOT)))
     assert not {t: ps for t, ps in titles.items() if len(ps) > 1}
+
+
+def test_the_codec_walkthrough_is_the_plugins_own_code() -> None:
+    """docs/WRITING_A_CODEC.md walks through tests/plugins/sign_plugin: every code block of the page
+    is in the plugin's source (or its pyproject.toml) as it is, so the page cannot drift from the file
+    its tests run."""
+    page = (DOCS / "WRITING_A_CODEC.md").read_text()
+    plugin = ROOT / "tests" / "plugins" / "sign_plugin"
+    sources = {"python": (plugin / "hvdgc_sign_plugin" / "__init__.py").read_text(),
+               "toml": (plugin / "pyproject.toml").read_text()}
+    blocks = re.findall(r"^```(python|toml)\n(.*?)^```", page, re.S | re.M)
+    assert len(blocks) >= 7
+    for lang, code in blocks:
+        assert code in sources[lang], f"this {lang} block of WRITING_A_CODEC.md is not in the plugin:\n{code}"

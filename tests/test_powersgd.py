@@ -41,8 +41,6 @@ def test_the_residual_is_the_gradient_plus_residual_minus_the_approximation() ->
         expected = grad.reshape(-1) + residual - out.reshape(-1)
         torch.testing.assert_close(c.residuals.residual("w"), expected, rtol=0, atol=1e-6)
         residual = c.residuals.residual("w").clone()
-    # what was sent over the steps plus what is still owed is what came in
-    assert c.stats.per_tensor["w"] == [4 * 64 * 48 * 4, 4 * (64 + 48) * 2 * 4]
 
 
 def test_without_error_feedback_nothing_is_kept_and_the_gradient_is_untouched() -> None:

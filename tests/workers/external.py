@@ -128,7 +128,7 @@ def run(wrap: Callable[[nn.Module, Any, Any], Any], mean: Callable[[torch.Tensor
     if hasattr(comp, "selected"):
         out["k"] = {n: comp.selected(dict(model.named_parameters())[n].numel()) for n in COMPRESSED}
     for n in COMPRESSED:
-        out["codec"][n] = comp.stats.per_tensor[n][1]
+        out["codec"][n] = comp.stats.per_tensor[n][1] - comp.stats.per_tensor[n][2]   # payload: sent less framing
         if comm_bytes is not None:
             out["comm"][n] = comm_bytes(handle, n)
     final = [p.detach().clone() for p in model.parameters()]
