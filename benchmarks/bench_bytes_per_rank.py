@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_bytes_per_rank.py --model-only     # no ranks started
     .venv/bin/python benchmarks/bench_bytes_per_rank.py --write-docs     # the tables of docs/FIGURES.md and docs/AUTO.md
 
-Roads (see :mod:`hvd_gradcomp.policy`): ``dense`` and ``fp16`` (Horovod's allreduce), ``qsgd``
+Roads (see :mod:`hvd_gradcomp.auto.policy`): ``dense`` and ``fp16`` (Horovod's allreduce), ``qsgd``
 (QSGD 8-bit compressed allreduce of hvd_gradcomp.DistributedOptimizer), ``qsgd-ag`` (QSGD 8-bit
 allgathered, as inside stock hvd.DistributedOptimizer), ``sparse`` (TopK 1% and TopKQSGD(1%, 8)
 allgathered), and ``auto`` (gc.Auto's exploration steps and choices). The model: 3 Linear
@@ -15,7 +15,7 @@ payloads; for the alltoall, the chunks addressed to other ranks): flat in the ra
 *wire*, when run as root, is what each rank really sends: the job runs in a fresh network
 namespace and rank 0 reads the namespace's loopback counter (``/proc/net/dev``) around the
 steps, divided by ranks and steps; it includes Horovod's negotiation and TCP headers.
-Modelled: :func:`hvd_gradcomp.policy.wire_bytes` summed over the tensors, from the payload
+Modelled: :func:`hvd_gradcomp.auto.policy.wire_bytes` summed over the tensors, from the payload
 sizes of the same model (tensors under 1,024 values go dense, fused), with the rank count
 past which the sparse road sends more than each flat road.
 """
@@ -193,7 +193,7 @@ MODEL_ROWS = [("uncompressed", "dense", None), ("fp16", "fp16", None), ("QSGD 8-
 
 def modelled(tensors: List[Dict[str, float]], road: str, key: Optional[str], ranks: int) -> float:
     """Modelled bytes each rank sends per step: small tensors dense (fused), the rest on ``road``."""
-    from hvd_gradcomp.policy import wire_bytes
+    from hvd_gradcomp.auto.policy import wire_bytes
 
     total = 0.0
     for t in tensors:
@@ -206,7 +206,7 @@ def modelled(tensors: List[Dict[str, float]], road: str, key: Optional[str], ran
 
 def crossovers(tensors: List[Dict[str, float]]) -> Dict[str, Dict[str, Optional[int]]]:
     """For each sparse setting: the rank count past which it sends more than each flat road."""
-    from hvd_gradcomp.policy import first_rank_where
+    from hvd_gradcomp.auto.policy import first_rank_where
 
     out = {}
     for label, _, key in MODEL_ROWS[4:]:
@@ -217,7 +217,7 @@ def crossovers(tensors: List[Dict[str, float]]) -> Dict[str, Dict[str, Optional[
 
 
 def model_tables(tensors: List[Dict[str, float]]) -> str:
-    lines = ["Modelled bytes each rank sends per step (ring algorithms; `hvd_gradcomp.policy.wire_bytes`):", "",
+    lines = ["Modelled bytes each rank sends per step (ring algorithms; `hvd_gradcomp.auto.policy.wire_bytes`):", "",
              "| road | setting | " + " | ".join(f"{p} ranks" for p in MODEL_RANKS) + " |",
              "| --- | --- | " + " | ".join("---:" for _ in MODEL_RANKS) + " |"]
     for label, road, key in MODEL_ROWS:
@@ -274,7 +274,7 @@ def readme_summary(results: Dict[int, dict], sizes: List[int], tensors: List[Dic
     cross = crossovers(tensors)["TopKQSGD(1%, 8)"]
     lines += ["", "A rank hands over the same bytes whatever the rank count, but an allgather makes each rank "
               "forward everybody's payload, so its wire bytes grow with the ranks while a ring allreduce's stay "
-              "under twice the tensor. Modelled (`hvd_gradcomp.policy`), TopKQSGD(1%, 8)'s allgather sends more "
+              "under twice the tensor. Modelled (`hvd_gradcomp.auto.policy`), TopKQSGD(1%, 8)'s allgather sends more "
               f"than an fp16 allreduce from {cross['fp16']} ranks on and more than QSGD's compressed allreduce "
               f"from {cross['QSGD 8-bit']}; all roads at 2-1024 ranks and the crossovers: [AUTO.md](AUTO.md)."]
     return "\n".join(lines)

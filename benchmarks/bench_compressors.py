@@ -181,7 +181,7 @@ def road(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from models import build_model  # examples/models.py, as the speed benchmarks
-    from hvd_gradcomp import reduce
+    from hvd_gradcomp.collectives import reduce
     torch.set_num_threads(args.threads or 1)
     torch.manual_seed(0)
     model = build_model(args.params, args.width)

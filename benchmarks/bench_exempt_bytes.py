@@ -18,7 +18,7 @@ import horovod.torch as hvd  # noqa: E402
 
 import hvd_gradcomp as gc  # noqa: E402
 from benchmarks.study.tasks import make_task  # noqa: E402
-from hvd_gradcomp.compressors import DEFAULT_MIN_COMPRESS_NUMEL  # noqa: E402
+from hvd_gradcomp.codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL  # noqa: E402
 
 STEPS = 5
 

@@ -99,7 +99,7 @@ def ab_variants(probe: "SyncBreakdown") -> List[Variant]:
     after the wait: session 7's code), "carried" (own parts from the encoder, not decoded) and
     "prezero" (also ``p.grad`` zeroed before the wait) and "new" (with two ranks, this rank's part
     also added to it before the wait)."""
-    from hvd_gradcomp import fused
+    from hvd_gradcomp.collectives import fused
 
     def use(carried: bool, prezero: bool, add_own: bool) -> Any:
         def apply() -> None:
@@ -113,7 +113,9 @@ class SyncBreakdown:
     """Wraps the functions ``synchronize()`` calls and charges their seconds to phases (see module doc)."""
 
     def __init__(self) -> None:
-        from hvd_gradcomp import compressors, exchange, fused, optimizer
+        from hvd_gradcomp.codecs import compressor as compressors
+        from hvd_gradcomp.collectives import exchange, fused
+        from hvd_gradcomp.horovod import optimizer
         self.inside, self.now = False, collections.Counter()
         self.last_exit = 0.0
         self.last_tc, self.last_pc = time.thread_time(), time.process_time()

@@ -23,20 +23,21 @@ _LAZY = {
     "Auto": "auto",
     "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "PowerSGD": "horovod",
     "HorovodIntegrationError": "horovod",
-    "GradientCompressor": "compressors", "SparsityWarmup": "compressors", "Encoded": "compressor_codec",
+    "GradientCompressor": "codecs.compressor", "SparsityWarmup": "codecs.compressor", "Encoded": "codecs.contract",
     "HorovodCompressor": "horovod",   # a codec of your own serves stock hvd.DistributedOptimizer with it
-    "ResidualStore": "feedback", "FrozenVariance": "frozen", "MomentumCorrection": "momentum",
+    "ResidualStore": "feedback", "FrozenVariance": "feedback.frozen", "MomentumCorrection": "feedback.momentum",
     "ByteStats": "stats",
     "WireFormatError": "wire",
-    "DistributedOptimizer": "optimizer",
-    "GradientAccumulator": "accumulate",
+    "DistributedOptimizer": "horovod.optimizer",
+    "GradientAccumulator": "horovod.accumulate",
 }
 
 __all__ = [*_LAZY, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ddp", "feedback"):  # submodules: the DDP hook (no Horovod), the feedback policies
+    if name in ("ddp", "feedback", "codecs", "wire"):  # subpackages: the DDP hook (no Horovod), the feedback
+        # policies, the codec registry and the wire format
         return import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:

@@ -1,6 +1,6 @@
 """The settings the library reads, checked in one place; imports nothing (no torch, no Horovod).
 
-* Checks of ratio, bits, bucket size, ``min_k`` and ``min_ratio``, used by the codecs (:mod:`hvd_gradcomp.compressors`)
+* Checks of ratio, bits, bucket size, ``min_k`` and ``min_ratio``, used by the codecs (:mod:`hvd_gradcomp.codecs.compressor`)
   and by the ``HVDGC_*`` settings alike, so a value is refused with the same message
   wherever it is given. Each message starts with the setting's name.
 * The ``HVDGC_*`` variables (:data:`VARIABLES`; the table is in :mod:`hvd_gradcomp.config`),
@@ -38,7 +38,7 @@ def check_bits(bits: Any) -> int:
 
 MIN_SELECTED = 32
 """The fewest values a top-k codec sends of a compressed tensor (``TopK(min_k=...)`` in
-:mod:`hvd_gradcomp.compressors`), whatever the ratio: below about 32 (8-bit values, delta-coded
+:mod:`hvd_gradcomp.codecs.compressor`), whatever the ratio: below about 32 (8-bit values, delta-coded
 indices) a payload's values and indices take fewer bytes than its own header (40 bytes plus 8 per dimension), so sending fewer saves
 almost nothing, while the tensor starves: at ratio 0.001 a 4096-element projection would send 5
 values per step and each coordinate wait ~800 steps for its turn (the study's transformer ended
@@ -143,7 +143,7 @@ def compressions() -> Tuple[str, ...]:
     >>> compressions()[:5]
     ('none', 'fp16', 'qsgd', 'topk', 'topk-qsgd')
     """
-    from . import codecs   # imports nothing heavy
+    from . import codecs  # imports nothing heavy
 
     return ("none", "fp16", *codecs.names(), "auto")
 

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
-from hvd_gradcomp.reduce import chunk_bounds  # noqa: E402
+from hvd_gradcomp.collectives.reduce import chunk_bounds  # noqa: E402
 from tests.ddp_workers import BUCKET_MB, batch, flat_grads, loss_of, net, reference_grad  # noqa: E402
 from tests.ddp_workers import main as run_jobs  # noqa: E402
 

@@ -429,9 +429,9 @@ def nonfinite(kind: str, bind: bool = False, **kw: Any) -> Dict[str, Any]:
 
 
 def transport() -> Dict[str, Any]:
-    """hvd_gradcomp.transport.TorchTransport on the default group: the exchanges' asynchronous
+    """hvd_gradcomp.collectives.transport.TorchTransport on the default group: the exchanges' asynchronous
     allreduce (average and sum) and Auto's blocking collectives."""
-    from hvd_gradcomp.transport import TorchTransport
+    from hvd_gradcomp.collectives.transport import TorchTransport
     rank, world = dist.get_rank(), dist.get_world_size()
     t = TorchTransport(None, world)
     avg, total = t.allreduce(torch.tensor([1.0 + rank, 10.0]), "x", average=True), \

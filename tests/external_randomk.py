@@ -5,7 +5,7 @@ Each rank sends k = ceil(ratio * n) coordinates of each tensor, drawn at random 
 per tensor, step and rank, from the seed the base class hands ``pack``), with their indices:
 a sparse payload in TopK's wire layout, carried by allgather. Error feedback, checkpoints,
 byte statistics, the float16 road of small tensors and every exchange road come from
-:class:`~hvd_gradcomp.compressors.GradientCompressor`; the Horovod protocol (stock
+:class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`; the Horovod protocol (stock
 ``hvd.DistributedOptimizer``) from :class:`~hvd_gradcomp.horovod.HorovodCompressor`. Nothing in
 ``hvd_gradcomp/`` names this class: registering it makes ``HVDGC_COMPRESSION=randomk`` work too.
 """
@@ -16,9 +16,10 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from hvd_gradcomp import codecs, kernels, wire
+from hvd_gradcomp import codecs, wire
+from hvd_gradcomp.wire import kernels
 from hvd_gradcomp import feedback as fb
-from hvd_gradcomp.compressors import Encoded, GradientCompressor
+from hvd_gradcomp.codecs.compressor import Encoded, GradientCompressor
 from hvd_gradcomp.horovod import HorovodCompressor
 from hvd_gradcomp.settings import check_ratio
 

@@ -181,7 +181,7 @@ def _run_clocked(monkeypatch, auto: gc.Auto, step_time, steps: int, decide=None)
     """Drive ``auto`` through ``steps`` steps of two tensors on a fake clock: each step lasts
     ``step_time(roads of its tensors)`` seconds; ``decide`` replaces the model's decisions."""
     import hvd_gradcomp.auto as auto_mod
-    import hvd_gradcomp.transport as transport_mod
+    import hvd_gradcomp.collectives.transport as transport_mod
 
     clock = [0.0]
     monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
@@ -240,7 +240,7 @@ def test_start_up_costs_of_a_road_stay_out_of_its_measured_costs(monkeypatch, ex
     Measured, the sparse road's start-up would send the tensor to qsgd (and the verdict would
     compare with start-up-inflated step times). fp16 and dense compile nothing: measured once."""
     import hvd_gradcomp.auto as auto_mod
-    import hvd_gradcomp.transport as transport_mod
+    import hvd_gradcomp.collectives.transport as transport_mod
 
     auto = gc.Auto(explore_steps=explore_steps)
     auto._configure("ours", "average", _FakeSet())
@@ -310,7 +310,7 @@ def test_roads_whose_bytes_alone_outlast_the_first_roads_step_are_not_explored(m
     comes that many steps sooner, verified against the roads explored. The dense road, which has
     no codec, stays open to the model's decisions."""
     import hvd_gradcomp.auto as auto_mod
-    import hvd_gradcomp.transport as transport_mod
+    import hvd_gradcomp.collectives.transport as transport_mod
 
     auto = gc.Auto()
     auto._configure("ours", "average", _FakeSet())
@@ -351,7 +351,7 @@ def test_a_skipped_dense_road_stays_open_to_the_decisions(monkeypatch):
     """Dense, skipped at a slow link, has no codec to measure: at a re-decision on a link that
     became fast, the model sends a tensor whose codec costs more than its bytes there dense."""
     import hvd_gradcomp.auto as auto_mod
-    import hvd_gradcomp.transport as transport_mod
+    import hvd_gradcomp.collectives.transport as transport_mod
 
     auto = gc.Auto(interval=6)
     auto._configure("ours", "average", _FakeSet())
@@ -376,8 +376,8 @@ def test_the_probe_is_sized_to_the_link(monkeypatch):
     about 50 ms where it is slower: at 100 Mbit/s the full probe took 2 s, again at every
     re-decision. Sized from the last decision's link, else from a timed pilot allreduce."""
     import hvd_gradcomp.auto as auto_mod
-    import hvd_gradcomp.transport as transport_mod
-    from hvd_gradcomp.policy import Link
+    import hvd_gradcomp.collectives.transport as transport_mod
+    from hvd_gradcomp.auto.policy import Link
 
     monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
     monkeypatch.setattr(transport_mod, "_hvd", lambda: _FakeHvd())   # Auto's mean and broadcast

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hvd_gradcomp import codecs
-from hvd_gradcomp.compressors import GradientCompressor
+from hvd_gradcomp.codecs.compressor import GradientCompressor
 from hvd_gradcomp.horovod import HorovodCompressor
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,9 @@ from itertools import pairwise
 import pytest
 import torch
 
-from hvd_gradcomp import QSGD, SparsityWarmup, TopK, TopKQSGD, kernels
-from hvd_gradcomp.compressors import payload_size
+from hvd_gradcomp import QSGD, SparsityWarmup, TopK, TopKQSGD
+from hvd_gradcomp.wire import kernels
+from hvd_gradcomp.codecs.compressor import payload_size
 from hvd_gradcomp.settings import MIN_SELECTED
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -305,7 +305,7 @@ def test_exit_waits_until_worker_threads_release_the_hooks_callbacks():
     waits for that (a thread taking the GIL during interpreter shutdown aborts the process)."""
     import threading
 
-    from hvd_gradcomp import ddp_roads as ddp   # the roads' callbacks and the exit handler
+    from hvd_gradcomp.ddp import roads as ddp  # the roads' callbacks and the exit handler
 
     f = torch.futures.Future()
     g = ddp._then(f, lambda done: done.value() * 2)
@@ -443,7 +443,7 @@ def test_clipping_momentum_corrected_averages_is_said(battery):
 def test_accumulator_clips_the_averaged_gradients(battery):
     """gc_ddp.GradientAccumulator(max_grad_norm=...) is the loop written out (no_sync, clip, step):
     the same parameters bit for bit, the same norms; the norm is large enough that clipping acts.
-    Under momentum correction it refuses (see hvd_gradcomp.accumulate.check_clippable)."""
+    Under momentum correction it refuses (see hvd_gradcomp.horovod.accumulate.check_clippable)."""
     for r in battery["acc-clipped"]:
         assert r["identical"], r
         assert r["norms"] == r["ref_norms"] and min(r["norms"]) > 0.05, r

@@ -79,7 +79,7 @@ def test_train_digits_epoch_flushes_partial_window(tmp_path: Path) -> None:
 
     4-bit QSGD without error feedback: unbiased, so six steps already learn. (With error
     feedback, 4-bit payloads are scaled by 1/(1+w) = 0.24 to keep the residual bounded, which
-    slows the first steps; see hvd_gradcomp.compressors.qsgd_ef_scale.)
+    slows the first steps; see hvd_gradcomp.codecs.compressor.qsgd_ef_scale.)
     """
     _run_2_ranks([TRAIN, "--data", "digits", "--steps", "0", "--epochs", "1", "--micro-batch", "32",
                   "--compression", "qsgd", "--bits", "4", "--no-error-feedback", "--accumulate", "4",

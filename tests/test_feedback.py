@@ -341,7 +341,7 @@ def test_a_held_residual_is_never_reused():
 def test_momentum_correction_on_a_sparse_support_equals_the_dense_rewrite(dampening):
     """Told where the average is nonzero (a sparse exchange), momentum correction keeps D_t
     sparse; what the optimizer gets and the checkpoint are those of the dense rewrite."""
-    from hvd_gradcomp.momentum import MomentumCorrection
+    from hvd_gradcomp.feedback.momentum import MomentumCorrection
 
     dense, sparse = MomentumCorrection(0.9, dampening), MomentumCorrection(0.9, dampening)
     for step in range(5):
@@ -368,7 +368,7 @@ def test_momentum_correction_on_a_sparse_support_equals_the_dense_rewrite(dampen
 def _unfused_momentum(**kw):
     """Momentum correction without its fused pass: the input is checked, built, then top-k finds
     its own candidates (the road before kernels.momentum_marked)."""
-    from hvd_gradcomp.momentum import MomentumCorrection
+    from hvd_gradcomp.feedback.momentum import MomentumCorrection
 
     class Unfused(MomentumCorrection):
         def prepare_marked(self, name, grad, k, total=False):
@@ -385,7 +385,7 @@ def test_fused_momentum_correction_equals_the_unfused_one(masking, dampening):
     """The fused pass (velocity, residual add, candidate marks, finite sum) sends the same bytes and
     keeps the same state as building the input and selecting separately: through the sparsity
     warm-up (25% of the entries: exact top-k; later 1%: sampled candidates), with masking."""
-    from hvd_gradcomp.momentum import MomentumCorrection
+    from hvd_gradcomp.feedback.momentum import MomentumCorrection
     kw = dict(momentum=0.9, dampening=dampening, masking=masking, sparsity_warmup=6)
     fused = TopKQSGD(ratio=0.01, bits=8, seed=3, feedback=MomentumCorrection(**kw))
     plain = TopKQSGD(ratio=0.01, bits=8, seed=3, feedback=_unfused_momentum(**kw))
@@ -406,7 +406,7 @@ def test_fused_momentum_correction_equals_the_unfused_one(masking, dampening):
 def test_fused_momentum_correction_refuses_non_finite_and_changes_nothing():
     """A NaN gradient found by the fused pass's sum raises as before the fusion, and the velocity,
     residual and random stream stay as they were: the next steps equal a run that never saw it."""
-    from hvd_gradcomp.momentum import MomentumCorrection
+    from hvd_gradcomp.feedback.momentum import MomentumCorrection
     hit = TopKQSGD(ratio=0.01, bits=8, seed=5, feedback=MomentumCorrection(0.9, sparsity_warmup=0))
     clean = TopKQSGD(ratio=0.01, bits=8, seed=5, feedback=MomentumCorrection(0.9, sparsity_warmup=0))
     for step in range(4):

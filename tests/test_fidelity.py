@@ -13,10 +13,10 @@ import torch
 import hvd_gradcomp as gc
 from hvd_gradcomp import QSGD, TopK, TopKQSGD
 from hvd_gradcomp import feedback as fb
-from hvd_gradcomp.compressor_policy import HANDED_CHECK_STEPS
-from hvd_gradcomp.compressors import SparsityWarmup
-from hvd_gradcomp.frozen import FLAT_RATE_STEPS
-from hvd_gradcomp.momentum import MomentumCorrection
+from hvd_gradcomp.codecs.binding import HANDED_CHECK_STEPS
+from hvd_gradcomp.codecs.compressor import SparsityWarmup
+from hvd_gradcomp.feedback.frozen import FLAT_RATE_STEPS
+from hvd_gradcomp.feedback.momentum import MomentumCorrection
 
 
 def gen(seed: int) -> torch.Generator:
@@ -681,7 +681,7 @@ def test_sparsity_warmup_lasts_longer_below_one_percent(policy):
     ratios of 1% and above; below, longer: "frozen" keeps the pace it has at 1% (172 steps at 0.1%),
     "momentum", whose warm-up is all its lead-in, lasts sqrt(1%/ratio) times longer (317 steps at
     0.1%); a schedule of the user's own takes precedence. "frozen" has none by default."""
-    from hvd_gradcomp.compressors import sparsity_warmup_steps
+    from hvd_gradcomp.codecs.compressor import sparsity_warmup_steps
     p = torch.zeros(4000, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9) if policy == "momentum" else torch.optim.AdamW([p])
     asked = {} if policy == "momentum" else {"feedback": gc.FrozenVariance(sparsity_warmup=100)}
@@ -736,7 +736,7 @@ def test_a_param_group_added_after_binding_is_bound_before_its_first_compression
 
 
 def test_sparsity_warmup_pace_is_checked():
-    from hvd_gradcomp.compressors import sparsity_warmup_steps
+    from hvd_gradcomp.codecs.compressor import sparsity_warmup_steps
     with pytest.raises(ValueError, match="pace must be 'same' or 'sqrt'"):
         sparsity_warmup_steps(100, 0.001, "fast")
 

@@ -19,10 +19,10 @@ hvd = pytest.importorskip("horovod.torch")
 import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import horovod as adapter  # noqa: E402
 from hvd_gradcomp import settings  # noqa: E402
-from hvd_gradcomp import exchange  # noqa: E402
-from hvd_gradcomp.exchange import JoinGuard, JoinNotSupportedError  # noqa: E402
-from hvd_gradcomp.reduce import (chunk_bounds, decode_payloads, finite_at_indices, reduce_payloads,  # noqa: E402
-                                 sum_parts)
+from hvd_gradcomp.collectives import exchange  # noqa: E402
+from hvd_gradcomp.collectives.exchange import JoinGuard, JoinNotSupportedError  # noqa: E402
+from hvd_gradcomp.collectives.reduce import (chunk_bounds, decode_payloads, finite_at_indices,  # noqa: E402
+                                             reduce_payloads, sum_parts)
 from tests.harness import run_single  # noqa: E402
 
 # What Horovod 0.28.1's optimizers do around compress(), under their file name.
@@ -170,7 +170,7 @@ def test_bind_checks_names() -> None:
 
 
 def test_public_classes_are_codecs_with_horovods_protocol() -> None:
-    from hvd_gradcomp import qsgd, topk
+    from hvd_gradcomp.codecs import qsgd, topk
 
     assert isinstance(gc.TopKQSGD(), gc.TopK) and isinstance(gc.TopKQSGD(), topk.TopKQSGD)
     assert not hasattr(qsgd.QSGD(), "compress")   # codecs know no Horovod
@@ -454,7 +454,7 @@ def test_distributed_optimizer_refuses_what_is_not_a_compressor(bad: Any) -> Non
     """Refused by gc.DistributedOptimizer before any hook is registered (a name such as "topk"
     used to pass and fail inside the first backward, with hooks left on the parameters); the
     message names what was given and what is accepted, and for a name how to build one."""
-    from hvd_gradcomp.optimizer import _check_compression
+    from hvd_gradcomp.horovod.optimizer import _check_compression
     with pytest.raises(ValueError) as err:
         _check_compression(bad)
     text = str(err.value)
@@ -467,14 +467,14 @@ def test_distributed_optimizer_refuses_a_compressor_class(cls: str) -> None:
     """compression=TopKQSGD (no parentheses) is refused when the optimizer is built, naming the fix
     (it failed at the first step: compress() called without self)."""
     import hvd_gradcomp as gc
-    from hvd_gradcomp.optimizer import _check_compression
+    from hvd_gradcomp.horovod.optimizer import _check_compression
     with pytest.raises(TypeError, match=rf"compression={cls}\) got the class: pass an instance, compression={cls}\(\.\.\.\)"):
         _check_compression(getattr(gc, cls))
 
 
 def test_distributed_optimizer_accepts_every_kind_of_compressor() -> None:
     """None, ours, Auto and Horovod's compressors (classes with compress/decompress) pass."""
-    from hvd_gradcomp.optimizer import _check_compression
+    from hvd_gradcomp.horovod.optimizer import _check_compression
     horovod_like = SimpleNamespace(compress=lambda t: (t, None), decompress=lambda t, ctx: t)
     for ok in (None, gc.TopKQSGD(ratio=0.01, bits=8), gc.QSGD(bits=8), gc.TopK(ratio=0.01), gc.Auto(), horovod_like,
                hvd.Compression.none, hvd.Compression.fp16):

@@ -1,4 +1,4 @@
-"""The fused and refactored kernels against their plain references (hvd_gradcomp.kernels)."""
+"""The fused and refactored kernels against their plain references (hvd_gradcomp.wire.kernels)."""
 from __future__ import annotations
 
 import warnings
@@ -6,7 +6,8 @@ import warnings
 import pytest
 import torch
 
-from hvd_gradcomp import TopK, TopKQSGD, kernels
+from hvd_gradcomp import TopK, TopKQSGD
+from hvd_gradcomp.wire import kernels
 from hvd_gradcomp.feedback import ErrorFeedback, subtract_sent
 
 NAN, INF = float("nan"), float("inf")

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from hvd_gradcomp.launchers import cli
-from hvd_gradcomp.launchers.command import LaunchError, LaunchSpec, build_command, format_hosts, parse_hostfile_text, \
-    parse_hosts, program_argv, resolve_np
+from hvd_gradcomp.launchers.command import (LaunchError, LaunchSpec, build_command, format_hosts, parse_hostfile_text,
+                                            parse_hosts, program_argv, resolve_np)
 
 SCRIPT = "tests/scripts/launch_target.py"
 HVDGC_DEFAULT_ENV = {"HVDGC_COMPRESSION": "none", "HVDGC_RATIO": "0.01", "HVDGC_BITS": "8",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvd_gradcomp import policy
-from hvd_gradcomp.policy import Link, TensorCosts, choose, crossover_ranks, decide, wire_bytes
+from hvd_gradcomp.auto import policy
+from hvd_gradcomp.auto.policy import Link, TensorCosts, choose, crossover_ranks, decide, wire_bytes
 
 
 def brute_crossover(road, numel, sparse, payload=0.0):

@@ -9,7 +9,7 @@ import torch
 
 import hvd_gradcomp as gc
 from hvd_gradcomp import codecs
-from hvd_gradcomp.powersgd import PowerSGD, orthogonalize
+from hvd_gradcomp.codecs.powersgd import PowerSGD, orthogonalize
 
 
 def one_rank(c: PowerSGD, name: str, grad: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The exchange algorithms written once (hvd_gradcomp/rounds.py), driven here by simulated ranks in
+"""The exchange algorithms written once (hvd_gradcomp/collectives/rounds.py), driven here by simulated ranks in
 one process: what each rank ends with, against PowerSGD's rounds computed by hand, and QSGD's
 compressed allreduce against the average, with NaN flags and ranks that disagree."""
 from typing import List
@@ -6,9 +6,9 @@ from typing import List
 import pytest
 import torch
 
-from hvd_gradcomp.powersgd import PowerSGD, orthogonalize
-from hvd_gradcomp.qsgd import QSGD
-from hvd_gradcomp.rounds import Average, Gather, Scatter, compressed_allreduce, finish, low_rank_rounds
+from hvd_gradcomp.codecs.powersgd import PowerSGD, orthogonalize
+from hvd_gradcomp.codecs.qsgd import QSGD
+from hvd_gradcomp.collectives.rounds import Average, Gather, Scatter, compressed_allreduce, finish, low_rank_rounds
 
 
 def drive_in_lockstep(runs: List) -> List[str]:

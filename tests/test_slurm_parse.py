@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from hvd_gradcomp.launchers import cli
-from hvd_gradcomp.launchers.slurm import Allocation, BatchJob, SlurmError, allocation_from_env, expand_nodelist, \
-    launcher_args, parse_tasks_per_node, render_sbatch
+from hvd_gradcomp.launchers.slurm import (Allocation, BatchJob, SlurmError, allocation_from_env, expand_nodelist,
+                                          launcher_args, parse_tasks_per_node, render_sbatch)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = sorted((ROOT / "hvd_gradcomp" / "launchers" / "slurm").glob("*.sbatch"))

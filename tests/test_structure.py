@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 
@@ -21,45 +21,75 @@ from hvd_gradcomp import _LAZY, config
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hvd_gradcomp"
 # What is sent and what is remembered: no Horovod, nothing from the layers above.
-CODEC_MODULES = {"settings", "codecs", "wire", "kernels", "compressors", "compressor_codec", "compressor_exempt",
-                 "compressor_policy", "compressor_state", "feedback", "momentum", "frozen", "frozen_warmup",
-                 "frozen_scale", "frozen_momentum", "qsgd", "topk", "stats"}
-# Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod.py only.
+CODEC_MODULES = {"settings", "stats", "codecs", "wire", "wire.kernels", "feedback", "feedback.momentum",
+                 "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
+                 "codecs.compressor", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps",
+                 "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
+# Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod/__init__.py only.
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
+
+
+def modules_of(package: Path) -> Dict[str, List[Path]]:
+    """Module name (dotted, relative to the package; a subpackage is its ``__init__``) -> its files.
+    The ``launchers`` subpackage is one node, as its layer is."""
+    out: Dict[str, List[Path]] = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        name = "launchers" if parts[0] == "launchers" else \
+            ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out.setdefault(name, []).append(path)
+    return out
 
 
 def import_graph(package: Path) -> Dict[str, Set[str]]:
     """module -> the package modules it imports (anywhere in the file), plus "HOROVOD"
     for an import of Horovod itself. ``from . import Name`` of a lazily exported name
     counts as an import of the module that defines it."""
-    modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
+    files = modules_of(package)
     graph: Dict[str, Set[str]] = {}
-    for path in sorted(package.glob("*.py")):
-        if path.stem == "__init__":
-            continue
+    for name, paths in files.items():
         deps: Set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                deps |= {"HOROVOD" for a in node.names if a.name.split(".")[0] == "horovod"}
-                deps |= {a.name.split(".")[1] for a in node.names
-                         if a.name.startswith(f"{package.name}.") and a.name.split(".")[1] in modules}
-            elif isinstance(node, ast.ImportFrom):
-                deps |= _from_import(node, package.name, modules)
-        graph[path.stem] = deps
+        for path in paths:
+            where = path.relative_to(package).with_suffix("").parts[:-1]   # the file's own package
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    deps |= {"HOROVOD" for a in node.names if a.name.split(".")[0] == "horovod"}
+                    deps |= {_owner(a.name.split(".", 1)[1], files) for a in node.names
+                             if a.name.startswith(f"{package.name}.")}
+                elif isinstance(node, ast.ImportFrom):
+                    deps |= _from_import(node, package.name, where, files)
+        graph[name] = deps - {name}
     return graph
 
 
-def _from_import(node: ast.ImportFrom, package: str, modules: Set[str]) -> Set[str]:
+def _owner(dotted: str, files: Dict[str, List[Path]]) -> Optional[str]:
+    """The module of ``files`` that ``dotted`` (relative to the package) is or lies in; None: a name
+    of the package itself."""
+    parts = dotted.split(".")
+    if parts[0] == "launchers":
+        return "launchers"
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in files:
+            return ".".join(parts[:i])
+    return None
+
+
+def _from_import(node: ast.ImportFrom, package: str, where: Tuple[str, ...], files: Dict[str, List[Path]]) -> Set[str]:
+    """What ``from X import a, b`` imports: for each name, the submodule it is, the module ``X`` it
+    lies in, or (``X`` the package itself) the module :data:`_LAZY` says defines it."""
     base = node.module or ""
-    if node.level == 0 and base.split(".")[0] == "horovod":
-        return {"HOROVOD"}
-    if node.level == 0 and not (base == package or base.startswith(f"{package}.")):
-        return set()
-    sub = base.split(".", 1)[1] if node.level == 0 and "." in base else (base if node.level else "")
-    if sub:
-        return {sub.split(".")[0]} if sub.split(".")[0] in modules else set()
-    # from . import a, B: submodules, or names defined in the module __init__ points at
-    return {a.name if a.name in modules else _LAZY.get(a.name, "__init__") for a in node.names} - {"__init__"}
+    if node.level == 0:
+        if base.split(".")[0] == "horovod":
+            return {"HOROVOD"}
+        if not (base == package or base.startswith(f"{package}.")):
+            return set()
+        parts = base.split(".")[1:]
+    else:
+        parts = list(where[:len(where) - (node.level - 1)]) + (base.split(".") if base else [])
+    found = {_owner(".".join(parts + [a.name]), files) or _LAZY.get(a.name) for a in node.names}
+    return found - {None}
 
 
 def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
@@ -109,7 +139,7 @@ def test_cycle_finder_and_graph_reader_catch_a_planted_circle(tmp_path: Path) ->
 
 def test_no_import_circle_in_the_package() -> None:
     graph = import_graph(PACKAGE)
-    assert {"horovod", "compressors", "exchange", "optimizer", "config"} <= set(graph)
+    assert {"horovod", "codecs.compressor", "collectives.exchange", "horovod.optimizer", "config"} <= set(graph)
     assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph))}"
 
 
@@ -117,7 +147,7 @@ def test_codecs_import_neither_horovod_nor_the_layers_above() -> None:
     graph = import_graph(PACKAGE)
     for module in sorted(CODEC_MODULES):
         above = graph[module] - CODEC_MODULES
-        assert not above, f"hvd_gradcomp/{module}.py imports {sorted(above)}: codecs depend on codecs only"
+        assert not above, f"hvd_gradcomp.{module} imports {sorted(above)}: codecs depend on codecs only"
 
 
 def test_only_the_adapter_touches_horovod_internals() -> None:
@@ -125,7 +155,7 @@ def test_only_the_adapter_touches_horovod_internals() -> None:
         if path.stem == "horovod":
             continue
         found = [mark for mark in HOROVOD_INTERNAL_MARKS if mark in path.read_text()]
-        assert not found, f"{path.name} uses {found}: Horovod internals belong in hvd_gradcomp/horovod.py"
+        assert not found, f"{path.name} uses {found}: Horovod internals belong in hvd_gradcomp/horovod/__init__.py"
 
 
 def test_public_names_are_defined_where_the_lazy_table_says() -> None:
@@ -168,38 +198,25 @@ def test_every_hvdgc_variable_is_in_the_one_table() -> None:
 # The layers, lowest first: a module imports only modules of its own layer or lower ones.
 # docs/ARCHITECTURE.md shows the same table (checked below); a new module needs a row here.
 LAYERS = (
-    ("settings", ("settings", "codecs", "stats", "policy")),
-    ("wire", ("wire",)),
-    ("kernels", ("kernels",)),
-    ("feedback", ("feedback", "momentum", "frozen", "frozen_warmup", "frozen_scale", "frozen_momentum")),
-    ("compressors", ("compressors", "compressor_codec", "compressor_exempt", "compressor_policy", "compressor_state",
-                     "qsgd", "topk", "powersgd")),
-    ("reduce", ("reduce", "rounds")),
-    ("transport", ("transport",)),
-    ("exchange", ("exchange", "inflight", "fused")),
+    ("settings", ("settings", "stats", "codecs")),
+    ("wire", ("wire", "wire.kernels")),
+    ("feedback", ("feedback", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
+                  "feedback.frozen_momentum")),
+    ("codecs", ("codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.compressor",
+                "codecs.qsgd", "codecs.topk", "codecs.powersgd")),
+    ("collectives", ("collectives", "collectives.reduce", "collectives.rounds", "collectives.transport",
+                     "collectives.inflight", "collectives.exchange", "collectives.fused")),
     ("horovod", ("horovod",)),
-    ("auto", ("auto", "auto_schedule", "auto_measure", "auto_state")),
-    ("optimizers", ("optimizer", "accumulate", "ddp", "ddp_roads", "ddp_auto", "config")),
+    ("auto", ("auto", "auto.policy", "auto.schedule", "auto.measure", "auto.state")),
+    ("optimizers", ("horovod.optimizer", "horovod.accumulate", "ddp", "ddp.roads", "ddp.auto", "config")),
     ("launchers", ("launchers",)),
 )
-FIRST_WITH_HOROVOD = "transport"   # layers below it import no Horovod
+FIRST_WITH_HOROVOD = "collectives"   # layers below it import no Horovod
 
 
 def layered_graph(package: Path) -> Dict[str, Set[str]]:
-    """:func:`import_graph` of the package's modules, with the ``launchers`` subpackage as one node."""
-    graph = import_graph(package)
-    modules = set(graph)
-    deps: Set[str] = set()
-    for path in sorted((package / "launchers").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.level != 1:   # level 1: the launchers' own modules
-                deps |= _from_import(node, package.name, modules)
-            elif isinstance(node, ast.Import):
-                deps |= {"HOROVOD" for a in node.names if a.name.split(".")[0] == "horovod"}
-                deps |= {a.name.split(".")[1] for a in node.names
-                         if a.name.startswith(f"{package.name}.") and a.name.split(".")[1] in modules}
-    graph["launchers"] = deps
-    return graph
+    """:func:`import_graph`, whose nodes are the layers' modules (the ``launchers`` subpackage is one)."""
+    return import_graph(package)
 
 
 def layer_violations(graph: Dict[str, Set[str]], layers=LAYERS) -> List[str]:
@@ -236,30 +253,33 @@ def test_imports_point_down_the_layers() -> None:
 
 def test_the_layer_checker_catches_an_upward_import(tmp_path: Path) -> None:
     pkg = tmp_path / "hvd_gradcomp"
-    (pkg / "launchers").mkdir(parents=True)
+    for folder in ("launchers", "wire", "collectives"):
+        (pkg / folder).mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "wire.py").write_text("def f():\n    from .exchange import X\n")   # lazy, still up
-    (pkg / "exchange.py").write_text("import horovod.torch\nfrom . import wire\n")
-    (pkg / "kernels.py").write_text("import horovod.torch as hvd\n")
-    (pkg / "launchers" / "cli.py").write_text("from .. import exchange\nfrom ..wire import f\n")
+    (pkg / "collectives" / "__init__.py").write_text("")
+    (pkg / "wire" / "__init__.py").write_text("def f():\n    from ..collectives.exchange import X\n")   # lazy, still up
+    (pkg / "collectives" / "exchange.py").write_text("import horovod.torch\nfrom .. import wire\n")
+    (pkg / "wire" / "kernels.py").write_text("import horovod.torch as hvd\n")
+    (pkg / "launchers" / "cli.py").write_text("from .. import collectives\nfrom ..wire import f\n")
     graph = layered_graph(pkg)
-    assert graph["launchers"] == {"exchange", "wire"}
-    assert layer_violations(graph) == ["kernels (layer kernels) imports Horovod",
-                                       "wire (layer wire) imports exchange (layer exchange)"]
+    assert graph["launchers"] == {"collectives", "wire"}
+    assert graph["collectives.exchange"] == {"HOROVOD", "wire"}
+    assert layer_violations(graph) == ["wire (layer wire) imports collectives.exchange (layer collectives)",
+                                       "wire.kernels (layer wire) imports Horovod"]
 
 
 def test_the_architecture_page_shows_the_layers() -> None:
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    rows = re.findall(r"^\| (\w+) \| ((?:`\w+`(?:, )?)+) \|", text, flags=re.M)
-    shown = tuple((name, tuple(re.findall(r"`(\w+)`", mods))) for name, mods in rows)
+    rows = re.findall(r"^\| (\w+) \| ((?:`[\w.]+`(?:, )?)+) \|", text, flags=re.M)
+    shown = tuple((name, tuple(re.findall(r"`([\w.]+)`", mods))) for name, mods in rows)
     assert shown == LAYERS, "docs/ARCHITECTURE.md's layer table differs from tests/test_structure.py LAYERS"
 
 
 @pytest.mark.parametrize("module", ["reduce", "rounds"])
 def test_the_reduction_helpers_import_no_collective_library(module: str) -> None:
-    """hvd_gradcomp/reduce.py and the algorithms written once (rounds.py) serve both the Horovod
+    """hvd_gradcomp/collectives/reduce.py and the algorithms written once (rounds.py) serve both the Horovod
     exchanges and the DDP hook: neither Horovod nor torch.distributed."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    tree = ast.parse((PACKAGE / "collectives" / f"{module}.py").read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in names if m.startswith(("horovod", "torch.distributed"))], names

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_gradcomp as gc
-from hvd_gradcomp.compressors import WARMUP_PACE_RATIO
+from hvd_gradcomp.codecs.compressor import WARMUP_PACE_RATIO
 
 STEPS, FREEZE = 300, 100   # FREEZE: FrozenVariance's default warmup
 NO_WARMUP = "... FrozenVariance() (no sparsity warm-up after the freeze)"

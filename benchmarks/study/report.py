@@ -271,7 +271,7 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "",
         "Every compressed row uses the library as the README shows it: `compression=...` in the "
         "DistributedOptimizer, nothing else. The column *feedback (auto)* is the error-feedback policy the "
-        "library chose from the wrapped optimizer (`feedback=\"auto\"`, see `hvd_gradcomp/feedback.py`); "
+        "library chose from the wrapped optimizer (`feedback=\"auto\"`, see `hvd_gradcomp/feedback/__init__.py`); "
         "the *classic EF* rows force `feedback=\"classic\"` (error feedback on gradients: the recipe "
         "before issue 9) and, with Adam and AdamW, the *compress the update* rows force `feedback=\"update\"` "
         "(the default before `frozen`), the *previous default* rows run `FrozenVariance` with its defaults "
@@ -285,7 +285,7 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "but hold each residual at the learning rate it was computed at (`follow_lr = False`, the recipe before "
         "residuals followed the schedule), and the *100-step sparsity warm-up* rows give TopKQSGD(0.1%, 8) the "
         "warm-up of 100 steps it had before the warm-up lasted longer below ratio 1% "
-        "(`hvd_gradcomp.compressors.sparsity_warmup_steps`), as a `ratio=SparsityWarmup(0.001, steps=100)` "
+        "(`hvd_gradcomp.codecs.compressor.sparsity_warmup_steps`), as a `ratio=SparsityWarmup(0.001, steps=100)` "
         "schedule, so the gain is visible; with momentum SGD the *172-step sparsity warm-up* rows give it the "
         "172 steps it had next (the pace of 1%, as `frozen` still has), before `momentum`'s warm-up lasted "
         "`sqrt(1% / ratio)` times its 100 steps (317 at 0.1%). On the char-MLP, the *output layer at 1%* row keeps that layer "

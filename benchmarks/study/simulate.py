@@ -6,7 +6,7 @@ ranks "send" is encoded and decoded by the library's own codecs and averaged, an
 
     PYTHONPATH=. python benchmarks/study/simulate.py --task tf --opt adamw --policies none,classic,ef21 --seeds 0,1
 
-The policies here are the candidates; the one chosen lives in hvd_gradcomp/feedback.py.
+The policies here are the candidates; the one chosen lives in hvd_gradcomp/feedback/__init__.py.
 """
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ training with a smaller step (the LSTM clipped at 0.1) or a longer one (AdamW an
 rate), which tells whether a compressed road ending below uncompressed took a smaller or a longer
 effective step than the recipe's (docs/RECIPES.md); and the nanoGPT and tied-embedding recipes at
 8e-3, where uncompressed training still learns and the frozen second moment blew up before its step
-was bounded by Adam's (hvd_gradcomp.frozen.FrozenVariance._step_bound)."""
+was bounded by Adam's (hvd_gradcomp.feedback.frozen.FrozenVariance._step_bound)."""
 
 
 def recipe_plan(names: list, seeds: list) -> list:

@@ -28,11 +28,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import click
 
-from hvd_gradcomp import codecs, config, settings  # the settings modules only: importing them loads no torch
-from hvd_gradcomp.settings import compressions
+from .. import codecs, config, settings  # the settings modules only: importing them loads no torch
+from ..settings import compressions
 from . import guard
-from .command import FORWARDED_ENV, KEEP_FREED_MEMORY, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec, build_command, \
-    parse_hostfile_text, parse_hosts, resolve_np
+from .command import (FORWARDED_ENV, KEEP_FREED_MEMORY, LAUNCHERS, LOG_LEVELS, Host, LaunchError, LaunchSpec,
+                      build_command, parse_hostfile_text, parse_hosts, resolve_np)
 from .slurm import BatchJob, allocation_from_env, render_sbatch, submit
 from .watch import JobWatch, is_local, rank_hosts
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
-from hvd_gradcomp.config import VARIABLES
+from ..config import VARIABLES
 
 from .command import LaunchSpec, build_command
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hvd_gradcomp as gc
-from hvd_gradcomp.reduce import chunk_bounds
+from hvd_gradcomp.collectives.reduce import chunk_bounds
 from tests.workers.integration import all_ranks_equal, batch, make_model
 
 
@@ -85,7 +85,7 @@ def fused(steps: int = 3) -> Dict[str, Any]:
     """Fused sparse allgathers give bit-for-bit the gradients of one allgather per tensor, on
     every rank; the last group launches from the last hook; no payload header is read twice."""
     from hvd_gradcomp import wire
-    from hvd_gradcomp.exchange import AllgatherExchange, TimedExchange, wait_done
+    from hvd_gradcomp.collectives.exchange import AllgatherExchange, TimedExchange, wait_done
 
     out: Dict[str, Any] = {}
     for fusion_bytes in (1 << 30, 96 * 80 * 4):   # one group per step; a group per ~1-2 tensors

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_gradcomp as gc
-from hvd_gradcomp.frozen import FrozenVariance
+from hvd_gradcomp.feedback.frozen import FrozenVariance
 
 LR = 1e-2
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import hvd_gradcomp as gc
-from hvd_gradcomp.exchange import JoinNotSupportedError, RankDivergenceError
+from hvd_gradcomp.collectives.exchange import JoinNotSupportedError, RankDivergenceError
 from tests.workers.integration import batch, make_model
 
 _checks = iter(range(1 << 30))

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import hvd_gradcomp as gc
-from hvd_gradcomp.compressors import qsgd_ef_scale
-from hvd_gradcomp.kernels import half_bound
+from hvd_gradcomp.codecs.compressor import qsgd_ef_scale
+from hvd_gradcomp.wire.kernels import half_bound
 from hvd_gradcomp.stats import ByteStats  # noqa: F401  (documented attribute types)
 
 IN, HIDDEN, OUT = 64, 128, 10   # fc1.weight 8192 and fc2.weight 1280 elements: compressed
@@ -507,7 +507,7 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
     Runs as they come, and with every allgather seen as still in flight during backward (hvd.poll
     answers False there), so that every launched group is prepared and zeroed before its wait;
     then p.grad must still hold the local gradient after backward (never zeros)."""
-    from hvd_gradcomp import exchange, fused
+    from hvd_gradcomp.collectives import exchange, fused
 
     def train(prepare: bool, in_flight: bool, shortcuts: bool = True) -> Dict[str, Any]:
         torch.manual_seed(0)

@@ -1,0 +1,130 @@
+"""Which tensors a compressor compresses, and how the exempt ones travel: the float16 road
+(a mixin of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`, :class:`ExemptRoad`).
+
+Small tensors (biases, norms) and those ``exclude=`` matches go uncompressed; under ``exempt="fp16"``
+a float32 one travels as float16 with error feedback of the cast
+(:class:`~hvd_gradcomp.feedback.HalfPrecision`, the compressor's ``_half``).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from .. import feedback as fb
+
+DEFAULT_MIN_COMPRESS_NUMEL = 1024
+"""Tensors with fewer elements (biases, norms) go uncompressed on both DistributedOptimizers:
+a 1% top-k of a 16-element bias sends one value. Not compressed is not free: the study's
+transformer's 3,584 such float32 values are two thirds of its bytes under TopKQSGD(1%, 8)
+(``benchmarks/bench_exempt_bytes.py``), hence ``exempt="fp16"``."""
+EXEMPT_MODES = ("fp16", "fp32")
+"""``exempt=``: how tensors exempt from compression travel (see :class:`GradientCompressor`)."""
+
+
+class ExemptRoad:
+    """Which tensors are compressed (:meth:`compresses`) and the float16 road of the float32 ones
+    exempt by design (:meth:`sends_half`, :meth:`encode_half`). Mixed into
+    :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`, which owns ``exclude``, ``feedback`` and
+    ``_half``."""
+
+    @property
+    def exempt(self) -> str:
+        """How float32 tensors exempt from compression travel: ``"fp16"`` or ``"fp32"`` (see the class)."""
+        return self._exempt
+
+    @exempt.setter
+    def exempt(self, value: str) -> None:
+        if value not in EXEMPT_MODES:
+            raise ValueError(f"exempt must be one of {EXEMPT_MODES} (how tensors left uncompressed by size or "
+                             f"exclude= travel: float16 with error feedback, or as they are), got {value!r}")
+        self._exempt = value
+
+    def compresses(self, name: str, numel: Optional[int] = None) -> bool:
+        """Whether tensor ``name`` (of ``numel`` elements) is compressed; False: ``exclude``
+        matches its name, or it has fewer than :data:`DEFAULT_MIN_COMPRESS_NUMEL` elements
+        (``hvd_gradcomp.DistributedOptimizer`` takes its ``min_compress_numel`` instead), and it
+        goes uncompressed in the dense allreduce; or its feedback policy asks for a dense step
+        (:meth:`hvd_gradcomp.feedback.Feedback.dense`).
+
+        >>> from hvd_gradcomp.codecs.topk import TopK
+        >>> c = TopK(exclude=r"embed|norm")
+        >>> c.compresses("tok_embed.weight"), c.compresses("fc.bias", 64), c.compresses("fc.weight", 4096)
+        (False, False, True)
+        """
+        if numel is not None and numel < DEFAULT_MIN_COMPRESS_NUMEL:
+            return False
+        self._follow_groups()
+        if self.feedback.dense(name):  # e.g. feedback="frozen": Adam's dense warm-up
+            return False
+        return not self._excluded(name)
+
+    def compressible(self, shape: Tuple[int, ...]) -> bool:
+        """Whether this codec compresses a tensor of ``shape`` at all (PowerSGD: matrices only); the
+        roads send the others uncompressed. True here."""
+        return True
+
+    def _excluded(self, name: str) -> bool:
+        return self.exclude is not None and self.exclude.search(name) is not None
+
+    def sends_half(self, name: str, dtype: torch.dtype, small: bool, dense_steps: bool = True) -> bool:
+        """Whether tensor ``name``, not compressed this step, travels as float16 (``exempt="fp16"``,
+        with error feedback of the cast): every float32 gradient that goes uncompressed, whether
+        exempt by design (``small``: under the caller's ``min_compress_numel``; matched by
+        ``exclude``) or for a while (a feedback policy's dense steps: ``feedback="frozen"``'s
+        warm-up), the latter only where the road sums the float16 values (``dense_steps``: stock
+        Horovod's ``Average`` divides the float16 sum by the ranks once more, a rounding no residual
+        keeps, and Adam, which scales every coordinate to the same step, made the small gradients'
+        losses count: nanoGPT's recipe ended at 2.79 against 2.02 in float32).
+
+        (``fc.weight`` below: no dense step of its policy, so not float16; a tensor sent dense because
+        the policy cannot compress it, outside the optimizer ``"frozen"`` is bound to, goes exactly.)
+
+        Why the warm-up too: it is most of what a run sends (100 dense steps against 56-155x after
+        them: a 400-step AdamW run saved 3.9x over the whole run), and Adam's moments of an average
+        whose cast error is carried to the next step differ from float32's by float16 rounding
+        (docs/RECIPES.md: whole-run bytes and held-out loss). What the cast still owes when a tensor
+        starts compressing joins its first compressed gradient (:meth:`owed_half`).
+
+        >>> from hvd_gradcomp.codecs.topk import TopK
+        >>> c = TopK(exclude=r"norm")
+        >>> c.sends_half("fc.bias", torch.float32, small=True), c.sends_half("norm.weight", torch.float32, False)
+        (True, True)
+        >>> c.sends_half("fc.weight", torch.float32, False), c.sends_half("fc.bias", torch.bfloat16, True)
+        (False, False)
+        >>> TopK(exempt="fp32").sends_half("fc.weight", torch.float32, False)
+        False
+        """
+        if self.exempt != "fp16" or dtype != torch.float32:
+            return False
+        # not a tensor sent dense for another reason (outside the optimizer "frozen" is bound to: exact)
+        return small or self._excluded(name) or (dense_steps and self.feedback.dense(name))
+
+    def owed_half(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` plus what the float16 road still owes ``name`` (a tensor that travelled as float16
+        while dense, compressed from now on), which then leaves that road; ``grad`` itself if nothing
+        is owed. Called by the compressed paths, so the cast's residual is neither lost nor kept for
+        good (a gradient-sized tensor per parameter).
+
+        >>> from hvd_gradcomp.codecs.topk import TopK
+        >>> c = TopK()
+        >>> _ = c.encode_half([("w", torch.tensor([1.0, 1e-9]))], world=1)   # 1e-9: below float16
+        >>> owed = c.owed_half("w", torch.zeros(2))
+        >>> owed[0].item(), f"{owed[1].item():.3g}", "w" in c.half_residuals
+        (0.0, '1e-09', False)
+        """
+        if name not in self._half.residuals:
+            return grad
+        owed = self._half.residuals.pop(name)
+        return grad + owed.view(grad.shape).to(grad.dtype)
+
+    def encode_half(self, named: List[Tuple[str, torch.Tensor]], world: int) -> Tuple[torch.Tensor, bool]:
+        """The float16 send of tensors :meth:`sends_half` picked, fused: ``(flat float16 tensor,
+        finite)`` for a float16 sum over ``world`` ranks, whose result is their average; error
+        feedback of the cast per name (:class:`~hvd_gradcomp.feedback.HalfPrecision`)."""
+        return self._half.encode(named, world)
+
+    @property
+    def half_residuals(self) -> fb.ResidualStore:
+        """Residuals of the float16 road (see :meth:`sends_half`), per tensor name."""
+        return self._half.residuals

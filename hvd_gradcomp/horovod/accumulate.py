@@ -1,0 +1,232 @@
+"""Gradient accumulation: N small backward passes, one exchange and one optimizer step.
+
+Micro-batches of 1-4 samples fit in memory; summing gradients over N of them gives the
+gradient of one N times larger batch, provided each loss is scaled by 1/N (without it the
+effective learning rate is N times too large). :class:`GradientAccumulator` does the
+scaling, counting and stepping, around a DistributedOptimizer built with
+``backward_passes_per_step=N`` (ours or Horovod's), so the gradients are compressed and
+exchanged once per window, accumulated.
+
+Example::
+
+    opt = gc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression=gc.TopKQSGD(), backward_passes_per_step=8)
+    acc = gc.GradientAccumulator(opt, steps=8, micro_batch=4)
+    print(acc.describe())     # micro-batch 4 x 8 steps x 2 ranks = effective batch 64
+    for x, y in loader:
+        acc.backward(loss_fn(model(x), y))     # steps on every 8th call
+    acc.flush()               # the last, partial window of the epoch: steps if anything is left
+
+``max_grad_norm=1.0`` clips the averaged gradients before each step (``last_grad_norm`` holds
+the norm before clipping), the usual recipe with AdamW.
+
+The partial window: with k < N micro-batches left, each gradient was scaled by 1/N, so
+``flush()`` rescales them by N/k before stepping: the step uses the mean over the k
+micro-batches it saw, exactly as a full window uses the mean over N.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+
+def check_max_grad_norm(value: Any) -> Optional[float]:
+    """``value`` as a float if it is a positive number, None for None, else a ValueError.
+
+    >>> check_max_grad_norm(1), check_max_grad_norm(None)
+    (1.0, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"max_grad_norm must be a positive number (the norm clip_grad_norm_ clips the averaged "
+                         f"gradients to before each step) or None, got {value!r}")
+    return float(value)
+
+
+def check_clippable(compression: Any) -> None:
+    """Raise a ValueError when clipping the averaged gradients would be wrong for ``compression``.
+
+    A TopK-type compressor under error feedback on gradients (``classic``) or DGC's momentum
+    correction hands the optimizer each sent coordinate's update accumulated over the steps it was
+    held back: its norm is ~1/sqrt(ratio) times a gradient's, so ``clip_grad_norm_`` shrinks every
+    step far more than meant (the study's CNN with momentum SGD and ``clip_grad_norm_(1.0)``: about
+    4x uncompressed's held-out loss, 3 seeds). ``frozen`` and ``update`` hand it zeros (they move
+    the parameters themselves), QSGD an unbiased average: those clip what they can. ``Auto``'s
+    sparse road is classic.
+
+    >>> check_clippable(None)
+    """
+    from ..auto import Auto
+
+    if isinstance(compression, Auto) or getattr(compression, "carries_held_back", False):
+        what = "Auto()'s sparse road (classic error feedback)" if isinstance(compression, Auto) else \
+            f"{compression!r} with feedback '{compression.feedback.key}'"
+        raise ValueError(
+            f"max_grad_norm cannot clip the averaged gradients of {what}: each sent coordinate carries the update "
+            "of the steps it was held back, whose norm is far above a gradient's, so clipping would shrink every "
+            "step far more than meant. Bound each rank's gradient before it is compressed instead, with the "
+            "compressor's clip= (e.g. TopKQSGD(ratio=0.01, bits=8, clip=1.0)), and drop max_grad_norm.")
+
+
+class GradientAccumulator:
+    """Scale, count and step; see the module docstring.
+
+    ``max_grad_norm``: clip the averaged gradients to this norm before each step
+    (``synchronize()``, ``clip_grad_norm_``, ``step()``: Horovod's pattern); the norm before
+    clipping is kept in ``last_grad_norm`` (a tensor). Under ``feedback="frozen"`` (Adam/AdamW
+    with a TopK compressor), once a tensor's dense warm-up is over its update is made in
+    ``synchronize()`` and its ``p.grad`` holds zeros: the norm and the clipping then cover the
+    uncompressed tensors only; the compressor's ``clip=`` bounds the compressed ones. Refused (a
+    ValueError at the first step) where clipping the averages would be wrong: see
+    :func:`check_clippable`.
+
+    Attributes: ``steps`` (N), ``micro_batch``, ``optimizer_steps`` (steps taken so far),
+    ``pending`` (micro-batches in the current window), ``last_grad_norm``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int, micro_batch: Optional[int] = None,
+                 max_grad_norm: Optional[float] = None) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1 (backward passes per optimizer step), got {steps!r}")
+        if micro_batch is not None and (isinstance(micro_batch, bool) or not isinstance(micro_batch, int)
+                                        or micro_batch < 1):
+            raise ValueError(f"micro_batch must be an int >= 1 (samples per backward pass) or None, got {micro_batch!r}")
+        bpps = getattr(optimizer, "backward_passes_per_step", None)
+        if bpps is None:
+            raise ValueError("GradientAccumulator wraps a DistributedOptimizer (hvd_gradcomp's or Horovod's); "
+                             "got a plain optimizer")
+        if bpps != steps:
+            raise ValueError(f"the optimizer was built with backward_passes_per_step={bpps} but steps={steps}: "
+                             f"build it with backward_passes_per_step={steps}, or the exchange would happen "
+                             "at the wrong time")
+        self.optimizer = optimizer
+        self.steps = steps
+        self.micro_batch = micro_batch
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        comp = _compressor(optimizer)
+        if self.max_grad_norm is not None and getattr(comp, "policy_settled", False):
+            # hvd_gradcomp.DistributedOptimizer chose the policy when it was built: refuse now, not at
+            # the first step (inside stock Horovod's optimizer the choice waits for that step)
+            check_clippable(comp)
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        self.pending = 0
+        self.optimizer_steps = 0
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """``(loss / steps).backward()``; on every ``steps``-th call, step and zero the gradients.
+
+        Returns True when this call stepped the optimizer.
+        """
+        if loss.dim() != 0:
+            raise ValueError(f"loss must be a scalar (reduce it with .mean()), got shape {tuple(loss.shape)}")
+        (loss / self.steps).backward()
+        self.pending += 1
+        if self.pending == self.steps:
+            self._step()
+            return True
+        return False
+
+    def flush(self) -> bool:
+        """Step on a partial window (see the module docstring); False if nothing is pending."""
+        if self.pending == 0:
+            return False
+        scale = self.steps / self.pending
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self._step()
+        return True
+
+    def _step(self) -> None:
+        if self.max_grad_norm is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.synchronize()   # inside Horovod's optimizer the policy is chosen by now
+            check_clippable(_compressor(self.optimizer))
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for g in self.optimizer.param_groups for p in g["params"]], self.max_grad_norm)
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.pending = 0
+        self.optimizer_steps += 1
+
+    def effective_batch(self, ranks: Optional[int] = None) -> Optional[int]:
+        """micro_batch x steps x ranks (None when micro_batch is unknown)."""
+        if self.micro_batch is None:
+            return None
+        return self.micro_batch * self.steps * (ranks if ranks is not None else _size())
+
+    def describe(self) -> str:
+        ranks = _size()
+        mb = "?" if self.micro_batch is None else str(self.micro_batch)
+        eff = self.effective_batch(ranks)
+        return f"micro-batch {mb} x {self.steps} steps x {ranks} ranks = effective batch {eff if eff else '?'}"
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Optimizer state, compressor residuals and random state, and the window counters.
+
+        Residuals differ between ranks: save one file per rank, e.g.
+        ``torch.save(acc.state_dict(), f"ckpt-rank{hvd.rank()}.pt")``. Only between windows
+        (after a step or ``flush()``): gradients accumulated mid-window are not part of it.
+        """
+        if self.pending:
+            raise ValueError(_MID_WINDOW)
+        return {"optimizer": self.optimizer.state_dict(), "compression": _compression_state(self.optimizer),
+                "pending": self.pending, "optimizer_steps": self.optimizer_steps, "steps": self.steps}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Everything is checked before anything changes; a
+        ``ValueError`` says what differs and what to do. ``state["compression"] = None``
+        loads the rest and restarts error feedback from zero."""
+        if not isinstance(state, dict):
+            raise ValueError(f"expected the dict GradientAccumulator.state_dict() returns, got {type(state).__name__}")
+        missing = [k for k in ("optimizer", "compression", "pending", "optimizer_steps", "steps") if k not in state]
+        if missing:
+            raise ValueError(f"checkpoint lacks {missing}: not a GradientAccumulator.state_dict(). Nothing was changed.")
+        if state["steps"] != self.steps:
+            raise ValueError(f"checkpoint was taken with steps={state['steps']}, this accumulator has "
+                             f"steps={self.steps}: build the optimizer and accumulator with {state['steps']}. "
+                             "Nothing was changed.")
+        if state["pending"]:
+            raise ValueError(_MID_WINDOW)
+        comp = _compressor(self.optimizer)
+        if state["compression"] is not None:
+            if comp is None:
+                raise ValueError("checkpoint holds compressor state but this optimizer has no hvd_gradcomp "
+                                 "compressor: build it with the same compression, or set "
+                                 "state['compression'] = None. Nothing was changed.")
+            comp.check_state(state["compression"])   # a fixed compressor's or Auto's checks
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["compression"] is not None:
+            comp.load_state_dict(state["compression"])
+        self.pending = 0
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+
+_MID_WINDOW = ("checkpoints are taken between accumulation windows, not in the middle of one (the "
+               "gradients accumulated so far are not saved): save right after a step, or call flush() first")
+
+
+def _compressor(optimizer: Any) -> Any:
+    from . import compressor_of  # Horovod's optimizer keeps it under a private name
+
+    comp = compressor_of(optimizer)
+    return comp if callable(getattr(comp, "state_dict", None)) else None
+
+
+def _compression_state(optimizer: Any) -> Optional[Dict[str, Any]]:
+    comp = _compressor(optimizer)
+    return comp.state_dict() if comp is not None else None
+
+
+def _size() -> int:
+    try:
+        import horovod.torch as hvd
+        return hvd.size()
+    except (ImportError, ValueError):
+        return 1
