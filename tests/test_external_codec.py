@@ -74,6 +74,18 @@ def test_bytes_are_the_payloads(road):
             assert all(0 <= e <= 4 * 400 for e in extra.values()) and sum(extra.values()) > 0, extra
 
 
+def test_every_road_counts_into_the_one_ledger(road):
+    """``opt.comm_stats`` / ``state.comm_stats`` are the compressor's ``stats``; its last step holds the
+    step's payloads exactly (the compressed tensors' and the small tensors' float16 casts) and the
+    road's framing apart (envelopes, a fused index, the DDP hook's sizes and padding)."""
+    for r in road["ranks"]:
+        last = r["ledger"]["last_step"]
+        assert r["ledger_shared"]
+        assert last["payload"] == r["ledger_last_payload"], (last, r["ledger_last_payload"])
+        assert 0 < last["framing"] < 1024 and last["sent"] == last["payload"] + last["framing"]
+        assert r["ledger"]["steps"] == 4
+
+
 def test_a_resumed_run_continues_bit_identically(road):
     assert all(r["resumed_identical"] for r in road["ranks"])
 

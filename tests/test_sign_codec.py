@@ -67,6 +67,13 @@ def test_bytes_are_the_layouts(road):
 
 
 @pytest.mark.multirank
+def test_every_road_counts_into_the_one_ledger(road):
+    from tests.test_external_codec import test_every_road_counts_into_the_one_ledger as same_check
+
+    same_check(road)
+
+
+@pytest.mark.multirank
 def test_a_resumed_run_continues_bit_identically(road):
     assert all(r["resumed_identical"] for r in road["ranks"])
 

@@ -118,8 +118,8 @@ def sparsity_warmup_steps(steps: int, ratio: float, pace: str = "same") -> int:
     return math.ceil(steps * math.log(start / ratio) / math.log(start / WARMUP_PACE_RATIO))
 
 
-class _Prepared(NamedTuple):
-    """A tensor's input to its codec, built by the feedback policy (:meth:`GradientCompressor._prepare`)
+class Prepared(NamedTuple):
+    """A tensor's input to its codec, built by the feedback policy (:meth:`GradientCompressor.prepare_named`)
     and not yet encoded; ``total``: the sum of its gradient when the policy took it in the same
     pass (finite: the gradient is finite), else None."""
 
@@ -293,16 +293,16 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         :func:`~hvd_gradcomp.wire.kernels.all_finite`). ``check``: not checked yet, and the policy
         changes no state in ``prepare`` (:attr:`Feedback.marks_input`): its pass over ``grad``
         also sums it, and the check raises before anything is committed or drawn."""
-        prepared = self._prepare(name, grad, relay, total=check)
+        prepared = self.prepare_named(name, grad, relay, total=check)
         if check and (prepared.total is None or not bool(torch.isfinite(prepared.total))):
             _check_finite(grad, name)  # exact; a finite sum proved it already
-        return self._send(prepared)
+        return self.send_prepared(prepared)
 
-    def _prepare(self, name: str, grad: torch.Tensor, relay: bool = False, total: bool = False) -> _Prepared:
+    def prepare_named(self, name: str, grad: torch.Tensor, relay: bool = False, total: bool = False) -> Prepared:
         """The first half of :meth:`_compress_finite`: the policy builds the codec's input (no state
         changes yet when :attr:`Feedback.marks_input`); ``total``: also sum ``grad`` in that pass
         where the policy can. A caller may prepare several tensors, check them all, then
-        :meth:`_send` each (the DDP hook: one finiteness verdict per bucket)."""
+        :meth:`send_prepared` each (the DDP hook: one finiteness verdict per bucket)."""
         policy = self._relay_policy() if relay else self.feedback
         if not relay:
             grad = self.owed_half(name, grad)
@@ -311,9 +311,9 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
             acc, marked = policy.prepare(name, self._clipped(grad)), None
         else:  # a top-k codec: its candidates are marked in the pass that builds acc
             acc, marked = policy.prepare_marked(name, self._clipped(grad), k, total=total)
-        return _Prepared(name, grad.dtype, tuple(grad.shape), policy, acc, marked)
+        return Prepared(name, grad.dtype, tuple(grad.shape), policy, acc, marked)
 
-    def _send(self, prepared: _Prepared) -> Tuple[torch.Tensor, Sent]:
+    def send_prepared(self, prepared: Prepared) -> Tuple[torch.Tensor, Sent]:
         """The second half of :meth:`_compress_finite`: (payload, what it carries, as the policy is
         told: sparse ``(indices, values)`` equal to what a receiver decodes, or the QSGD codes)."""
         p = prepared

@@ -363,8 +363,8 @@ def _encode_sparse(state: State, buffer: torch.Tensor, plan: _Plan
     if comp.clip is not None or not comp.feedback.marks_input:
         if not kernels.all_finite(buffer):  # a host sync: what is sent depends on it
             return False, []
-        return True, [comp._send(comp._prepare(name, grad)) for name, grad in grads]
-    prepared = [comp._prepare(name, grad, total=True) for name, grad in grads]
+        return True, [comp.send_prepared(comp.prepare_named(name, grad)) for name, grad in grads]
+    prepared = [comp.prepare_named(name, grad, total=True) for name, grad in grads]
     totals = [p.total for p in prepared if p.total is not None]
     rest = [s.view(buffer) for s, p in zip(plan.compressed, prepared) if p.total is None] + \
         [s.view(buffer) for s in plan.dense]
@@ -374,7 +374,7 @@ def _encode_sparse(state: State, buffer: torch.Tensor, plan: _Plan
     # A host sync; a non-finite sum of finite values (an overflow) is told apart exactly.
     if not (bool(torch.stack(checks).all()) or kernels.all_finite(buffer)):
         return False, []   # nothing was kept: the policies keep their state until sent()
-    return True, [comp._send(p) for p in prepared]
+    return True, [comp.send_prepared(p) for p in prepared]
 
 
 # ---------------------------------------------------------------- QSGD: compressed allreduce

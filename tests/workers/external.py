@@ -131,6 +131,13 @@ def run(wrap: Callable[[nn.Module, Any, Any], Any], mean: Callable[[torch.Tensor
         out["codec"][n] = comp.stats.per_tensor[n][1] - comp.stats.per_tensor[n][2]   # payload: sent less framing
         if comm_bytes is not None:
             out["comm"][n] = comm_bytes(handle, n)
+    # The one ledger: the road's counter is the compressor's, and its last step holds exactly the
+    # compressed payloads of that step plus the small tensors' float16 casts; framing apart.
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    small = sum(math.prod(shape) for n, shape in shapes.items() if n not in COMPRESSED)
+    out["ledger"] = comp.stats.report()
+    out["ledger_last_payload"] = sum(spec.payload_bytes(comp, n, shapes[n], steps - 1) for n in COMPRESSED) + 2 * small
+    out["ledger_shared"] = getattr(handle, "comm_stats", comp.stats) is comp.stats
     final = [p.detach().clone() for p in model.parameters()]
 
     # Resume: a new model, optimizer and compressor from the checkpoint taken at step ``resume_at``.
