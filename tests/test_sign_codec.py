@@ -131,3 +131,23 @@ def test_the_codec_layout_refuses_a_forged_payload_before_decoding():
     forged[5] = 3          # bits: 3, never written by pack
     with pytest.raises(WireFormatError, match="corrupt ef-sign payload"):
         c.decode(forged)
+
+
+@pytest.fixture(scope="module", params=["ours", "ddp"])
+def reduced_road(request, installed) -> Dict[str, Any]:
+    return run_road(request.param, "ef-sign-reduced", installed)
+
+
+@pytest.mark.multirank
+def test_a_dense_codec_of_its_own_also_takes_the_compressed_allreduce(reduced_road):
+    """The same class declared ``collective = COMPRESSED_ALLREDUCE`` (QSGD's road: each rank's chunk
+    of every tensor scattered, reduced and re-encoded, gathered) needs nothing more: replicas
+    identical, resume bit-identical, and each step's payloads are two chunk payloads per tensor (one
+    sent to the other rank, one re-encoded and gathered), each of the layout's size."""
+    def chunk(numel: int) -> int:          # a flat chunk: header + 1-d shape, scale, sign bits
+        return 48 + 8 + -(-((numel + 7) // 8) // 8) * 8
+
+    for r in reduced_road["ranks"]:
+        assert r["resumed_identical"]
+        assert r["codec"] == {"0.weight": 4 * 2 * chunk(1024), "2.weight": 4 * 2 * chunk(1536)}
+    assert reduced_road["ranks"][0]["final"] == reduced_road["ranks"][1]["final"]

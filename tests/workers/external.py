@@ -66,7 +66,22 @@ def _ef_sign() -> Codec:
     return Codec(lambda seed: EFSign(seed=seed), payload_bytes, sent_error)
 
 
-CODECS = {"randomk": _randomk, "ef-sign": _ef_sign}
+def _ef_sign_reduced() -> Codec:
+    """EF-Sign declared on the compressed allreduce (QSGD's road: chunks scattered, reduced and
+    re-encoded, gathered): a dense codec of its own on that road too. Stock Horovod carries every
+    payload by allgather."""
+    from hvdgc_sign_plugin import EFSign
+
+    from hvd_gradcomp import codecs
+
+    class ReducedSign(EFSign):
+        codec_name, collective = "ef-sign-reduced", codecs.COMPRESSED_ALLREDUCE
+
+    spec = _ef_sign()
+    return Codec(lambda seed: ReducedSign(seed=seed), spec.payload_bytes, spec.sent_error)
+
+
+CODECS = {"randomk": _randomk, "ef-sign": _ef_sign, "ef-sign-reduced": _ef_sign_reduced}
 
 
 def net() -> nn.Module:
