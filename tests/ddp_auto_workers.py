@@ -113,7 +113,7 @@ def auto_measured(steps: int = 14) -> Dict[str, Any]:
         identical &= same_on_every_rank(flat_grads(model.module))
         opt.step()
     rep = state.auto_report()
-    codes = torch.tensor([gc.policy.ROADS.index(rep["decisions"][k]) for k in sorted(rep["decisions"])])
+    codes = torch.tensor([gc.auto.policy.ROADS.index(rep["decisions"][k]) for k in sorted(rep["decisions"])])
     return {"identical": identical, "decisions": rep["decisions"], "same_decisions": same_on_every_rank(codes),
             "summary": rep["summary"], "link": rep["link"], "codec_roads": {k: sorted(t["codec_ms"]) for k, t in
                                                                             rep["tensors"].items()},
