@@ -13,8 +13,12 @@ Horovod is an extra (``pip install 'hvd-gradcomp[horovod]'``, see docs/INSTALL.m
 compressors, the DDP hook (:mod:`hvd_gradcomp.ddp`) and ``hvdgc-launch`` work without it;
 :func:`DistributedOptimizer` then raises one ImportError that names the extra.
 """
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 from importlib import import_module
-from typing import Any, List
+from typing import Any, List, Optional
 
 __version__ = "0.1.0"
 
@@ -34,11 +38,57 @@ _LAZY = {
 
 __all__ = [*_LAZY, "__version__"]
 
+# Module paths from before the package was laid out by layer -> where the module lives now. Code
+# written against them (a codec of your own importing hvd_gradcomp.compressors, say) keeps working,
+# with a DeprecationWarning that names the new path.
+MOVED = {
+    "kernels": "wire.kernels", "compressors": "codecs.compressor", "compressor_codec": "codecs.contract",
+    "compressor_exempt": "codecs.exempt", "compressor_policy": "codecs.binding", "compressor_state": "codecs.steps",
+    "qsgd": "codecs.qsgd", "topk": "codecs.topk", "powersgd": "codecs.powersgd",
+    "momentum": "feedback.momentum", "frozen": "feedback.frozen", "frozen_warmup": "feedback.frozen_warmup",
+    "frozen_scale": "feedback.frozen_scale", "frozen_momentum": "feedback.frozen_momentum",
+    "reduce": "collectives.reduce", "rounds": "collectives.rounds", "transport": "collectives.transport",
+    "inflight": "collectives.inflight", "exchange": "collectives.exchange", "fused": "collectives.fused",
+    "optimizer": "horovod.optimizer", "accumulate": "horovod.accumulate", "policy": "auto.policy",
+    "auto_schedule": "auto.schedule", "auto_measure": "auto.measure", "auto_state": "auto.state",
+    "ddp_roads": "ddp.roads", "ddp_auto": "ddp.auto",
+}
+
+
+def _moved(old: str) -> Any:
+    """The module ``hvd_gradcomp.<old>`` became, with a DeprecationWarning naming its new path."""
+    new = f"{__name__}.{MOVED[old]}"
+    warnings.warn(f"{__name__}.{old} moved to {new}: import it from there", DeprecationWarning, stacklevel=3)
+    return import_module(new)
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import hvd_gradcomp.<old>`` of a :data:`MOVED` path: the module at its new path, under both names."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Optional[Any]:
+        package, _, old = fullname.rpartition(".")
+        if package != __name__ or old not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        return _moved(spec.name.rpartition(".")[2])
+
+    def exec_module(self, module: Any) -> None:
+        pass   # the module at its new path ran already
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
+
 
 def __getattr__(name: str) -> Any:
     if name in ("ddp", "feedback", "codecs", "wire"):  # subpackages: the DDP hook (no Horovod), the feedback
         # policies, the codec registry and the wire format
         return import_module(f".{name}", __name__)
+    if name in MOVED:
+        globals()[name] = _moved(name)   # warned once; later look-ups skip this function
+        return globals()[name]
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hvd_gradcomp' has no attribute {name!r}")

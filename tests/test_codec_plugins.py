@@ -146,3 +146,33 @@ def test_a_payload_layout_of_a_codecs_own_is_read_once_registered():
         wire.read_header(unknown)
     with pytest.raises(wire.WireFormatError, match="taken by layout 'signs-test'"):
         wire.register_layout(41, wire.Layout("other", lambda h: 0))
+
+
+def test_a_codec_written_against_the_old_private_names_still_works_with_a_warning():
+    """``_encode``/``_decode``/``_decode_sparse`` were the codec methods before the contract was public
+    (``pack``/``unpack``/``unpack_sparse``): such a class is warned at its definition and works."""
+    import torch
+
+    from tests.external_randomk import RandomK
+
+    with pytest.warns(DeprecationWarning, match=r"OldNames\._encode is the old name of the codec method pack"):
+        class OldNames(HorovodCompressor, GradientCompressor):
+            codec_name, collective, kind = "old-names", codecs.ALLGATHER, 2
+
+            def _encode(self, flat, dtype, seed, contract=False, marked=None):
+                return RandomK.pack(self, flat, dtype, seed)
+
+            def _decode_sparse(self, h, reader):
+                return RandomK.unpack_sparse(self, h, reader)
+
+            def _decode(self, h, reader):
+                return RandomK.unpack(self, h, reader)
+
+            def indices(self, numel, seed, device=torch.device("cpu")):
+                return torch.arange(0, numel, 2, device=device)
+
+    c = OldNames(seed=0)
+    payload = c.compress_named("w", torch.arange(10.0))
+    idx, vals = c.decode_parts(payload)
+    assert idx.tolist() == [0, 2, 4, 6, 8] and vals.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert c.decode(payload).tolist() == [0.0, 0.0, 2.0, 0.0, 4.0, 0.0, 6.0, 0.0, 8.0, 0.0]

@@ -321,3 +321,25 @@ def test_the_size_check_catches_a_long_class(tmp_path: Path) -> None:
     (tmp_path / "big.py").write_text("class Big:\n" + "    x = 1\n" * MAX_CLASS_LINES + "y = 2\n" * MAX_MODULE_LINES)
     assert oversized(tmp_path) == [f"big.py: module ({1 + MAX_CLASS_LINES + MAX_MODULE_LINES} lines)",
                                    f"big.py: class Big ({1 + MAX_CLASS_LINES} lines)"]
+
+
+def test_module_paths_from_before_the_layout_still_import_with_a_warning() -> None:
+    """Code written against the flat layout (``from hvd_gradcomp.compressors import GradientCompressor``,
+    ``from hvd_gradcomp import kernels``) gets the module at its new path and a DeprecationWarning
+    naming it; every entry of ``hvd_gradcomp.MOVED`` points at a module that exists."""
+    import importlib
+    import warnings
+
+    import hvd_gradcomp
+
+    assert not set(hvd_gradcomp.MOVED) & set(modules_of(PACKAGE))   # no module kept its old path as well
+    code = ("import warnings, sys; warnings.simplefilter('error'); "
+            "import hvd_gradcomp.codecs.compressor as new\n"
+            "try:\n    from hvd_gradcomp.compressors import GradientCompressor\n"
+            "except DeprecationWarning as w:\n    print(w)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "hvd_gradcomp.compressors moved to hvd_gradcomp.codecs.compressor: import it from there"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for old, new in hvd_gradcomp.MOVED.items():
+            assert importlib.import_module(f"hvd_gradcomp.{old}") is importlib.import_module(f"hvd_gradcomp.{new}")
