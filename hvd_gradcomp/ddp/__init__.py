@@ -416,7 +416,8 @@ def _hook_now(state: GradCompState, bucket: dist.GradBucket) -> Future:
     step = state.iter
     if bucket.is_last():  # DDP launches buckets in index order: the last one closes the exchange
         state.iter += 1
-        state.comm_stats.end_step(state.iter)
+        with state._lock:   # the roads' callbacks record into the ledger from other threads
+            state.comm_stats.end_step(state.iter)
     comp = state.compression
     if state.auto is not None and step >= state.start_compress_iter:
         return state.auto.hook(bucket, buffer, step)
