@@ -19,15 +19,15 @@ all of it when the class is registered or first built.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
 from typing import ClassVar, List, Optional, Set, Tuple
 
 import torch
 
 from .. import codecs, wire
-from ..wire import kernels
 from .. import feedback as fb
+from ..wire import kernels
 
 Sent = fb.Sent
 
@@ -104,23 +104,21 @@ class WireCodec:
         """
         if cls in WireCodec._checked:
             return
-        name = cls.__qualname__
-        collective = codecs.collective_of(cls) or getattr(cls, "collective", None)
-        if collective == codecs.ALLREDUCE_ROUNDS:
+        name, collective = cls.__qualname__, getattr(cls, "collective", None)
+        if collective == codecs.ALLREDUCE_ROUNDS:   # factors in allreduces: no payload, no layout
             missing = [m for m in ("first_round", "second_round", "finish_rounds") if not callable(getattr(cls, m, None))]
             if missing:
                 raise ValueError(f"{name} declares collective {collective!r} but does not implement {missing}: "
                                  "see hvd_gradcomp/codecs/powersgd.py")
-            WireCodec._checked.add(cls)
-            return
-        for method, what in (("pack", "pack(flat, dtype, seed, contract, marked) -> Encoded: the sections of "
-                                       "a payload and what it carries"),
-                             ("unpack", "unpack(header, reader): the sections read back in the order pack "
-                                        "writes them")):
-            if getattr(cls, method) is getattr(WireCodec, method):
-                raise ValueError(f"{name} sends payloads (collective {collective!r}) but does not implement "
-                                 f"{what} (docs/WRITING_A_CODEC.md)")
-        _check_kind(cls)
+        else:
+            for method, what in (("pack", "pack(flat, dtype, seed, contract, marked) -> Encoded: the sections of "
+                                           "a payload and what it carries"),
+                                 ("unpack", "unpack(header, reader): the sections read back in the order pack "
+                                            "writes them")):
+                if getattr(cls, method) is getattr(WireCodec, method):
+                    raise ValueError(f"{name} sends payloads (collective {collective!r}) but does not implement "
+                                     f"{what} (docs/WRITING_A_CODEC.md)")
+            _check_kind(cls)
         WireCodec._checked.add(cls)
 
     @property
