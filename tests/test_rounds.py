@@ -8,7 +8,7 @@ import torch
 
 from hvd_gradcomp.codecs.powersgd import PowerSGD, orthogonalize
 from hvd_gradcomp.codecs.qsgd import QSGD
-from hvd_gradcomp.collectives.rounds import Average, Gather, Scatter, compressed_allreduce, finish, low_rank_rounds
+from hvd_gradcomp.collectives.rounds import Allreduce, Gather, Scatter, compressed_allreduce, finish, low_rank_rounds
 
 
 def drive_in_lockstep(runs: List) -> List[str]:
@@ -67,7 +67,7 @@ def test_ranks_that_disagree_on_the_model_are_told():
     comp = PowerSGD(rank=2, seed=0)
     run = low_rank_rounds(comp, [("w", torch.randn(16, 16))], [torch.empty(16, 16)])
     request = next(run)
-    assert isinstance(request, Average) and request.tensor.numel() == 16 * 2
+    assert isinstance(request, Allreduce) and request.tensor.numel() == 16 * 2
     with pytest.raises(RuntimeError, match="ranks disagree on the model"):
         run.send(torch.zeros(16 * 3))
 

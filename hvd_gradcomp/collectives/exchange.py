@@ -6,9 +6,11 @@ The roads, chosen by :func:`choose_exchange` from the compressor's declared ``co
 * :class:`DenseExchange`: Horovod's allreduce of the (optionally fp16-cast) tensor. Used
   with no compressor, with Horovod's own compressors, and for small tensors.
 * :class:`HalfExchange`: the tensors one of our compressors exempts from compression (small or
-  ``exclude=``d), fused, as float16 with error feedback of the cast (``exempt="fp16"``).
+  ``exclude=``d), fused, as float16 with error feedback of the cast (``exempt="fp16"``); what goes
+  as float16 and how it comes back is :func:`~hvd_gradcomp.collectives.rounds.dense_fallback`'s.
 * :class:`FusedAllgatherExchange`: sparse payloads (TopK, TopKQSGD), several tensors' per
-  allgather (:class:`AllgatherExchange`: one each, the stock-Horovod road). Every rank
+  allgather (:class:`AllgatherExchange`: one each, the stock-Horovod road, driving
+  :func:`~hvd_gradcomp.collectives.rounds.sparse_allgather`). Every rank
   decodes all payloads in rank order and averages, so all ranks end with identical gradients.
 * :class:`RoundsExchange`: low-rank factors (PowerSGD) in two dependent allreduces of float32.
 * :class:`ScatterReduceExchange`: QSGD's compressed allreduce. Each rank quantises its
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 
@@ -36,8 +38,8 @@ from ..codecs.compressor import GradientCompressor
 from .fused import FusedAllgatherExchange, encode_carried
 from .inflight import ENVELOPE_BYTES, Envelope, Pending, _begin, _confirm, _hvd, check_steps, is_average, seal, unseal
 from .inflight import RankDivergenceError as RankDivergenceError  # raised on every road; documented here
-from .reduce import Parts, decode_flagged, finite_at_indices, sparse_support, sum_parts
-from .rounds import Algorithm, Average, Payloads, compressed_allreduce, low_rank_rounds
+from .reduce import finite_at_indices, sparse_support
+from .rounds import Algorithm, Allreduce, Payloads, compressed_allreduce, low_rank_rounds, sparse_allgather
 from .rounds import finish as finish_rounds
 from .transport import HorovodTransport
 
@@ -75,34 +77,33 @@ class DenseExchange:
         """Nothing to do early: Horovod's allreduce runs in its background thread."""
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
-        out.copy_(self.compression.decompress(_hvd().synchronize(p.handle), p.ctx).view_as(out))
+        out.copy_(self.result(p).view_as(out))
+
+    def result(self, p: Pending) -> torch.Tensor:
+        """The average (or sum, as ``op`` says), decompressed, once done."""
         p.finished = True
+        return self.compression.decompress(_hvd().synchronize(p.handle), p.ctx)
 
 
 class HalfExchange:
-    """Tensors a compressor exempts from compression (``exempt="fp16"``, see
-    :meth:`~hvd_gradcomp.codecs.compressor.GradientCompressor.sends_half`), fused: one Horovod
-    allreduce (Sum) of their float16 cast, pre-divided by the number of ranks, so the float16
-    sum is the average and cannot overflow; the cast's error feedback is the compressor's.
+    """The float16 request of :func:`~hvd_gradcomp.collectives.rounds.dense_fallback` (the tensors a
+    compressor exempts from compression, ``exempt="fp16"``, fused and divided by the ranks first):
+    one Horovod allreduce (Sum), so the float16 sum is the average and cannot overflow.
 
     A tensor holding NaN/Inf goes out as it is: its average is non-finite on every rank.
     """
 
-    def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
-        self.compressor, self.op, self.process_set = compressor, op, process_set
+    def __init__(self, process_set: Any) -> None:
+        self.process_set = process_set
 
-    def start(self, name: str, named: List[Tuple[str, torch.Tensor]]) -> Pending:
-        half, _ = self.compressor.encode_half(named, self.process_set.size())
-        handle = _hvd().allreduce_async(half, name=f"hvdgc.half.{name}", op=_hvd().Sum,
-                                        process_set=self.process_set)
-        return Pending(name, half.shape, torch.float32, handle, bytes_sent=half.numel() * half.element_size())
+    def start(self, name: str, half: torch.Tensor) -> Pending:
+        handle = _hvd().allreduce_async(half, name=f"hvdgc.half.{name}", op=_hvd().Sum, process_set=self.process_set)
+        return Pending(name, half.shape, half.dtype, handle, bytes_sent=half.numel() * half.element_size())
 
-    def finish(self, p: Pending, out: torch.Tensor) -> None:
-        """``out``: a flat float32 tensor of the fused tensors' size."""
-        out.copy_(_hvd().synchronize(p.handle))
-        if not is_average(self.op):
-            out.mul_(self.process_set.size())
+    def result(self, p: Pending) -> torch.Tensor:
+        """The sum (float16), once done."""
         p.finished = True
+        return _hvd().synchronize(p.handle)
 
 
 class SparseExchange:
@@ -201,7 +202,9 @@ class JoinGuard:
 
 
 class AllgatherExchange:
-    """Sparse payloads: allgather, then every rank decodes all of them in rank order."""
+    """The sparse allgather (:func:`~hvd_gradcomp.collectives.rounds.sparse_allgather`) of one tensor
+    on Horovod, its payload behind an envelope (the stock-Horovod road): ``start`` encodes and
+    launches the allgather, ``finish`` decodes every rank's payload in rank order and sums."""
 
     join_guard: Optional[JoinGuard] = None   # checked before the allgather (see choose_exchange)
 
@@ -210,51 +213,28 @@ class AllgatherExchange:
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         _begin(self)
-        payload, own = encode_carried(self.compressor, name, grad)
-        sealed = seal(payload, self.compressor.exchange_step, grad.device)
+        outs = [grad]   # where the average goes: set in finish()
+        run = sparse_allgather(self.compressor, [(name, grad)], outs, self.process_set.size(),
+                               self.process_set.rank(), is_average(self.op), [encode_carried(self.compressor, name, grad)])
+        sealed = seal(next(run).payloads[0], self.compressor.exchange_step, grad.device)
         _confirm(self)
         handle = _hvd().allgather_async(sealed, name=f"hvdgc.ag.{name}", process_set=self.process_set)
-        p = Pending(name, grad.shape, grad.dtype, handle, bytes_sent=sealed.numel(), framing_bytes=ENVELOPE_BYTES)
-        if own is not None:   # this rank's part, not decoded again
-            p.own = own
-        return p
+        return Pending(name, grad.shape, grad.dtype, handle, _Rounds(run, outs), bytes_sent=sealed.numel(),
+                       framing_bytes=ENVELOPE_BYTES)
 
     def advance(self, p: Pending) -> None:
         pass
 
     def progress(self, p: Pending) -> None:
-        """Decode now if the allgather is done, overlapping the rest of backward; never blocks.
-
-        Decoded parts wait in ``p.parts``: ``p.grad`` keeps the local gradient until
-        synchronize(), as with Horovod.
-        """
-        if p.parts is None and _hvd().poll(p.handle):
-            self._decode(p)
-
-    def _decode(self, p: Pending) -> None:
-        envelopes = unseal(_hvd().synchronize(p.handle))
-        own, p.own = p.own, None
-        p.parts = decode_envelopes(self.compressor, envelopes, self.process_set.size(), p.name,
-                                   p.shape.numel(), None if own is None else (self.process_set.rank(), own))
+        """Nothing early: this road's caller (Horovod's ``decompress``) finishes each tensor at once."""
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
-        if p.parts is None:
-            self._decode(p)
-        parts, p.parts = p.parts, None
-        sum_parts(parts, is_average(self.op), out.numel(), p.dtype, out=out)
+        payloads = payloads_of(self.compressor, unseal(_hvd().synchronize(p.handle)), self.process_set.size(), p.name)
+        p.ctx.out[0] = out
+        parts = finish_rounds(p.ctx.run, payloads)[0]
         self.compressor.received(p.name, out, sparse_support(parts))
         p.finite = finite_at_indices(self.compressor, parts, out, p.name)
         p.finished = True
-
-
-def decode_envelopes(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str,
-                     numel: int, mine: Optional[Tuple[int, Tuple[torch.Tensor, torch.Tensor]]] = None) -> Parts:
-    """:func:`~hvd_gradcomp.collectives.reduce.decode_flagged` of sealed payloads, their steps checked first
-    (:func:`payloads_of`). ``mine``: (this rank, its part as its encoder carried it, see
-    :meth:`GradientCompressor.compress_carried`), taken as is, not decoded."""
-    payloads = payloads_of(compressor, envelopes, size, name)
-    device = envelopes[0].device if envelopes else torch.device("cpu")
-    return decode_flagged(compressor, [pls[0] for pls in payloads], numel, device, mine)
 
 
 def payloads_of(compressor: GradientCompressor, envelopes: List[Envelope], size: int, name: str) -> Payloads:
@@ -366,9 +346,9 @@ class RoundsExchange(_TwoCollectives):
         self._issue(p, request)
         return p
 
-    def _issue(self, p: Pending, request: Average) -> None:
+    def _issue(self, p: Pending, request: Allreduce) -> None:
         """Hand the algorithm's next request to Horovod; the average comes back in ``advance``/``finish``."""
-        work = self.transport.allreduce(request.tensor, f"hvdgc.rounds.{request.tag}.{p.name}", average=True)
+        work = self.transport.allreduce(request.tensor, f"hvdgc.rounds.{request.tag}.{p.name}", request.average)
         p.ctx.work, p.handle = work, work.handle
         p.bytes_sent += request.tensor.numel() * request.tensor.element_size()
 

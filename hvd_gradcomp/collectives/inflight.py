@@ -63,8 +63,6 @@ class Pending:
     received: bool = False
     # whether the average is finite, read at the parts' indices (the allgather roads); None: not known
     finite: Optional[torch.Tensor] = None
-    # the fused float16 allreduce (optimizer._SmallTensors.start), finished by HalfExchange
-    half: bool = False
     # codec seconds spent on it (TimedExchange; _charge for a fused group's decode run elsewhere)
     codec_s: float = 0.0
     # codec seconds spent inside its calls on other members of its group (_charge), not its own

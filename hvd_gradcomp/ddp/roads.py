@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from .. import codecs, wire
 from ..wire import kernels
 from ..codecs.compressor import payload_size
-from ..collectives.reduce import chunk_bounds, decode_payloads, sparse_support, sum_parts
-from ..collectives.rounds import compressed_allreduce, low_rank_rounds
+from ..collectives.reduce import chunk_bounds, sparse_support
+from ..collectives.rounds import HALF, compressed_allreduce, dense_fallback, low_rank_rounds, sparse_allgather
 from ..collectives.rounds import finish as finish_rounds
 from ..collectives.transport import TorchTransport
 from ..collectives.transport import all_gather_single as _all_gather_single
@@ -165,12 +165,14 @@ class _Plan:
 
 
 # ---------------------------------------------------------------- dense
-def _allreduce(state: State, flat: torch.Tensor, step: int, name: str,
+def _allreduce(state: State, flat: torch.Tensor, step: int, name: Optional[str],
                cast: Optional[torch.dtype]) -> Future:
-    """Average ``flat`` in place by one allreduce (of a ``cast`` copy when given)."""
+    """Average ``flat`` in place by one allreduce (of a ``cast`` copy when given); counted as ``name``
+    (None: the caller counts it)."""
     send = flat.to(cast) if cast is not None else flat
     send.div_(state.world_size)
-    state._record(step, name, flat.numel() * flat.element_size(), send.numel() * send.element_size())
+    if name is not None:
+        state._record(step, name, flat.numel() * flat.element_size(), send.numel() * send.element_size())
     fut = dist.all_reduce(send, group=state.process_group, async_op=True).get_future()
 
     def done(f: Future) -> torch.Tensor:
@@ -184,85 +186,38 @@ def _allreduce(state: State, flat: torch.Tensor, step: int, name: str,
 
 def _start_dense(state: State, buffer: torch.Tensor, plan: _Plan, step: int,
                  finite: bool) -> Tuple[List[Future], Callable[[], None]]:
-    """The parameters of a compressed bucket that go uncompressed: one allreduce, and one of
-    the float16 ones (:func:`_start_half`); returns (futures, copy-back). ``finite``: whether
-    this rank's bucket is all finite."""
-    _dense_locals(state, buffer, plan.dense)
-    half = tuple(s for s in plan.dense if _sends_half(state, s, buffer.dtype))
-    full = tuple(s for s in plan.dense if s not in half)
-    futs, backs = [], []
-    if full:
-        flat = torch.cat([s.view(buffer) for s in full])
-        futs.append(_allreduce(state, flat, step, "dense", None))
-        backs.append((full, flat))
-    if half:
-        fut, sent = _start_half(state, buffer, half, step, finite)
-        futs.append(fut)
-        backs.append((half, sent))
-
-    def copy_back() -> None:
-        for segs, flat in backs:
-            offset = 0
-            for s in segs:
-                s.view(buffer).copy_(flat[offset:offset + s.numel])
-                offset += s.numel
-        _dense_averages(state, buffer, plan.dense)
-
-    return futs, copy_back
-
-
-def _dense_locals(state: State, buffer: torch.Tensor, segments: Iterable[_Segment]) -> None:
-    """Hand this rank's own gradients of the segments that go uncompressed to the feedback policy,
-    before their allreduce overwrites them (see
-    :meth:`hvd_gradcomp.codecs.compressor.GradientCompressor.dense_local`)."""
+    """The segments of a bucket that go uncompressed, by
+    :func:`~hvd_gradcomp.collectives.rounds.dense_fallback`: one allreduce, and one of the float16
+    ones; returns (futures, write-back). ``finite``: whether this rank's bucket is all finite."""
+    views = [s.view(buffer) for s in plan.dense]
+    run = dense_fallback(state.compression, [(s.name, v.view(s.shape)) for s, v in zip(plan.dense, views)], views,
+                         state.world_size, state.min_compress_numel, finite=finite)
     with state._lock:
-        for s in segments:
-            if s.numel >= state.min_compress_numel:   # the policy's dense steps, not the small tensors
-                state.compression.dense_local(s.name, s.view(buffer))
-
-
-def _dense_averages(state: State, buffer: torch.Tensor, segments: Iterable[_Segment]) -> None:
-    """Hand the averages of the segments that went uncompressed to the feedback policy (see
-    :meth:`hvd_gradcomp.codecs.compressor.GradientCompressor.dense_average`)."""
-    for s in segments:
-        state.compression.dense_average(s.name, s.view(buffer))
-
-
-def _sends_half(state: State, seg: _Segment, dtype: torch.dtype) -> bool:
-    """Whether a segment the bucket does not compress travels as float16 (the compressor's
-    ``exempt="fp16"``: small, excluded, or a feedback policy's dense step)."""
-    return state.compression.sends_half(seg.name, dtype, seg.numel < state.min_compress_numel)
-
-
-def _start_half(state: State, buffer: torch.Tensor, segs: Tuple[_Segment, ...], step: int,
-                finite: bool) -> Tuple[Future, torch.Tensor]:
-    """One allreduce (sum) of the float16 cast of ``segs``, pre-divided by the ranks, with error
-    feedback of the cast (:meth:`GradientCompressor.encode_half`): (its future, the float16
-    tensor, which holds the average once done). A rank whose bucket holds NaN/Inf
-    sends the cast alone and keeps its residuals, as the compressed segments do."""
-    with state._lock:
-        if finite:
-            half, _ = state.compression.encode_half([(s.name, s.view(buffer).view(s.shape)) for s in segs],
-                                                    state.world_size)
+        requests = next(run).requests
+    futs, results = [], []
+    for request in requests:
+        half = request.tag == HALF
+        sent = request.tensor
+        if plan.compressed and sent.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+            # not averaged in place here: a non-finite compressed part fills the bucket with NaN, and the
+            # dense averages are written back after that (_InOrder)
+            sent = sent.clone()
+        state._record(step, "exempt.fp16" if half else "dense", request.raw_bytes, sent.numel() * sent.element_size())
+        if half:   # divided by the ranks already: summed
+            futs.append(dist.all_reduce(sent, group=state.process_group, async_op=True).get_future())
         else:
-            half, _ = kernels.to_half_saturated(torch.cat([s.view(buffer) for s in segs]), state.world_size)
-    state._record(step, "exempt.fp16", sum(s.numel for s in segs) * buffer.element_size(),
-                  half.numel() * half.element_size())
-    return dist.all_reduce(half, group=state.process_group, async_op=True).get_future(), half
+            futs.append(_allreduce(state, sent, step, None, None))
+        results.append(sent)
+    return futs, lambda: finish_rounds(run, results)
 
 
 def _dense_bucket(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
-    """A bucket with nothing to compress this step: one allreduce, or those of
-    :func:`_start_dense` when some of it travels as float16."""
-    if not any(_sends_half(state, s, buffer.dtype) for s in plan.dense):
-        _dense_locals(state, buffer, plan.dense)
-
-        def deliver(f: Future) -> torch.Tensor:
-            _dense_averages(state, buffer, plan.dense)
-            return f.value()
-        return _then(_allreduce(state, buffer, step, "dense", None), deliver)
-    futs, copy_back = _start_dense(state, buffer, plan, step, kernels.all_finite(buffer))
-    return _when_all(futs, buffer, copy_back)
+    """A bucket with nothing to compress this step: :func:`_start_dense` of all of it (its
+    finiteness read only where a float16 cast depends on it)."""
+    half = any(state.compression.sends_half(s.name, buffer.dtype, s.numel < state.min_compress_numel)
+               for s in plan.dense)
+    futs, write_back = _start_dense(state, buffer, plan, step, kernels.all_finite(buffer) if half else True)
+    return _when_all(futs, buffer, write_back)
 
 
 def _when_all(futs: List[Future], buffer: torch.Tensor, finish: Callable[[], None] = lambda: None) -> Future:
@@ -301,10 +256,17 @@ def _meta(state: State, value: int, device: torch.device) -> Tuple[torch.Tensor,
 
 # ---------------------------------------------------------------- sparse: all_gather
 def _allgather(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
-    comp, world = state.compression, state.world_size
+    """The sparse allgather (:func:`~hvd_gradcomp.collectives.rounds.sparse_allgather`) of the bucket's
+    compressed segments: every payload of this rank in one padded ``all_gather`` on the second group,
+    after an ``all_gather`` of the sizes (-1: this rank's bucket holds NaN/Inf, and the bucket is NaN
+    on every rank), in bucket order."""
+    comp, world, n = state.compression, state.world_size, len(plan.compressed)
     with state._lock:
         finite, sends = _encode_sparse(state, buffer, plan)
-    payloads = [pl for pl, _ in sends]
+    views = [s.view(buffer) for s in plan.compressed]
+    run = sparse_allgather(comp, [(s.name, v) for s, v in zip(plan.compressed, views)], views, world, state.rank,
+                           sends=sends)
+    payloads = next(run).payloads if finite else []
     blob = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=buffer.device)
     sizes, meta_fut = _meta(state, blob.numel() if finite else -1, buffer.device)
     dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
@@ -324,19 +286,13 @@ def _allgather(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Fu
         work = _all_gather_single(gathered, padded, group=state._second, async_op=True)
 
         def decode() -> None:
-            # This rank's own payload is not decoded: what it carries is known from its encoding
-            # (the same indices and values, bit for bit, that the other ranks decode from it).
-            per_rank = [None if r == state.rank else _split(gathered[r * cap:r * cap + counts[r]],
-                                                            len(plan.compressed)) for r in range(world)]
-            for j, s in enumerate(plan.compressed):
-                others = decode_payloads(comp, [per_rank[r][j] for r in range(world) if r != state.rank],
-                                         world - 1, s.numel)
-                mine = sends[j][1]
-                if buffer.is_cuda:  # made on the hook's stream, read on this callback's: keep them till done
-                    for t in (t for t in mine if t is not None):
-                        t.record_stream(torch.cuda.current_stream(buffer.device))
-                parts = others[:state.rank] + [mine] + others[state.rank:]
-                sum_parts(parts, True, s.numel, buffer.dtype, out=s.view(buffer))
+            # This rank's own payloads are not split from the gather: they are the ones it sent.
+            per_rank = [payloads if r == state.rank else _split(gathered[r * cap:r * cap + counts[r]], n)
+                        for r in range(world)]
+            if buffer.is_cuda:  # made on the hook's stream, read on this callback's: keep them till done
+                for t in (t for _, carried in sends if isinstance(carried, tuple) for t in carried if t is not None):
+                    t.record_stream(torch.cuda.current_stream(buffer.device))
+            for s, parts in zip(plan.compressed, finish_rounds(run, per_rank)):
                 # momentum correction: what SGD should see
                 state._received(s.name, s.view(buffer), sparse_support(parts))
                 state._exchanged_average(s, buffer)

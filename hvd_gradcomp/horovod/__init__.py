@@ -43,7 +43,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -53,6 +53,9 @@ from ..wire import kernels
 from ..codecs.contract import _compressible
 from ..codecs.compressor import GradientCompressor
 from ..collectives.exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks
+from ..collectives.inflight import is_average
+from ..collectives.rounds import HALF, Algorithm, dense_fallback
+from ..collectives.rounds import finish as finish_rounds
 
 HOROVOD_CHECKED = "0.28.1"
 """The Horovod release every entry of :data:`HOROVOD_INTERNALS` was read and tested against."""
@@ -321,14 +324,7 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
         compressor.attach(call.optimizer, call.names, call.process_set.rank())
         if not compressor.compresses(call.name, tensor.numel()):
             # Small, excluded or dense this step: Horovod's own allreduce takes it (as float16 if exempt).
-            if tensor.numel() >= compressors.DEFAULT_MIN_COMPRESS_NUMEL:   # the policy's dense step
-                compressor.dense_local(call.name, tensor)
-            small = tensor.numel() < compressors.DEFAULT_MIN_COMPRESS_NUMEL
-            if compressor.sends_half(call.name, tensor.dtype, small, dense_steps=False):
-                return _compress_half(compressor, call, tensor)
-            sent = allreducible(tensor)
-            _count(compressor, call.name, tensor.numel() * tensor.element_size(), sent.numel() * sent.element_size())
-            return sent, DenseContext(call.name, tensor.dtype)
+            return _compress_dense(compressor, call, tensor)
         if not compressor.join_checked:  # the step's first allgather (float16 allreduces work with join)
             check_no_joined_ranks(call.process_set)
         compressor.exchange_opened(call.name)
@@ -344,42 +340,47 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
 
 @dataclass
 class DenseContext:
-    """decompress()'s context of a tensor Horovod allreduced uncompressed (:func:`allreducible`):
-    cast back to ``dtype``, its average goes to the feedback policy
-    (:meth:`GradientCompressor.dense_average`) on its way back."""
+    """decompress()'s context of a tensor Horovod allreduced uncompressed: its
+    :func:`~hvd_gradcomp.collectives.rounds.dense_fallback`, which writes the average into
+    ``outs[0]`` (set by decompress), and whether it went as float16 (``half``)."""
 
     name: str
-    dtype: torch.dtype
-
-
-@dataclass
-class HalfContext:
-    """decompress()'s context of a tensor sent as float16 (see :func:`_compress_half`)."""
-
-    name: str
+    run: Algorithm
+    outs: List[Optional[torch.Tensor]]
     shape: torch.Size
     dtype: torch.dtype
+    half: bool
+    average: bool
     world: int
 
 
-def _compress_half(compressor: GradientCompressor, call: HorovodCall, tensor: torch.Tensor
-                   ) -> Tuple[torch.Tensor, HalfContext]:
-    """An exempt tensor as float16, for Horovod's allreduce: divided by the ranks that sum it, so
-    the float16 sum cannot overflow, with error feedback of the cast (see
-    :meth:`GradientCompressor.encode_half`). Part of the compressor's exchange step (what the
-    cast kept back is undone with the rest when an average comes back NaN/Inf)."""
-    world = call.process_set.size()
-    compressor.exchange_opened(call.name)
-    half, _ = compressor.encode_half([(call.name, tensor)], world)
-    _count(compressor, call.name, tensor.numel() * tensor.element_size(), half.numel() * half.element_size())
-    return half, HalfContext(call.name, tensor.shape, tensor.dtype, world)
+def _compress_dense(compressor: GradientCompressor, call: HorovodCall, tensor: torch.Tensor
+                    ) -> Tuple[torch.Tensor, DenseContext]:
+    """A tensor the compressor does not compress this step, for Horovod's allreduce, by
+    :func:`~hvd_gradcomp.collectives.rounds.dense_fallback`: as float16 if exempt (divided by the ranks
+    that sum it, with error feedback of the cast, part of the compressor's exchange step: what the
+    cast kept back is undone with the rest when an average comes back NaN/Inf), else as it is.
+    A policy's dense steps stay float32 (``dense_steps=False``: Horovod's ``Average`` divides the
+    float16 sum once more, a rounding no residual sees)."""
+    average, world = is_average(call.op), call.process_set.size()
+    outs: List[Optional[torch.Tensor]] = [None]
+    run = dense_fallback(compressor, [(call.name, tensor)], outs, world, compressors.DEFAULT_MIN_COMPRESS_NUMEL,
+                         average, dense_steps=False, opening=compressor.exchange_opened)
+    request = next(run).requests[0]
+    sent = allreducible(request.tensor)   # decompress() casts back
+    _count(compressor, call.name, request.raw_bytes, sent.numel() * sent.element_size())
+    return sent, DenseContext(call.name, run, outs, tensor.shape, tensor.dtype, request.tag == HALF, average, world)
 
 
-def _decompress_half(compressor: GradientCompressor, tensor: torch.Tensor, ctx: HalfContext) -> torch.Tensor:
-    # Horovod's Average divides the float16 sum (already the average) by the ranks once more, and
-    # its Sum leaves the average: either way multiplying by the ranks gives what the op asks for.
-    out = tensor.to(ctx.dtype).mul_(ctx.world).view(ctx.shape)
-    if compressor.exchange_closed(ctx.name, kernels.all_finite(out)):
+def _decompress_dense(compressor: GradientCompressor, tensor: torch.Tensor, ctx: DenseContext) -> torch.Tensor:
+    """The average of a tensor :func:`_compress_dense` sent, from Horovod's output ``tensor``."""
+    # Horovod's output is the average itself when it needs no cast back (the algorithm sees it in place)
+    fits = not ctx.half and tensor.dtype == ctx.dtype and tensor.shape == ctx.shape
+    out = ctx.outs[0] = tensor if fits else torch.empty(ctx.shape, dtype=ctx.dtype, device=tensor.device)
+    # The algorithm wants the sum of what the ranks sent for the float16 request: Horovod's Average
+    # divided it by the ranks once more (its Sum left it as it is).
+    finish_rounds(ctx.run, [tensor.to(out.dtype).mul_(ctx.world) if ctx.half and ctx.average else tensor])
+    if ctx.half and compressor.exchange_closed(ctx.name, kernels.all_finite(out)):
         compressor.stats.end_step()
     return out
 
@@ -399,11 +400,7 @@ def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -
     if ctx is None:
         return tensor
     if isinstance(ctx, DenseContext):
-        tensor = tensor.to(ctx.dtype)
-        compressor.dense_average(ctx.name, tensor)
-        return tensor
-    if isinstance(ctx, HalfContext):
-        return _decompress_half(compressor, tensor, ctx)
+        return _decompress_dense(compressor, tensor, ctx)
     if isinstance(ctx, StockContext):
         out = torch.empty(ctx.pending.shape, dtype=ctx.pending.dtype, device=ctx.device)
         p = ctx.pending

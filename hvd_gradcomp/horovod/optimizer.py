@@ -43,6 +43,7 @@ import functools
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -52,10 +53,12 @@ from .. import wire
 from ..auto import Auto
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step, refuse_class
 from ..collectives.exchange import DenseExchange, HalfExchange, JoinGuard, Pending, SparseExchange, choose_exchange
+from ..collectives.inflight import is_average
+from ..collectives.rounds import HALF, Algorithm, dense_fallback
+from ..collectives.rounds import finish as finish_rounds
 from . import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from ..stats import ByteStats
 
-_HALF = "fp16"   # the fused allreduce of the tensors sent as float16 (see _SmallTensors.start)
 
 
 class _ChangeWatch:
@@ -118,57 +121,53 @@ def _count(stats: ByteStats, name: str, raw_bytes: int, pending: Pending) -> Non
     stats.record(name, raw_bytes, pending.bytes_sent - pending.framing_bytes, pending.framing_bytes)
 
 
+@dataclass
+class _Fused:
+    """One fused exchange of :class:`_SmallTensors`: its parameters, the algorithm, and its allreduces
+    with the exchange that carries each."""
+
+    params: List[torch.Tensor]
+    run: Algorithm
+    pendings: List[Tuple[Any, Pending]]
+
+
 class _SmallTensors:
     """The tensors exchanged uncompressed (small, a dtype the wire cannot encode, or excluded by the
-    compressor's policy), fused: one allreduce per dtype, and one of float16 casts
-    (:class:`~hvd_gradcomp.collectives.exchange.HalfExchange`) for those the compressor sends as float16."""
+    compressor's policy): :func:`~hvd_gradcomp.collectives.rounds.dense_fallback` on Horovod, one
+    allreduce per dtype (:class:`~hvd_gradcomp.collectives.exchange.DenseExchange`) and one of the
+    float16 casts (:class:`~hvd_gradcomp.collectives.exchange.HalfExchange`) for those the compressor
+    sends as float16."""
 
     def __init__(self, compression: Any, names: Dict[torch.Tensor, str], dense: DenseExchange,
-                 half: Optional[HalfExchange]) -> None:
-        self.compression, self._names, self._dense, self._half = compression, names, dense, half
+                 half: HalfExchange, op: Any) -> None:
+        self.compression, self._names, self._dense, self._half, self.op = compression, names, dense, half, op
 
     def start(self, params: List[torch.Tensor], min_compress_numel: int, record: Callable[[str, int, Pending], None],
-              tag: str = "") -> List[Tuple[List[torch.Tensor], Pending]]:
-        """One allreduce per dtype for all small tensors: fewer, larger messages. Those the
-        compressor sends as float16 (:meth:`GradientCompressor.sends_half`) form their own.
-        ``record(name, raw bytes, pending)`` counts each; ``tag``: part of the exchanges' names,
-        for a second fused exchange in the same step."""
-        groups: Dict[str, List[torch.Tensor]] = {}
-        ours = isinstance(self.compression, GradientCompressor)
+              tag: str = "") -> List[_Fused]:
+        """One allreduce per dtype for all ``params``: fewer, larger messages. ``record(name, raw
+        bytes, pending)`` counts each; ``tag``: part of the exchanges' names, for a second fused
+        exchange in the same step."""
+        if not params:
+            return []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if ours and p.numel() >= min_compress_numel:   # dense this step: its policy may follow
-                self.compression.dense_local(self._names[p], p.grad)   # this rank's gradient
-            half = self._half is not None and self.compression.sends_half(
-                self._names[p], p.grad.dtype, p.numel() < min_compress_numel)
-            groups.setdefault(_HALF if half else str(p.grad.dtype).replace("torch.", ""), []).append(p)
-        fused = []
-        for key, ps in sorted(groups.items()):   # the same order on every rank
-            raw = sum(p.numel() * p.element_size() for p in ps)
-            if key == _HALF:
-                pending = self._half.start(f"fused{tag}.{key}", [(self._names[p], p.grad) for p in ps])
-                pending.half = True
-            else:
-                pending = self._dense.start(f"fused{tag}.{key}", torch.cat([p.grad.reshape(-1) for p in ps]))
-            record(pending.name, raw, pending)
-            fused.append((ps, pending))
-        return fused
+        ours = self.compression if isinstance(self.compression, GradientCompressor) else None
+        grads = [p.grad for p in params]
+        run = dense_fallback(ours, [(self._names[p], p.grad) for p in params], grads, self._half.process_set.size(),
+                             min_compress_numel, is_average(self.op))
+        pendings = []
+        for request in next(run).requests:
+            road = self._half if request.tag == HALF else self._dense
+            pending = road.start(f"fused{tag}.{request.tag}", request.tensor)
+            record(pending.name, request.raw_bytes, pending)
+            pendings.append((road, pending))
+        return [_Fused(params, run, pendings)]
 
-    def finish(self, fused: List[Tuple[List[torch.Tensor], Pending]]) -> None:
-        """Wait for :meth:`start`'s allreduces and copy each average into ``p.grad``."""
-        ours = isinstance(self.compression, GradientCompressor)
-        for ps, pending in fused:
-            road = self._half if pending.half else self._dense
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=pending.dtype, device=ps[0].device)
-            road.finish(pending, flat)
-            offset = 0
-            for p in ps:
-                n = p.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
-                if ours:   # the policy sees the average before the user's code between synchronize() and step()
-                    self.compression.dense_average(self._names[p], p.grad)
+    def finish(self, fused: List[_Fused]) -> None:
+        """Wait for :meth:`start`'s allreduces; the algorithm writes each average into ``p.grad``."""
+        for f in fused:
+            finish_rounds(f.run, [road.result(pending) for road, pending in f.pendings])
 
 
 class _GradCompOptimizer(torch.optim.Optimizer):
@@ -204,16 +203,15 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._compressed = choose_exchange(compression, op, process_set, self._join)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
-        self._half = HalfExchange(compression, op, process_set) if isinstance(compression, GradientCompressor) else None
         self._sparse = SparseExchange(op, process_set)
-        self._small_road = _SmallTensors(compression, self._parameter_names, self._dense, self._half)
+        self._small_road = _SmallTensors(compression, self._parameter_names, self._dense, HalfExchange(process_set), op)
         self._delay: Dict[torch.Tensor, int] = {}
         self._pending: Dict[torch.Tensor, Pending] = {}
         self._sparse_pending: Dict[torch.Tensor, Pending] = {}
         self._densified: List[torch.Tensor] = []   # sparse gradients exchanged dense (sparse_as_dense)
         self._small: Optional[List[torch.Tensor]] = None   # tensors of the fused allreduce (see _hook)
         self._small_ready = 0
-        self._early_fused: Optional[List[Tuple[List[torch.Tensor], Pending]]] = None
+        self._early_fused: Optional[List[_Fused]] = None
         self._synchronized = False
         self._should_synchronize = True
         # Bytes this rank hands to Horovod: one ledger, the compressor's own when it has one.
@@ -332,7 +330,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         if self._early_fused is None:
             fused = self._small_road.start(small, self.min_compress_numel, self._record)
         else:   # launched during backward; a parameter adopted just now goes in a fused exchange of its own
-            early = {p for ps, _ in self._early_fused for p in ps}
+            early = {p for f in self._early_fused for p in f.params}
             fused = self._early_fused + self._small_road.start([p for p in small if p not in early],
                                                                self.min_compress_numel, self._record, tag="late")
         for pending in self._pending.values():
@@ -351,7 +349,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         if isinstance(self.compression, GradientCompressor):
             known = {p: pending.finite for p, pending in self._pending.items()}
             self.compression.end_round(self._all_finite([*self._pending, *self._sparse_pending,
-                                                         *(p for ps, _ in fused for p in ps)], known))
+                                                         *(p for f in fused for p in f.params)], known))
         for p in self._densified:  # the optimizer (SparseAdam, ...) expects the sparse layout back
             p.grad = p.grad.to_sparse()
         self._densified.clear()
