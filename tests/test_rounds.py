@@ -8,7 +8,9 @@ import torch
 
 from hvd_gradcomp.codecs.powersgd import PowerSGD, orthogonalize
 from hvd_gradcomp.codecs.qsgd import QSGD
-from hvd_gradcomp.collectives.rounds import Allreduce, Gather, Scatter, compressed_allreduce, finish, low_rank_rounds
+from hvd_gradcomp.codecs.topk import TopK, TopKQSGD
+from hvd_gradcomp.collectives.rounds import (Allreduce, Gather, Scatter, compressed_allreduce, dense_fallback, finish,
+                                             low_rank_rounds, sparse_allgather)
 
 
 def drive_in_lockstep(runs: List) -> List[str]:
@@ -152,3 +154,92 @@ def test_a_driver_that_stops_early_or_a_rank_missing_is_told():
     run = compressed_allreduce(comp, [("w", torch.randn(100))], [torch.empty(100)], world=1, rank=0)
     with pytest.raises(RuntimeError, match="one more collective"):
         finish(run, next(run).payloads)   # the scatter's result handed over as if it were the last
+
+
+# ---------------------------------------------------------------- the sparse allgather
+def drive_allgather(runs: List) -> List:
+    """Each rank's allgather to its end: every rank sent every rank's payloads, in rank order."""
+    gathers = [next(r) for r in runs]
+    every = [g.payloads for g in gathers]
+    return [finish(r, every) for r in runs]
+
+
+def test_sparse_allgather_gives_every_rank_the_same_bits_the_average_of_what_was_sent():
+    torch.manual_seed(2)
+    grads = [torch.randn(3, 5000) for _ in range(3)]
+    comps = [TopKQSGD(ratio=0.01, bits=8, seed=r) for r in range(3)]
+    outs = [torch.empty(3, 5000) for _ in range(3)]
+    runs = [sparse_allgather(c, [("w", g.clone())], [o], world=3, rank=r)
+            for r, (c, g, o) in enumerate(zip(comps, grads, outs))]
+    parts = drive_allgather(runs)
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "ranks disagree"
+    # what each rank sent, decoded: their mean is the average (each rank's own part is the one it
+    # carried, not decoded, and must be the same bits)
+    sent = [TopKQSGD(ratio=0.01, bits=8, seed=r).decode(TopKQSGD(ratio=0.01, bits=8, seed=r).compress_named("w", g))
+            for r, g in enumerate(grads)]
+    torch.testing.assert_close(outs[0], torch.stack(sent).mean(0), rtol=0, atol=1e-6)
+    assert [len(p[0]) for p in parts] == [3, 3, 3]   # one segment, 3 ranks' parts, for the policy's received()
+
+
+def test_sparse_allgather_with_a_nan_rank_is_nan_everywhere_and_the_sum_without_average():
+    comps = [TopK(ratio=0.5, min_k=1, seed=r) for r in range(2)]
+    grads = [torch.tensor([1.0, 0.0, 3.0, 0.0]), torch.tensor([0.0, 2.0, 0.0, 4.0])]
+    outs = [torch.empty(4) for _ in range(2)]
+    drive_allgather([sparse_allgather(c, [("w", g)], [o], 2, r, average=False)
+                     for r, (c, g, o) in enumerate(zip(comps, grads, outs))])
+    assert outs[0].tolist() == outs[1].tolist() == [1.0, 2.0, 3.0, 4.0]
+    grads[1] = torch.tensor([float("nan"), 2.0, 0.0, 4.0])
+    drive_allgather([sparse_allgather(c, [("w", g)], [o], 2, r) for r, (c, g, o) in enumerate(zip(comps, grads, outs))])
+    assert all(torch.isnan(o).all() for o in outs)
+
+
+# ---------------------------------------------------------------- the dense fallback
+def drive_dense(runs: List, world: int) -> List:
+    """Each rank's dense fallback to its end, each request answered as a transport would: summed
+    over ranks, divided by them where it asks for the average."""
+    requests = [next(r).requests for r in runs]
+    assert len({tuple(q.tag for q in rs) for rs in requests}) == 1, "ranks asked for different collectives"
+    results = []
+    for i, first in enumerate(requests[0]):
+        total = torch.stack([rs[i].tensor for rs in requests]).sum(0)
+        results.append(total / world if first.average else total)
+    for r in runs:
+        finish(r, [t.clone() for t in results])
+    return requests[0]
+
+
+def test_dense_fallback_sends_the_small_tensors_as_float16_and_the_rest_per_dtype():
+    torch.manual_seed(3)
+    world = 2
+    comps = [TopKQSGD(seed=r) for r in range(world)]
+    biases = [torch.randn(10) for _ in range(world)]
+    counts = [torch.randn(6, dtype=torch.float64) for _ in range(world)]
+    expected = (torch.stack(biases).mean(0), torch.stack(counts).mean(0))
+    opened = []
+    runs = [dense_fallback(c, [("bias", b), ("count", n)], [b, n], world, min_compress_numel=1024,
+                           opening=opened.append) for c, b, n in zip(comps, biases, counts)]
+    requests = drive_dense(runs, world)
+    assert [(q.tag, q.tensor.dtype, q.average, q.raw_bytes) for q in requests] == \
+        [("float64", torch.float64, True, 48), ("fp16", torch.float16, False, 40)]
+    assert opened == ["bias", "bias"], "each rank opens the float16 tensor's step before encoding it"
+    assert torch.equal(biases[0], biases[1]) and torch.equal(counts[0], counts[1])
+    torch.testing.assert_close(counts[0], expected[1])   # float64: exact average
+    torch.testing.assert_close(biases[0], expected[0], rtol=0, atol=2e-3)   # float16's rounding
+    # the cast's error feedback: what float16 rounded away goes out with the next step's cast
+    carried, _ = comps[0].encode_half([("bias", torch.zeros(10))], world)
+    assert carried.abs().max() > 0
+
+
+def test_dense_fallback_averages_a_bucket_in_place_and_gives_the_sum_when_asked():
+    world = 2
+    buffers = [torch.arange(8.0) + r for r in range(world)]
+    views = [[b[:3], b[3:]] for b in buffers]
+    runs = [dense_fallback(None, [("a", v[0]), ("b", v[1])], v, world, min_compress_numel=1, average=False)
+            for v in views]
+    requests = [next(r).requests for r in runs]
+    assert [q.tag for q in requests[0]] == ["float32"]
+    assert requests[0][0].tensor.data_ptr() == buffers[0].data_ptr(), "segments end to end: no copy"
+    total = requests[0][0].tensor + requests[1][0].tensor
+    for r in runs:
+        finish(r, [total.clone()])
+    assert buffers[0].tolist() == buffers[1].tolist() == (2 * torch.arange(8.0) + 1).tolist()

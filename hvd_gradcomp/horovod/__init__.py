@@ -374,9 +374,10 @@ def _compress_dense(compressor: GradientCompressor, call: HorovodCall, tensor: t
 
 def _decompress_dense(compressor: GradientCompressor, tensor: torch.Tensor, ctx: DenseContext) -> torch.Tensor:
     """The average of a tensor :func:`_compress_dense` sent, from Horovod's output ``tensor``."""
-    # Horovod's output is the average itself when it needs no cast back (the algorithm sees it in place)
-    fits = not ctx.half and tensor.dtype == ctx.dtype and tensor.shape == ctx.shape
-    out = ctx.outs[0] = tensor if fits else torch.empty(ctx.shape, dtype=ctx.dtype, device=tensor.device)
+    # Horovod's output (flat: the algorithm sends tensors flat) is the average itself when it needs no
+    # cast back: the algorithm then finds it in place and copies nothing
+    fits = not ctx.half and tensor.dtype == ctx.dtype and tensor.is_contiguous()
+    out = ctx.outs[0] = tensor.view(ctx.shape) if fits else torch.empty(ctx.shape, dtype=ctx.dtype, device=tensor.device)
     # The algorithm wants the sum of what the ranks sent for the float16 request: Horovod's Average
     # divided it by the ranks once more (its Sum left it as it is).
     finish_rounds(ctx.run, [tensor.to(out.dtype).mul_(ctx.world) if ctx.half and ctx.average else tensor])
