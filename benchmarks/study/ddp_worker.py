@@ -7,7 +7,7 @@ task name ``<task>-ddp``.
 Each compressed setting is ``hvd_gradcomp.ddp.register(model, compression=..., optimizer=opt)``
 as docs/DDP.md shows it; the feedback policy is the library's choice (``feedback="auto"``)
 except in the *classic EF* row. Two settings outside the study's default rows compare PowerSGD
-rank 4 (``benchmarks/study/powersgd_check.py``): ``psgd4``, ``gc.PowerSGD(rank=4)`` through
+rank 4 (``study.py --config powersgd``): ``psgd4``, ``gc.PowerSGD(rank=4)`` through
 the same hook, and ``psgd4-torch``, torch's own ``powerSGD_hook``.
 """
 from __future__ import annotations

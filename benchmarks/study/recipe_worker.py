@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
@@ -25,8 +25,8 @@ from benchmarks.study import recipes  # noqa: E402
 from benchmarks.study.loop import code_version, wrap_as_user  # noqa: E402
 
 
-class _Comm:
-    """The few collectives the worker needs, on Horovod or torch.distributed."""
+class Comm:
+    """The few collectives the workers need (this one and the wrapper check's), on Horovod or torch.distributed."""
 
     def __init__(self, ddp: bool) -> None:
         self.ddp = ddp
@@ -51,8 +51,8 @@ class _Comm:
         return all(bool(torch.equal(every[0], e)) for e in every)
 
 
-def _counter(road: str, opt: Any, comp: Any, state: Any, raw: int):
-    """Bytes this rank handed to the collectives in the last step, on each road."""
+def counter(road: str, opt: Any, comp: Any, state: Any, raw: int) -> Callable[[], int]:
+    """Bytes this rank handed to the collectives in the last step, on each road (:data:`recipes.ROADS`)."""
     seen = [0]
 
     def step() -> int:
@@ -68,7 +68,7 @@ def _counter(road: str, opt: Any, comp: Any, state: Any, raw: int):
     return step
 
 
-def run(recipe: recipes.Recipe, road: str, seed: int, comm: _Comm, extra: Dict[str, Any]) -> Dict[str, Any]:
+def run(recipe: recipes.Recipe, road: str, seed: int, comm: Comm, extra: Dict[str, Any]) -> Dict[str, Any]:
     built = recipes.build(recipe, seed, comm.rank, comm.size)
     net, opt = built.model, built.optimizer
     comp = None if road == "none" else gc.TopKQSGD(ratio=0.01, bits=8, seed=1000 * seed + comm.rank, **extra)
@@ -76,7 +76,7 @@ def run(recipe: recipes.Recipe, road: str, seed: int, comm: _Comm, extra: Dict[s
     start = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
     raw = recipes.raw_bytes(net)
     hand_clip = recipe.clip and "clip" not in extra   # a probe with the compressor's clip= clips nothing by hand
-    count = _counter(road, opt, comp, state, raw)
+    count = counter(road, opt, comp, state, raw)
     evals: List[Dict[str, float]] = [dict(zip(("step", "val_loss", "val_accuracy"), (0, *recipes.evaluate(net, built.val))))]
     sent: List[int] = []
     t0 = time.perf_counter()
@@ -148,7 +148,7 @@ def main() -> int:
         ap.error("the ddp road runs alone, under torchrun")
     extra = {k: setting_value(v) for k, v in (s.split("=", 1) for s in args.setting)}
     torch.set_num_threads(1)
-    comm = _Comm(ddp=roads == ["ddp"])
+    comm = Comm(ddp=roads == ["ddp"])
     recipe = recipes.RECIPES[args.recipe]
     if args.steps or args.peak or args.clip:
         recipe = recipes.Recipe(**{**recipe.__dict__, "steps": args.steps or recipe.steps,

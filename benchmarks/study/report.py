@@ -1,4 +1,5 @@
-"""docs/STUDY.md and docs/img/study_*.png from the study's JSON results (generated, never typed)."""
+"""docs/STUDY.md and docs/img/study_*.png from the convergence study's JSON results (``study.py``, the
+*study* configuration; generated, never typed)."""
 from __future__ import annotations
 
 import datetime
@@ -49,7 +50,8 @@ def load(out: Path) -> Dict[Tuple[str, str], List[dict]]:
     return runs
 
 
-def _mean_sd(xs: List[float]) -> Tuple[float, float]:
+def mean_sd(xs: List[float]) -> Tuple[float, float]:
+    """Mean and standard deviation (0 for one value)."""
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
@@ -76,7 +78,7 @@ def tail_mean(run: dict) -> float:
 
 def table(task: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
     base = runs.get((task, "none"), [])
-    b_mean, b_sd = _mean_sd([r["val_loss"] for r in base]) if base else (float("nan"), 0.0)
+    b_mean, b_sd = mean_sd([r["val_loss"] for r in base]) if base else (float("nan"), 0.0)
     spread = b_sd / b_mean * 100 if base else float("nan")
     lines = ["| setting | feedback (auto) | seeds | held-out loss | accuracy | gap vs uncompressed | "
              "uncompressed seed spread | gap, last-quarter mean | bytes ratio, 2nd half |",
@@ -85,8 +87,8 @@ def table(task: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
         rs = runs.get((task, setting))
         if not rs:
             continue
-        lm, ls = _mean_sd([r["val_loss"] for r in rs])
-        am, as_ = _mean_sd([r["val_accuracy"] for r in rs])
+        lm, ls = mean_sd([r["val_loss"] for r in rs])
+        am, as_ = mean_sd([r["val_accuracy"] for r in rs])
         gap, tail = (_pct_or_dash(*paired_gap(task, setting, runs, measure)) for measure in (_final, tail_mean))
         ratio = statistics.fmean(r["ratio_second_half"] for r in rs)
         seeds = ",".join(str(r["seed"]) for r in sorted(rs, key=lambda r: r["seed"]))
@@ -143,8 +145,8 @@ def targets(tasks: List[str], runs: Dict[Tuple[str, str], List[dict]]) -> List[s
         pol = rs[0]["feedback"] if rs else "-"
         sd = spread([r["val_loss"] for r in runs.get((task, "none"), [])])
         met = "yes" if g1 <= 1 and g01 <= 2 and ratio >= 50 else "no"
-        lines.append(f"| {task} | {_pct(g1)} ({n1}) | {pol} | {ratio:.0f}x | +-{sd:.2f}% | {_pct(gc_)} | "
-                     f"{_pct(gfix)} | {_pct(gprev)} | {_pct(g01)} | {_pct(g01w)} | {met} |")
+        lines.append(f"| {task} | {pct(g1)} ({n1}) | {pol} | {ratio:.0f}x | +-{sd:.2f}% | {pct(gc_)} | "
+                     f"{pct(gfix)} | {pct(gprev)} | {pct(g01)} | {pct(g01w)} | {met} |")
     return lines + [""]
 
 
@@ -161,7 +163,7 @@ def gap_pairs(runs: Dict[Tuple[str, str], List[dict]], now: str, before: str) ->
     for task in sorted({t for t, s in runs if s == before}):
         g, n = paired_gap(task, now, runs)
         p, m = paired_gap(task, before, runs)
-        out.append(f"*{task}* {_pct(g)} against {_pct(p)} (seeds {n}/{m})")
+        out.append(f"*{task}* {pct(g)} against {pct(p)} (seeds {n}/{m})")
     return "; ".join(out)
 
 
@@ -186,7 +188,7 @@ def previous_default_bullet(runs: Dict[Tuple[str, str], List[dict]]) -> str:
     seeds, paired with uncompressed) now and with the previous defaults, at 1% and 0.1%, from the results."""
     return ("* **Adam's momentum and the sparsity warm-up dropped after the freeze.** On a model with the "
             "quirks real ones have (a layer applied twice, a frozen layer, a layer used every other step; "
-            "docs/FREEZE_CHECK.md, `benchmarks/study/freeze_check.py`), `frozen` with its previous defaults made "
+            "docs/FREEZE_CHECK.md, `study.py --config freeze`), `frozen` with its previous defaults made "
             "the held-out loss jump after the freeze and swing to the end, with Adam and AdamW under cosine, "
             "linear and one-cycle schedules; with each rank's gradient sent from the first compressed step at "
             "the full ratio it ended near uncompressed training in every configuration there. So that is the "
@@ -214,7 +216,12 @@ def low_ratio_bullet(runs: Dict[Tuple[str, str], List[dict]]) -> str:
             + gap_pairs(runs, "tq01", "tq01-nowarm") + ".")
 
 
-def _pct(v: float) -> str:
+def pct(v: float) -> str:
+    """A gap in %, signed; "-" for NaN (not run).
+
+    >>> pct(1.234), pct(float("nan"))
+    ('+1.23%', '-')
+    """
     return "-" if v != v else f"{v:+.2f}%"
 
 
@@ -244,7 +251,9 @@ def plot(task: str, runs: Dict[Tuple[str, str], List[dict]], path: Path) -> None
     plt.close(fig)
 
 
-def write(out: Path, docs: Path, command: str, minutes: float) -> None:
+def render(out: Path, docs: Path, command: str, minutes: float) -> str:
+    """docs/STUDY.md from the results under ``out`` (``command`` made them, ``minutes`` this invocation
+    took); its plots go into ``docs/img``."""
     runs = load(out)
     tasks = [t for t in TASK_TEXT if any(k[0] == t for k in runs)]
     n_runs = sum(len(v) for v in runs.values())
@@ -262,7 +271,7 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         "",
         f"Generated by `{command}` (`make study`) on {datetime.date.today()}: {n_runs} runs, "
         f"{wall:.0f} minutes of training (this invocation: {minutes:.0f} minutes). Every number and plot on this "
-        f"page comes from the JSON results in `{_shown(out)}/` (`make study` writes `runs/study/`; a copy of "
+        f"page comes from the JSON results in `{shown(out)}/` (`make study` writes `runs/study/`; a copy of "
         "this page's results is kept in `docs/data/study/`); rerun the command to regenerate it. "
         f"2 ranks (Gloo) on one machine, Python {platform.python_version()}, {versions}, 1 thread per rank. "
         f"Planned: {planned} runs; finished: {n_runs}. Each row lists the seeds it has.",
@@ -324,7 +333,7 @@ def write(out: Path, docs: Path, command: str, minutes: float) -> None:
         lines += table(task, runs) + ["", f"![held-out loss, {task}](img/study_{task}.png)", ""]
         plot(task, runs, docs / "img" / f"study_{task}.png")
     lines += choice_section(docs, runs)
-    (docs / "STUDY.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def versions_line(runs: Dict[Tuple[str, str], List[dict]]) -> str:
@@ -341,7 +350,7 @@ def versions_line(runs: Dict[Tuple[str, str], List[dict]]) -> str:
     return "Code versions of the runs (`git describe` of the checkout): " + "; ".join(parts) + "."
 
 
-def _shown(path: Path) -> str:
+def shown(path: Path) -> str:
     """``path`` relative to the checkout when inside it (for the page), else as given."""
     try:
         return str(path.resolve().relative_to(Path(__file__).resolve().parents[2]))

@@ -89,7 +89,7 @@ SETTINGS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
     # Adam's second moment frozen after a third of the CNN's 600 steps (the default: 100)
     "tq1-warm200": ("TopKQSGD(1%, 8), second moment frozen after 200 steps",
                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=200))),
-    # Adam's second moment frozen 3x later than the default (100 steps): run_length.py's longer runs
+    # Adam's second moment frozen 3x later than the default (100 steps): the run-length configuration's longer runs
     "tq1-warm300": ("TopKQSGD(1%, 8), second moment frozen after 300 steps",
                     lambda opt: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=300))),
 }
