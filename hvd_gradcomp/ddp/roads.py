@@ -203,10 +203,10 @@ def _start_dense(state: State, buffer: torch.Tensor, plan: _Plan, step: int,
             # dense averages are written back after that (_InOrder)
             sent = sent.clone()
         state._record(step, "exempt.fp16" if half else "dense", request.raw_bytes, sent.numel() * sent.element_size())
-        if half:   # divided by the ranks already: summed
-            futs.append(dist.all_reduce(sent, group=state.process_group, async_op=True).get_future())
-        else:
+        if request.average:   # divided by the ranks, then summed, in place
             futs.append(_allreduce(state, sent, step, None, None))
+        else:                 # the float16 casts: divided by the ranks already
+            futs.append(dist.all_reduce(sent, group=state.process_group, async_op=True).get_future())
         results.append(sent)
     return futs, lambda: finish_rounds(run, results)
 
