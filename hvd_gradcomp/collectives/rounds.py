@@ -54,6 +54,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tup
 import torch
 
 from ..wire import kernels
+from .inflight import encode_or_flag
 from .reduce import Parts, chunk_bounds, decode_flagged, sum_parts
 
 
@@ -211,7 +212,7 @@ def compressed_allreduce(compressor: Any, segments: Sequence[Tuple[str, torch.Te
         parts = decode_flagged(compressor, [received[r][j] for r in range(world)], numel, grad.device)
         mine = sum_parts(parts, average, numel, grad.dtype)
         relay = partial(compressor.compress_named, f"{name}#reduced{rank}", mine, relay=True)
-        reduced.append(_flagged(relay) if flags else relay())
+        reduced.append(encode_or_flag(relay) if flags else relay())
     gathered = yield Gather(reduced, "gather")
     _check_shape(gathered, world, len(segments))
     for j, ((name, _), bd, out) in enumerate(zip(segments, bounds, outs)):
@@ -230,15 +231,7 @@ def _chunks(compressor: Any, name: str, grad: torch.Tensor, bounds: List[int], f
     """This rank's payload of each chunk of ``grad``; all ``None`` when it held NaN/Inf (``flags``)."""
     if not flags:   # the driver checked the input: no second pass over it
         return compressor._compress_chunks_finite(name, grad, bounds)
-    return _flagged(lambda: compressor.compress_chunks(name, grad, bounds)) or [None] * (len(bounds) - 1)
-
-
-def _flagged(encode: Any) -> Any:
-    """``encode()``, or None when its input held NaN/Inf (the codec then changed nothing)."""
-    try:
-        return encode()
-    except FloatingPointError:
-        return None
+    return encode_or_flag(lambda: compressor.compress_chunks(name, grad, bounds)) or [None] * (len(bounds) - 1)
 
 
 def _check_shape(payloads: Payloads, world: int, segments: int) -> None:
@@ -274,7 +267,7 @@ def sparse_allgather(compressor: Any, segments: Sequence[Tuple[str, torch.Tensor
         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0, 7.0]
     """
     if sends is None:
-        sends = [_flagged(lambda n=name, g=grad: compressor.compress_carried(n, g)) or (None, None)
+        sends = [encode_or_flag(lambda n=name, g=grad: compressor.compress_carried(n, g)) or (None, None)
                  for name, grad in segments]
     gathered = yield Gather([payload for payload, _ in sends], "gather")
     _check_shape(gathered, world, len(segments))
@@ -293,7 +286,8 @@ HALF = "fp16"
 
 def dense_fallback(compressor: Any, segments: Sequence[Tuple[str, torch.Tensor]], outs: Sequence[torch.Tensor],
                    world: int, min_compress_numel: int, average: bool = True, dense_steps: bool = True,
-                   finite: bool = True, opening: Optional[Callable[[str], None]] = None) -> Algorithm:
+                   finite: Union[bool, Callable[[], bool]] = True,
+                   opening: Optional[Callable[[str], None]] = None) -> Algorithm:
     """What a step does not compress, for ``segments`` (name, gradient): the average (or sum,
     ``average=False``) written into ``outs`` (a segment's own tensor may be its out).
 
@@ -303,7 +297,8 @@ def dense_fallback(compressor: Any, segments: Sequence[Tuple[str, torch.Tensor]]
        whether a policy's dense steps may, see there) travel fused as one float16 tensor divided by
        the ranks first, so that its sum is the average and cannot overflow, with error feedback of
        the cast (:meth:`~GradientCompressor.encode_half`; ``finite=False``: this rank's input holds
-       NaN/Inf, so a saturated cast and no residual kept). Request tag :data:`HALF`, summed.
+       NaN/Inf, so a saturated cast and no residual kept; a callable is asked only when there is a
+       float16 request, since nothing else depends on it). Request tag :data:`HALF`, summed.
     3. The others travel fused per dtype (tag: the dtype's name), averaged (or summed).
     4. Every result is written back and, tensor by tensor, handed to the policy
        (:meth:`~GradientCompressor.dense_average`).
@@ -350,12 +345,12 @@ def dense_fallback(compressor: Any, segments: Sequence[Tuple[str, torch.Tensor]]
 
 
 def _dense_request(compressor: Any, tag: str, group: List[Tuple[int, str, torch.Tensor]], world: int,
-                   average: bool, finite: bool) -> Allreduce:
+                   average: bool, finite: Union[bool, Callable[[], bool]]) -> Allreduce:
     """One fused request of :func:`dense_fallback`: float16 casts summed, or one dtype averaged."""
     raw = sum(grad.numel() * grad.element_size() for _, _, grad in group)
     if tag != HALF:
         return Allreduce(_joined([grad for _, _, grad in group]), tag, average, raw)
-    if finite:
+    if finite() if callable(finite) else finite:
         half, _ = compressor.encode_half([(name, grad) for _, name, grad in group], world)
     else:
         half, _ = kernels.to_half_saturated(torch.cat([grad.reshape(-1) for _, _, grad in group]), world)

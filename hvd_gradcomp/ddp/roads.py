@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -185,10 +185,11 @@ def _allreduce(state: State, flat: torch.Tensor, step: int, name: Optional[str],
 
 
 def _start_dense(state: State, buffer: torch.Tensor, plan: _Plan, step: int,
-                 finite: bool) -> Tuple[List[Future], Callable[[], None]]:
+                 finite: Union[bool, Callable[[], bool]]) -> Tuple[List[Future], Callable[[], None]]:
     """The segments of a bucket that go uncompressed, by
     :func:`~hvd_gradcomp.collectives.rounds.dense_fallback`: one allreduce, and one of the float16
-    ones; returns (futures, write-back). ``finite``: whether this rank's bucket is all finite."""
+    ones; returns (futures, write-back). ``finite``: whether this rank's bucket is all finite (or
+    how to tell, see :func:`~hvd_gradcomp.collectives.rounds.dense_fallback`)."""
     views = [s.view(buffer) for s in plan.dense]
     run = dense_fallback(state.compression, [(s.name, v.view(s.shape)) for s, v in zip(plan.dense, views)], views,
                          state.world_size, state.min_compress_numel, finite=finite)
@@ -214,9 +215,7 @@ def _start_dense(state: State, buffer: torch.Tensor, plan: _Plan, step: int,
 def _dense_bucket(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
     """A bucket with nothing to compress this step: :func:`_start_dense` of all of it (its
     finiteness read only where a float16 cast depends on it)."""
-    half = any(state.compression.sends_half(s.name, buffer.dtype, s.numel < state.min_compress_numel)
-               for s in plan.dense)
-    futs, write_back = _start_dense(state, buffer, plan, step, kernels.all_finite(buffer) if half else True)
+    futs, write_back = _start_dense(state, buffer, plan, step, lambda: kernels.all_finite(buffer))
     return _when_all(futs, buffer, write_back)
 
 

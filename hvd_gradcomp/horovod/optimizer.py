@@ -138,9 +138,9 @@ class _SmallTensors:
     float16 casts (:class:`~hvd_gradcomp.collectives.exchange.HalfExchange`) for those the compressor
     sends as float16."""
 
-    def __init__(self, compression: Any, names: Dict[torch.Tensor, str], dense: DenseExchange,
-                 half: HalfExchange, op: Any) -> None:
-        self.compression, self._names, self._dense, self._half, self.op = compression, names, dense, half, op
+    def __init__(self, compression: Any, names: Dict[torch.Tensor, str], dense: DenseExchange) -> None:
+        self.compression, self._names, self._dense = compression, names, dense
+        self._half = HalfExchange(dense.process_set)
 
     def start(self, params: List[torch.Tensor], min_compress_numel: int, record: Callable[[str, int, Pending], None],
               tag: str = "") -> List[_Fused]:
@@ -154,8 +154,8 @@ class _SmallTensors:
                 p.grad = torch.zeros_like(p)
         ours = self.compression if isinstance(self.compression, GradientCompressor) else None
         grads = [p.grad for p in params]
-        run = dense_fallback(ours, [(self._names[p], p.grad) for p in params], grads, self._half.process_set.size(),
-                             min_compress_numel, is_average(self.op))
+        run = dense_fallback(ours, [(self._names[p], p.grad) for p in params], grads, self._dense.process_set.size(),
+                             min_compress_numel, is_average(self._dense.op))
         pendings = []
         for request in next(run).requests:
             road = self._half if request.tag == HALF else self._dense
@@ -204,7 +204,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
         self._sparse = SparseExchange(op, process_set)
-        self._small_road = _SmallTensors(compression, self._parameter_names, self._dense, HalfExchange(process_set), op)
+        self._small_road = _SmallTensors(compression, self._parameter_names, self._dense)
         self._delay: Dict[torch.Tensor, int] = {}
         self._pending: Dict[torch.Tensor, Pending] = {}
         self._sparse_pending: Dict[torch.Tensor, Pending] = {}
