@@ -63,6 +63,7 @@ class ByteStats:
     calls: int = 0
     per_tensor: Dict[str, List[int]] = field(default_factory=dict)
     step: int = 0
+    counted_from: int = 0   # the step these counts begin at: a resumed run's ledger starts at its checkpoint
     _by_step: Dict[int, Bytes] = field(default_factory=dict, repr=False)
     _names_now: Set[str] = field(default_factory=set, repr=False)   # recorded in the step being recorded
 
@@ -119,6 +120,22 @@ class ByteStats:
         """bytes_in / bytes_out (how many times fewer bytes went out); 0 before any record."""
         return self.bytes_in / self.bytes_out if self.bytes_out else 0.0
 
+    @property
+    def counted_steps(self) -> int:
+        """Steps whose bytes this ledger holds: :attr:`steps` less those before a resume."""
+        return self.step - self.counted_from
+
+    def resume_at(self, step: int) -> None:
+        """Continue a run from a checkpoint taken after ``step`` exchange steps: steps are numbered on from
+        there, and the counts (which a checkpoint does not keep) cover the steps from there on.
+
+        >>> s = ByteStats(); s.resume_at(60); s.record("w", raw=400, payload=8); s.end_step()
+        >>> s.steps, s.counted_steps
+        (61, 1)
+        """
+        self.reset()
+        self.step = self.counted_from = int(step)
+
     def reset(self) -> None:
         self.bytes_in = self.payload_bytes = self.framing_bytes = self.calls = 0
         self.per_tensor.clear()
@@ -128,11 +145,22 @@ class ByteStats:
     def report(self) -> Dict[str, Any]:
         """The run and the last step, payload and framing apart: what the benchmarks and examples print."""
         last = self.last_step
-        return {"steps": self.steps, "raw": self.bytes_in, "payload": self.payload_bytes,
+        return {"steps": self.steps, "counted_steps": self.counted_steps, "raw": self.bytes_in, "payload": self.payload_bytes,
                 "framing": self.framing_bytes, "sent": self.bytes_out, "ratio": round(self.ratio, 2),
                 "last_step": {"raw": last.raw, "payload": last.payload, "framing": last.framing, "sent": last.sent}}
 
     def summary(self) -> str:
-        return (f"{self.steps} steps, {len(self.per_tensor)} tensors: {self.bytes_in:,} B raw, "
+        """One line: steps, tensors, bytes raw/payload/framing/sent, ratio, the last step; after a resume,
+        which steps the bytes cover.
+
+        >>> s = ByteStats(); s.resume_at(2); s.record("w", raw=400, payload=8); s.end_step()
+        >>> print(s.summary())
+        3 steps (bytes of steps 3-3, counted since the resume at step 2), 1 tensors: 400 B raw, 8 B payload + 0 B framing = 8 B sent, ratio 50.0x; last step 8 B
+        """
+        steps = f"{self.steps} steps"
+        if self.counted_from:
+            steps += (f" (bytes of steps {self.counted_from + 1}-{self.steps}, counted since the resume at step "
+                      f"{self.counted_from})")
+        return (f"{steps}, {len(self.per_tensor)} tensors: {self.bytes_in:,} B raw, "
                 f"{self.payload_bytes:,} B payload + {self.framing_bytes:,} B framing = {self.bytes_out:,} B sent, "
                 f"ratio {self.ratio:.1f}x; last step {self.last_step.sent:,} B")

@@ -71,11 +71,12 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def run_job(jobs: List[Dict[str, Any]], timeout: float = 300, expect_fail: bool = False) -> Any:
-    """torchrun 2 ranks over ``jobs``; the per-rank result lists (or the failed process)."""
+def run_job(jobs: List[Dict[str, Any]], timeout: float = 300, expect_fail: bool = False,
+            workers: str = WORKERS) -> Any:
+    """torchrun 2 ranks of ``workers`` over ``jobs``; the per-rank result lists (or the failed process)."""
     with tempfile.TemporaryDirectory(prefix="hvdgc-ddp-") as outdir:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                WORKERS, json.dumps(jobs), outdir]
+                workers, json.dumps(jobs), outdir]
         res = launch(argv, timeout, rank_env())
         if expect_fail:
             return res

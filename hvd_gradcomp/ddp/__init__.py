@@ -125,6 +125,7 @@ class GradCompState:
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                  start_compress_iter: int = 0, min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL,
                  optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        optimizer = torch_optimizer(optimizer)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group(...) "
                                "before building the DDP model and its hook state")
@@ -169,11 +170,9 @@ class GradCompState:
                 compression.stream = self.rank  # independent rounding noise on every rank
                 compression.road_clips = True   # clip=: the hook clips the whole step (see _held_until_last)
                 _choose_feedback(compression, optimizer, self._names, self.rank)
-                if compression.feedback.moves_parameters:  # "frozen": applied at the optimizer step
-                    self._step_hook = optimizer.register_step_pre_hook(self._apply_at_step)
             self._by_name = {n: p for p, n in self._names.items()}
             if optimizer is not None:
-                self._unused_hook = optimizer.register_step_pre_hook(self._give_unused)
+                self._step_hook = optimizer.register_step_pre_hook(self._before_step)
             ranks = dist.get_process_group_ranks(self.process_group)
             self._second = dist.new_group(ranks=ranks, backend=dist.get_backend(self.process_group))
             _KEEP_ALIVE.extend([self.process_group, self._second])
@@ -212,26 +211,61 @@ class GradCompState:
         return self.auto.auto.report()
 
     # ------------------------------------------------------------ checkpoints
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, all_ranks: bool = False) -> Dict[str, Any]:
         """Residuals, random streams and the exchange counter (not the process group).
 
-        Residuals differ between ranks: save one file per rank, e.g.
-        ``torch.save(state.state_dict(), f"hook-rank{dist.get_rank()}.pt")``.
+        Residuals differ between ranks. Two ways to keep them all:
+
+        * ``all_ranks=True`` (for a checkpoint written by rank 0 only, as Lightning, accelerate and most
+          scripts do): a collective, **call it on every rank**; rank 0 gets every rank's state in one
+          dict, which :meth:`load_state_dict` on each rank reads its own part from. Other ranks get a
+          stub that says so (rank 0 holds ``world_size`` times one rank's residuals)::
+
+              hook = state.state_dict(all_ranks=True)                      # every rank
+              if dist.get_rank() == 0:
+                  torch.save({"model": model.state_dict(), "hook": hook}, "ckpt.pt")
+              ...
+              state.load_state_dict(torch.load("ckpt.pt")["hook"])          # every rank, its own part
+
+        * the default, this rank's own state: save one file per rank, e.g.
+          ``torch.save(state.state_dict(), f"hook-rank{dist.get_rank()}.pt")``.
+
+        No update is ever pending here after ``optimizer.step()`` returns (see :attr:`pending_updates`).
         """
         comp = self.compression
         ours = isinstance(comp, (GradientCompressor, Auto))
-        return {"version": STATE_VERSION, "iter": self.iter, "rank": self.rank, "world_size": self.world_size,
+        mine = {"version": STATE_VERSION, "iter": self.iter, "rank": self.rank, "world_size": self.world_size,
                 "compressor": type(comp).__name__ if ours else repr(comp),
                 "compression": comp.state_dict() if ours else None}
+        if not all_ranks:
+            return mine
+        parts: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None
+        # on CPU: every rank's tensors unpickle on rank 0 without touching the others' devices
+        dist.gather_object(_to_cpu(mine), parts, dst=dist.get_global_rank(self.process_group, 0),
+                           group=self.process_group)
+        return {"version": STATE_VERSION, "all_ranks": True, "world_size": self.world_size, "iter": self.iter,
+                "ranks": parts}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`; the same rank must load its own file."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"hook state of version {state.get('version')!r}; this library reads {STATE_VERSION}")
+        """Continue from :meth:`state_dict`: this rank's own file, or (on every rank) the one dict that
+        ``state_dict(all_ranks=True)`` gave rank 0, from which each rank takes its own part.
+
+        On another number of ranks an all-ranks state restarts error feedback: residuals are per rank
+        (and QSGD's per chunk of the ranks), so none of them fits; the exchange counter is kept and a
+        warning says what restarts. A per-rank file on another rank or rank count is refused."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            version = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"hook state of version {version!r}; this library reads {STATE_VERSION}")
+        if state.get("all_ranks"):
+            part = self._own_part(state)
+            if part is None:
+                return
+            state = part
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
             raise ValueError(f"hook state saved by rank {state['rank']} of {state['world_size']} loaded on rank "
-                             f"{self.rank} of {self.world_size}: residuals are per rank; load each rank's own file "
-                             "with the same number of ranks")
+                             f"{self.rank} of {self.world_size}: residuals are per rank. Load each rank's own "
+                             "file with the same number of ranks, or save with state.state_dict(all_ranks=True) "
+                             "on every rank (one dict, written by rank 0, that every rank loads)")
         comp = self.compression
         ours = isinstance(comp, (GradientCompressor, Auto))
         mine = type(comp).__name__ if ours else repr(comp)
@@ -239,8 +273,34 @@ class GradCompState:
             raise ValueError(f"hook state was saved with compression {state['compressor']}, this state uses "
                              f"{mine}; build the state with the same compression")
         if ours:
-            comp.load_state_dict(state["compression"])
-        self.iter = int(state["iter"])
+            comp.load_state_dict(_from_cpu(state["compression"], self._device()))
+        self._resume_at(int(state["iter"]))
+
+    def _own_part(self, state: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """This rank's part of an all-ranks state; None when the job's rank count differs (error feedback
+        restarts, said in a warning)."""
+        parts = state.get("ranks")
+        if parts is None:
+            raise ValueError("this hook state came from state_dict(all_ranks=True) on a rank other than 0, which "
+                             "holds no rank's residuals: save the dict that rank 0 got")
+        if state["world_size"] != self.world_size:
+            if self.rank == 0:
+                warnings.warn(f"hvd_gradcomp DDP hook: the checkpoint's hook state was saved by {state['world_size']} "
+                              f"ranks and this job has {self.world_size}: residuals are per rank, so error feedback "
+                              "restarts from zero here (as does a feedback policy's warm-up, e.g. 'frozen'); the "
+                              f"exchange counter continues at {state['iter']}. Resume on {state['world_size']} ranks "
+                              "to continue exactly.", RuntimeWarning, stacklevel=3)
+            self._resume_at(int(state["iter"]))
+            return None
+        return parts[self.rank]
+
+    def _resume_at(self, step: int) -> None:
+        self.iter = step
+        self.comm_stats.resume_at(step)
+
+    def _device(self) -> Optional[torch.device]:
+        """Where this rank's parameters (so its residuals) live."""
+        return next(iter(self._names)).device if self._names else None
 
     # ------------------------------------------------------------ bucket layout
     def _plan(self, bucket: dist.GradBucket) -> _Plan:
@@ -318,8 +378,8 @@ class GradCompState:
         if feedback.key != "none" and not feedback.moves_parameters:
             self._exchanged[seg.name] = (buffer, seg)
 
-    def _give_unused(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Optimizer step pre-hook: a compressed parameter that DDP left without a gradient (unused by
+    def _give_unused(self) -> None:
+        """Before the optimizer steps (:meth:`_before_step`): a compressed parameter that DDP left without a gradient (unused by
         every rank in this step's forward, with ``find_unused_parameters=True``) gets its exchange's
         average as its gradient, as the Horovod road gives one to every parameter.
 
@@ -344,17 +404,45 @@ class GradCompState:
                     "every rank's forward); its compressed exchange still carried what error feedback owed it, "
                     "so that average is set as its gradient and the optimizer steps it, as on the Horovod road "
                     f"(said once). To keep such a parameter out of compression: exclude=r'^{re.escape(name)}$'.",
-                    RuntimeWarning, stacklevel=3)   # the user's opt.step(), past torch's step wrapper
+                    RuntimeWarning, stacklevel=5)   # the user's opt.step(), past torch's step wrapper
 
-    def _apply_at_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Optimizer step pre-hook: the deferred :meth:`_received` calls, on the averages kept
-        apart (or, non-finite, left in ``p.grad``)."""
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...],
+                     kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+        """Optimizer step pre-hook: finish this step's exchange for the optimizer (:meth:`_finish_exchange`).
+
+        With ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) the closure runs the
+        forward and backward passes *inside* ``step``, after this hook: the exchange it starts is
+        finished when the closure returns, before the optimizer's arithmetic, so a step with a closure
+        moves the parameters exactly as ``backward()`` then ``step()``. Finished here instead, each
+        ``frozen`` update landed one step late and the last one never. Returns the arguments with the
+        closure wrapped (torch's step pre-hook protocol)."""
+        self._finish_exchange()   # a backward() before step(closure), or no closure at all
+        closure_at_args = len(args) > 1 and args[1] is not None
+        closure = args[1] if closure_at_args else kwargs.get("closure")
+        if closure is None:
+            return None
+        wrapped = _after_closure(closure, self._finish_exchange)
+        if closure_at_args:
+            return (args[0], wrapped, *args[2:]), kwargs
+        return args, {**kwargs, "closure": wrapped}
+
+    def _finish_exchange(self) -> None:
+        """Hand the optimizer what this step's exchange owes it: the deferred :meth:`_received` calls
+        of a policy that moves the parameters (on the averages kept apart or, non-finite, left in
+        ``p.grad``), and the averages of parameters DDP left without a gradient (:meth:`_give_unused`)."""
         with self._lock:
             pending, self._at_step = self._at_step, {}
             for name, kept in pending.items():
                 avg = kept if kept is not None else self._by_name[name].grad
                 if avg is not None:
                     self.compression.received(name, avg)
+        self._give_unused()
+
+    @property
+    def pending_updates(self) -> int:
+        """Averaged updates exchanged but not yet applied (``feedback="frozen"``: applied when the optimizer
+        steps). 0 after every ``optimizer.step()``; a checkpoint taken with updates pending would lose them."""
+        return len(self._at_step)
 
     # ------------------------------------------------------------ ordering
     def _then_in_order(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
@@ -410,6 +498,15 @@ def _relay(source: Future, target: Future) -> None:
     source.add_done_callback(done)
 
 
+def _after_closure(closure: Callable[[], Any], then: Callable[[], None]) -> Callable[[], Any]:
+    """``closure`` followed by ``then()``, each time the optimizer calls it (LBFGS calls it several times)."""
+    def wrapped() -> Any:
+        loss = closure()
+        then()
+        return loss
+    return wrapped
+
+
 def _hook_now(state: GradCompState, bucket: dist.GradBucket) -> Future:
     """:func:`gradcomp_hook` on one bucket, now."""
     buffer = bucket.buffer()
@@ -452,6 +549,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
                         f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
     if compression is _DEFAULT_COMPRESSION:
         compression = copy.deepcopy(_DEFAULT_COMPRESSION)
+    optimizer = torch_optimizer(optimizer)
     _check_compression(compression)   # before the rank-0-only warning reads it: the same error on every rank
     group = process_group if process_group is not None else ddp_model.process_group
     _warn_unread_settings(compression, dist.get_rank(group) if dist.is_initialized() else 0)
@@ -680,6 +778,26 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
                     f"({comp.feedback.describe()}; {why})." + comp._caution())
 
 
+def torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    """The ``torch.optim.Optimizer`` inside a framework's wrapper (accelerate's ``AcceleratedOptimizer``
+    keeps it as ``.optimizer``, Lightning's ``LightningOptimizer`` as ``._optimizer``), or ``optimizer``
+    itself. The hook's step pre-hooks go on the torch optimizer, which every wrapper's ``step()`` calls.
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> class Wrapper:
+    ...     def __init__(self, optimizer): self.optimizer = optimizer
+    >>> torch_optimizer(Wrapper(opt)) is opt, torch_optimizer(opt) is opt, torch_optimizer(None)
+    (True, True, None)
+    """
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and seen < 4:
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            break
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
 def _check_compression(compression: Any) -> None:
     refuse_class(compression, "register")
     if compression is None or isinstance(compression, (GradientCompressor, Auto)) or compression in DENSE_DTYPES:
@@ -693,6 +811,33 @@ def _check_compression(compression: Any) -> None:
                      f"torch.float16/torch.bfloat16, got {compression!r}{hint}")
 
 
+_ON_DEVICE = "__hvdgc_on_device__"
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor inside on the CPU (dicts, lists and tuples walked); a tensor that was on an
+    accelerator becomes ``{_ON_DEVICE: True, "tensor": cpu_copy}`` (plain types, so that ``torch.load``'s
+    ``weights_only`` reads it), which :func:`_from_cpu` puts back on the loading rank's device."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device.type == "cpu" else {_ON_DEVICE: True, "tensor": obj.cpu()}
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _from_cpu(obj: Any, device: Optional[torch.device]) -> Any:
+    """The inverse of :func:`_to_cpu` on this rank: marked tensors go to ``device``, the others stay."""
+    if isinstance(obj, dict):
+        if obj.get(_ON_DEVICE) is True:
+            return obj["tensor"].to(device) if device is not None else obj["tensor"]
+        return {k: _from_cpu(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_cpu(v, device) for v in obj)
+    return obj
+
+
 def _name_map(named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> Dict[torch.Tensor, str]:
     named = list(named_parameters)
     if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
@@ -704,4 +849,5 @@ def _name_map(named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> Dict[torc
     return {p: n for n, p in named}
 
 
-__all__ = ["GradCompState", "gradcomp_hook", "register", "compression_from_env", "GradientAccumulator"]
+__all__ = ["GradCompState", "gradcomp_hook", "register", "compression_from_env", "GradientAccumulator",
+           "torch_optimizer"]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -294,6 +295,38 @@ def _call_from_frame(frame: Any, tensor: torch.Tensor, names: Optional[Dict[torc
     return HorovodCall(table[p], opt.op, opt.process_set, opt, table)
 
 
+_CLOSURES_REFUSED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_STEP_WITH_CLOSURE = (
+    "stock hvd.DistributedOptimizer.step(closure) cannot carry hvd_gradcomp compression: Horovod {v} "
+    "synchronizes before it runs the closure, so the closure's backward pass starts exchanges that the step "
+    "does not wait for, and the optimizer steps on this rank's own gradient (each average lands a step late, "
+    "compressed or not). Use hvd_gradcomp.DistributedOptimizer (same arguments), which finishes the exchange "
+    "each time the closure returns, or call loss.backward() and then optimizer.step() without a closure.")
+
+
+def refuse_closures(optimizer: Any) -> None:
+    """Refuse ``step(closure)`` on a stock Horovod optimizer (see :data:`_STEP_WITH_CLOSURE`), once per optimizer:
+    now if this gradient comes from a closure inside its ``step`` (found on the stack, where backward runs on
+    this thread, as on CPU), and at every later step through a step pre-hook, before Horovod synchronizes."""
+    if optimizer in _CLOSURES_REFUSED:
+        return
+    _CLOSURES_REFUSED.add(optimizer)
+
+    def pre_hook(opt: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
+            if not in_state_broadcast():
+                raise HorovodIntegrationError(_STEP_WITH_CLOSURE.format(v=HOROVOD_CHECKED))
+
+    optimizer.register_step_pre_hook(pre_hook)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "step" and frame.f_locals.get("self") is optimizer \
+                and frame.f_locals.get("closure") is not None and frame.f_code.co_filename.replace(
+                    "\\", "/").endswith(_OPTIMIZER_FILE):
+            raise HorovodIntegrationError(_STEP_WITH_CLOSURE.format(v=HOROVOD_CHECKED))
+        frame = frame.f_back
+
+
 def _advice(why: str) -> str:
     return (f"hvd_gradcomp cannot tell which parameter this gradient belongs to: {why}. Pass "
             "named_parameters=model.named_parameters() to the compressor (of the model the optimizer "
@@ -322,6 +355,7 @@ def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optiona
         # The feedback policy ("auto") is chosen from Horovod's optimizer (the user's class
         # underneath), before asking whether to compress: the policy may ask for a dense step.
         compressor.attach(call.optimizer, call.names, call.process_set.rank())
+        refuse_closures(call.optimizer)
         if not compressor.compresses(call.name, tensor.numel()):
             # Small, excluded or dense this step: Horovod's own allreduce takes it (as float16 if exempt).
             return _compress_dense(compressor, call, tensor)

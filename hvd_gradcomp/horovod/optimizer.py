@@ -407,8 +407,20 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        """Finish the exchange, then step the wrapped optimizer.
+
+        With a ``closure`` (Lightning's automatic optimization, LBFGS), forward and backward run inside
+        the step: the exchange they start is finished each time the closure returns, before the
+        optimizer's arithmetic, so the weights are those of ``backward()`` then ``step()``. (Horovod's
+        own optimizer synchronizes before it runs the closure and steps on this rank's gradient.)
+        """
         if in_state_broadcast():  # hvd.broadcast_optimizer_state creating state: local, no exchange
             return super(self.__class__, self).step(closure)
+        if closure is not None:   # its backward pass makes new gradients: whatever was synchronized is superseded
+            try:
+                return super(self.__class__, self).step(self._synchronizing(closure))
+            finally:
+                self._synchronized = False
         if self._should_synchronize:
             if self._synchronized:
                 # Horovod's warning. Horovod then exchanges again; here a second exchange would
@@ -421,6 +433,14 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
+
+    def _synchronizing(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` then :meth:`synchronize`, each time the optimizer calls it (LBFGS calls it several times)."""
+        def wrapped() -> Any:
+            loss = closure()
+            self.synchronize()
+            return loss
+        return wrapped
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Torch's ``add_param_group``; on a wrapped optimizer (progressive unfreezing: a backbone added

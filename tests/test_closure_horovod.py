@@ -1,0 +1,50 @@
+"""``optimizer.step(closure)`` on the Horovod roads (tests/workers/closure.py is the rank side, 2 Gloo ranks).
+
+``hvd_gradcomp.DistributedOptimizer`` gives the weights of ``backward()`` then ``step()``, bit for bit, under
+every feedback policy, and LBFGS (several closure calls per step) keeps the replicas identical; stock
+``hvd.DistributedOptimizer`` synchronizes before running the closure, so with a compressor it is refused.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.multirank
+POLICIES = ["classic", "none", "momentum", "frozen", "update"]
+_cache: Dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def battery() -> Dict[str, Any]:
+    if "all" not in _cache:
+        jobs = {**{p: {"fn": "closure_matches", "policy": p} for p in POLICIES},
+                "lbfgs": {"fn": "lbfgs"}, "stock": {"fn": "stock_refuses"}}
+        _cache["all"] = run_ranks("closure:battery", timeout=240, jobs=jobs)
+    return _cache["all"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gc_optimizer_step_with_closure_matches_backward_then_step(battery, policy):
+    for rank, result in enumerate(battery):
+        got = result[policy]
+        assert got["feedback"] == policy
+        assert got["identical"], f"rank {rank}: max difference {got['max_diff']}"
+        assert got["replicas"]
+
+
+def test_gc_optimizer_runs_lbfgs(battery):
+    for result in battery:
+        got = result["lbfgs"]
+        assert got["replicas"]
+        assert got["calls"] > 3 + 1
+        assert got["last"] < 0.9 * got["first"]
+
+
+def test_stock_optimizer_refuses_a_closure_naming_the_road_that_works(battery):
+    for result in battery:
+        error = result["stock"]["error"]
+        assert error.count("HorovodIntegrationError") >= 1 or "step(closure)" in error
+        assert "hvd_gradcomp.DistributedOptimizer" in error and "step(closure)" in error
