@@ -1,4 +1,4 @@
-"""``optimizer.step(closure)`` on the Horovod roads (tests/workers/closure.py is the rank side, 2 Gloo ranks).
+"""``optimizer.step(closure)`` and rank-0 checkpoints on the Horovod roads (tests/workers/closure.py is the rank side, 2 Gloo ranks).
 
 ``hvd_gradcomp.DistributedOptimizer`` gives the weights of ``backward()`` then ``step()``, bit for bit, under
 every feedback policy, and LBFGS (several closure calls per step) keeps the replicas identical; stock
@@ -18,10 +18,14 @@ _cache: Dict[str, Any] = {}
 
 
 @pytest.fixture(scope="module")
-def battery() -> Dict[str, Any]:
+def battery(tmp_path_factory) -> Dict[str, Any]:
     if "all" not in _cache:
+        ckpt = str(tmp_path_factory.mktemp("ckpt"))
         jobs = {**{p: {"fn": "closure_matches", "policy": p} for p in POLICIES},
-                "lbfgs": {"fn": "lbfgs"}, "stock": {"fn": "stock_refuses"}}
+                "lbfgs": {"fn": "lbfgs"},
+                **{f"ckpt-{p}-{road}": {"fn": "rank0_checkpoint", "policy": p, "ckpt": ckpt, "stock": road == "stock"}
+                   for p in ("momentum", "frozen") for road in ("gc", "stock")},
+                "stock": {"fn": "stock_refuses"}}
         _cache["all"] = run_ranks("closure:battery", timeout=240, jobs=jobs)
     return _cache["all"]
 
@@ -48,3 +52,11 @@ def test_stock_optimizer_refuses_a_closure_naming_the_road_that_works(battery):
         error = result["stock"]["error"]
         assert error.count("HorovodIntegrationError") >= 1 or "step(closure)" in error
         assert "hvd_gradcomp.DistributedOptimizer" in error and "step(closure)" in error
+
+
+@pytest.mark.parametrize("road", ["gc", "stock"])
+@pytest.mark.parametrize("policy", ["momentum", "frozen"])
+def test_rank0_only_checkpoint_of_the_accumulator_resumes_every_rank(battery, policy, road):
+    r0, r1 = (result[f"ckpt-{policy}-{road}"] for result in battery)
+    assert r0["identical"] and r1["identical"]
+    assert r0["held"] and not r1["held"]

@@ -240,3 +240,31 @@ def _check_compressor_state(comp: StepState, state: Any) -> None:
                          "same compressor and number of ranks, or drop the compressor state (error feedback "
                          "then restarts from zero: set state['compression'] = None before "
                          "GradientAccumulator.load_state_dict). Nothing was changed.")
+
+
+_ON_DEVICE = "__hvdgc_on_device__"
+
+
+def state_to_cpu(obj: Any) -> Any:
+    """``obj`` (a compressor's or a hook's state) with every tensor inside on the CPU (dicts, lists and tuples
+    walked), for a checkpoint that one rank writes for all: a tensor that was on an
+    accelerator becomes ``{_ON_DEVICE: True, "tensor": cpu_copy}`` (plain types, so that ``torch.load``'s
+    ``weights_only`` reads it), which :func:`state_to_device` puts back on the loading rank's device."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device.type == "cpu" else {_ON_DEVICE: True, "tensor": obj.cpu()}
+    if isinstance(obj, dict):
+        return {k: state_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(state_to_cpu(v) for v in obj)
+    return obj
+
+
+def state_to_device(obj: Any, device: Optional[torch.device]) -> Any:
+    """The inverse of :func:`state_to_cpu` on this rank: marked tensors go to ``device``, the others stay."""
+    if isinstance(obj, dict):
+        if obj.get(_ON_DEVICE) is True:
+            return obj["tensor"].to(device) if device is not None else obj["tensor"]
+        return {k: state_to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(state_to_device(v, device) for v in obj)
+    return obj

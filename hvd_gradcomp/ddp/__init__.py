@@ -64,6 +64,7 @@ from .. import codecs, settings, wire
 from ..wire import kernels
 from ..horovod.accumulate import check_clippable, check_max_grad_norm
 from ..auto import Auto
+from ..codecs.steps import state_to_cpu, state_to_device
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step, refuse_class
 from .auto import _AutoRoads
 from .roads import _KEEP_ALIVE, _ROADS, Future, _allreduce, _dense_bucket, _InOrder, _Plan, _Segment
@@ -241,7 +242,7 @@ class GradCompState:
             return mine
         parts: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None
         # on CPU: every rank's tensors unpickle on rank 0 without touching the others' devices
-        dist.gather_object(_to_cpu(mine), parts, dst=dist.get_global_rank(self.process_group, 0),
+        dist.gather_object(state_to_cpu(mine), parts, dst=dist.get_global_rank(self.process_group, 0),
                            group=self.process_group)
         return {"version": STATE_VERSION, "all_ranks": True, "world_size": self.world_size, "iter": self.iter,
                 "ranks": parts}
@@ -273,7 +274,7 @@ class GradCompState:
             raise ValueError(f"hook state was saved with compression {state['compressor']}, this state uses "
                              f"{mine}; build the state with the same compression")
         if ours:
-            comp.load_state_dict(_from_cpu(state["compression"], self._device()))
+            comp.load_state_dict(state_to_device(state["compression"], self._device()))
         self._resume_at(int(state["iter"]))
 
     def _own_part(self, state: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -809,33 +810,6 @@ def _check_compression(compression: Any) -> None:
                 "hvd_gradcomp.ddp.compression_from_env() builds one from them")
     raise ValueError(f"compression must be an hvd_gradcomp compressor (TopKQSGD, TopK, QSGD, PowerSGD), gc.Auto(), None or "
                      f"torch.float16/torch.bfloat16, got {compression!r}{hint}")
-
-
-_ON_DEVICE = "__hvdgc_on_device__"
-
-
-def _to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor inside on the CPU (dicts, lists and tuples walked); a tensor that was on an
-    accelerator becomes ``{_ON_DEVICE: True, "tensor": cpu_copy}`` (plain types, so that ``torch.load``'s
-    ``weights_only`` reads it), which :func:`_from_cpu` puts back on the loading rank's device."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device.type == "cpu" else {_ON_DEVICE: True, "tensor": obj.cpu()}
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _from_cpu(obj: Any, device: Optional[torch.device]) -> Any:
-    """The inverse of :func:`_to_cpu` on this rank: marked tensors go to ``device``, the others stay."""
-    if isinstance(obj, dict):
-        if obj.get(_ON_DEVICE) is True:
-            return obj["tensor"].to(device) if device is not None else obj["tensor"]
-        return {k: _from_cpu(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_from_cpu(v, device) for v in obj)
-    return obj
 
 
 def _name_map(named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> Dict[torch.Tensor, str]:

@@ -26,9 +26,12 @@ micro-batches it saw, exactly as a full window uses the mean over N.
 """
 from __future__ import annotations
 
+import io
 from typing import Any, Dict, Optional
 
 import torch
+
+from ..codecs.steps import state_to_cpu, state_to_device
 
 
 def check_max_grad_norm(value: Any) -> Optional[float]:
@@ -167,22 +170,34 @@ class GradientAccumulator:
         return f"micro-batch {mb} x {self.steps} steps x {ranks} ranks = effective batch {eff if eff else '?'}"
 
     # ------------------------------------------------------------ checkpoints
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, all_ranks: bool = False) -> Dict[str, Any]:
         """Optimizer state, compressor residuals and random state, and the window counters.
 
-        Residuals differ between ranks: save one file per rank, e.g.
+        Residuals differ between ranks. ``all_ranks=True`` (a collective: call it on every rank) puts every
+        rank's compressor state into the dict rank 0 gets, for a checkpoint that rank 0 alone writes; each
+        rank's :meth:`load_state_dict` of that one file takes its own part::
+
+            state = acc.state_dict(all_ranks=True)          # every rank
+            if hvd.rank() == 0:
+                torch.save(state, "ckpt.pt")
+
+        The default is this rank's own: save one file per rank, e.g.
         ``torch.save(acc.state_dict(), f"ckpt-rank{hvd.rank()}.pt")``. Only between windows
         (after a step or ``flush()``): gradients accumulated mid-window are not part of it.
         """
         if self.pending:
             raise ValueError(_MID_WINDOW)
-        return {"optimizer": self.optimizer.state_dict(), "compression": _compression_state(self.optimizer),
+        compression = _compression_state(self.optimizer)
+        if all_ranks and compression is not None:
+            compression = _gather_ranks(compression, getattr(self.optimizer, "process_set", None))
+        return {"optimizer": self.optimizer.state_dict(), "compression": compression,
                 "pending": self.pending, "optimizer_steps": self.optimizer_steps, "steps": self.steps}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`. Everything is checked before anything changes; a
-        ``ValueError`` says what differs and what to do. ``state["compression"] = None``
-        loads the rest and restarts error feedback from zero."""
+        """Restore :meth:`state_dict` (this rank's own, or on every rank the one ``all_ranks=True`` gave rank 0).
+        Everything is checked before anything changes; a ``ValueError`` says what differs and what to do.
+        ``state["compression"] = None`` loads the rest and restarts error feedback from zero, as does an
+        all-ranks state taken on another number of ranks (with a warning)."""
         if not isinstance(state, dict):
             raise ValueError(f"expected the dict GradientAccumulator.state_dict() returns, got {type(state).__name__}")
         missing = [k for k in ("optimizer", "compression", "pending", "optimizer_steps", "steps") if k not in state]
@@ -194,6 +209,8 @@ class GradientAccumulator:
                              "Nothing was changed.")
         if state["pending"]:
             raise ValueError(_MID_WINDOW)
+        if isinstance(state["compression"], dict) and state["compression"].get("all_ranks"):
+            state = {**state, "compression": _own_part(state["compression"], self.optimizer)}
         comp = _compressor(self.optimizer)
         if state["compression"] is not None:
             if comp is None:
@@ -222,6 +239,52 @@ def _compressor(optimizer: Any) -> Any:
 def _compression_state(optimizer: Any) -> Optional[Dict[str, Any]]:
     comp = _compressor(optimizer)
     return comp.state_dict() if comp is not None else None
+
+
+def _gather_ranks(mine: Dict[str, Any], process_set: Any) -> Dict[str, Any]:
+    """Every rank's ``mine`` in rank 0's result (a collective: Horovod's ``allgather_object``); other ranks
+    keep a stub saying that rank 0 holds them."""
+    import horovod.torch as hvd
+
+    # Horovod 0.28.1's allgather_object takes no process set: pickled bytes through allgather, which takes
+    # uint8 and a first dimension that differs between ranks
+    kw = {"process_set": process_set} if process_set is not None else {}
+    buffer = io.BytesIO()
+    torch.save(state_to_cpu(mine), buffer)
+    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    sizes = hvd.allgather(torch.tensor([data.numel()]), name="hvdgc.state.sizes", **kw).tolist()
+    gathered = hvd.allgather(data, name="hvdgc.state.bytes", **kw)
+    rank = process_set.rank() if process_set is not None else hvd.rank()
+    if rank != 0:
+        return {"all_ranks": True, "world_size": len(sizes), "ranks": None}
+    parts, offset = [], 0
+    for size in sizes:
+        parts.append(torch.load(io.BytesIO(gathered[offset:offset + size].numpy().tobytes()), weights_only=True))
+        offset += size
+    return {"all_ranks": True, "world_size": len(parts), "ranks": parts}
+
+
+def _own_part(state: Dict[str, Any], optimizer: Any) -> Optional[Dict[str, Any]]:
+    """This rank's compressor state from an all-ranks one; None (error feedback restarts, with a warning)
+    when the job has another number of ranks."""
+    import warnings
+
+    import horovod.torch as hvd
+
+    if state.get("ranks") is None:
+        raise ValueError("this checkpoint's compressor state came from state_dict(all_ranks=True) on a rank other "
+                         "than 0, which holds no rank's residuals: save the dict that rank 0 got. Nothing was changed.")
+    process_set = getattr(optimizer, "process_set", None)
+    rank, size = (process_set.rank(), process_set.size()) if process_set is not None else (hvd.rank(), hvd.size())
+    if state["world_size"] != size:
+        if rank == 0:
+            warnings.warn(f"hvd_gradcomp: the checkpoint's compressor state was saved by {state['world_size']} ranks "
+                          f"and this job has {size}: residuals are per rank, so error feedback restarts from zero "
+                          f"(as does a feedback policy's warm-up). Resume on {state['world_size']} ranks to continue "
+                          "exactly.", RuntimeWarning, stacklevel=3)
+        return None
+    params = [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
+    return state_to_device(state["ranks"][rank], params[0].device if params else None)
 
 
 def _size() -> int:

@@ -121,6 +121,39 @@ def stock_refuses() -> Dict[str, Any]:
     return {"error": error}
 
 
+def rank0_checkpoint(policy: str, ckpt: str, stock: bool = False, steps: int = 6, half: int = 3) -> Dict[str, Any]:
+    """``steps`` straight against ``half`` steps, a checkpoint of ``GradientAccumulator.state_dict(all_ranks=True)``
+    written by rank 0 alone, a fresh model and optimizer on every rank loading it, then the rest."""
+    optimizer, feedback = POLICIES[policy]
+
+    def run(start: int, stop: int, model: Any, acc: Any) -> None:
+        for step in range(start, stop):
+            x, y = _batch(step)
+            acc.backward(F.cross_entropy(model(x), y))
+
+    def fresh() -> Any:
+        model, opt, _ = _wrapped(optimizer, feedback(), stock=stock)
+        return model, gc.GradientAccumulator(opt, steps=1)
+
+    model, acc = fresh()
+    run(0, steps, model, acc)
+    straight = _params(model)
+    model, acc = fresh()
+    run(0, half, model, acc)
+    state = acc.state_dict(all_ranks=True)
+    path = f"{ckpt}/acc-{policy}-{int(stock)}.pt"
+    if hvd.rank() == 0:
+        torch.save({"model": model.state_dict(), "acc": state}, path)
+    hvd.allreduce(torch.zeros(1), name="saved")   # a barrier: rank 0 has written the file
+    model, acc = fresh()
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    acc.load_state_dict(saved["acc"])
+    run(half, steps, model, acc)
+    return {"identical": bool(torch.equal(straight, _params(model))), "held": state["compression"]["ranks"] is not None}
+
+
 def battery(jobs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    fns = {"closure_matches": closure_matches, "lbfgs": lbfgs, "stock_refuses": stock_refuses}
+    fns = {"closure_matches": closure_matches, "lbfgs": lbfgs, "stock_refuses": stock_refuses,
+           "rank0_checkpoint": rank0_checkpoint}
     return {key: fns[job.pop("fn")](**job) for key, job in ((k, dict(v)) for k, v in jobs.items())}
