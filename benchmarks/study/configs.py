@@ -10,7 +10,7 @@ are not there yet (an interrupted run resumes); its ``render`` makes the page fr
 ``check_worker.py`` (:mod:`.checks`); pages in :mod:`.report`, :mod:`.recipe_report` and :mod:`.pages`.
 
 >>> list(CONFIGS)
-['study', 'recipes', 'run-length', 'powersgd', 'wrapper', 'outside', 'small-mlp', 'freeze', 'freeze-01']
+['study', 'recipes', 'run-length', 'powersgd', 'wrapper', 'outside', 'small-mlp', 'freeze', 'freeze-01', 'adafactor']
 """
 from __future__ import annotations
 
@@ -239,14 +239,17 @@ RECIPE_VARIANTS = {"lstm": [("gc", ("--setting", "clip=0.25")), ("ddp", ("--sett
                    **{name: [("none", ("--peak", f"{2 * recipes.RECIPES[name].peak:g}"))]
                       for name in ("tied-1e-3", "bert-ft", "cnn-bn")},
                    **{name: [("none", ("--peak", "0.004")), ("none,gc", ("--peak", "0.008")), ("ddp", ("--peak", "0.008"))]
-                      for name in ("nanogpt", "tied-2e-3")}}
+                      for name in ("nanogpt", "tied-2e-3")},
+                   "adafactor": [("ddp", ("--setting", "feedback=classic"))]}
 """Recipe rows beyond the default roads: the clipping the library recommends (the compressor's
 ``clip=``, the recipe's threshold, no clipping by hand), where the recipe clips; and uncompressed
 training with a smaller step (the LSTM clipped at 0.1) or a longer one (AdamW and the CNN at twice the peak
 rate), which tells whether a compressed road ending below uncompressed took a smaller or a longer
 effective step than the recipe's (docs/RECIPES.md); and the nanoGPT and tied-embedding recipes at
 8e-3, where uncompressed training still learns and the frozen second moment blew up before its step
-was bounded by Adam's (hvd_gradcomp.feedback.frozen.FrozenVariance._step_bound)."""
+was bounded by Adam's (hvd_gradcomp.feedback.frozen.FrozenVariance._step_bound); and Adafactor's recipe
+on the DDP hook with classic error feedback, what the hook ran for it before it ran ``feedback="update"``
+(issue 61)."""
 PROBE_SEEDS = (0, 1)
 """The seeds of the probes (a recipe at another rate or clipping): two, to fit the study in an hour;
 the recipes' own rows and the recommended clipping run on every seed asked for."""
@@ -290,6 +293,12 @@ def recipe_jobs(run: Run) -> List[Job]:
 def render_recipes(run: Run) -> str:
     """docs/RECIPES.md, which recipe_report.write writes itself (under ``run.docs``)."""
     return recipe_report.write(run.out, run.docs, run.command).read_text()
+
+
+def render_adafactor(run: Run) -> str:
+    """docs/ADAFACTOR.md: the recipe study's page, of the Adafactor recipe alone."""
+    return recipe_report.write(run.out, run.docs, run.command, page=run.config.page,
+                               title="Adafactor: a recipe on every road").read_text()
 
 
 # -- the checks: their own training (benchmarks/study/checks), one check_worker.py job each --------
@@ -350,7 +359,7 @@ CONFIGS: Dict[str, Config] = {c.name: c for c in (
            "training (make study)", "STUDY.md", "runs/study", study_jobs, render_study,
            tasks=ALL_TASKS, settings=tuple(SETTINGS)),
     Config("recipes", "recipes as users copy them from well-known training scripts, on every road (--recipes)",
-           "RECIPES.md", "docs/data/recipes", recipe_jobs, render_recipes, tasks=tuple(recipes.RECIPES)),
+           "RECIPES.md", "docs/data/recipes", recipe_jobs, render_recipes, tasks=recipes.PAGE_RECIPES),
     Config("run-length", "the study's gaps over 3 times the steps, beside those of the study's runs",
            "STUDY_RUN_LENGTH.md", "docs/data/study-long", run_length_jobs, pages.run_length,
            tasks=tuple(RUN_LENGTH_SETTINGS), settings=tuple(dict.fromkeys(
@@ -379,4 +388,8 @@ CONFIGS: Dict[str, Config] = {c.name: c for c in (
     replace(FREEZE_CHECK, name="freeze-01", about="the freeze check at ratio 0.1%, with FrozenVariance() without the "
             "default's sparsity warm-up", page="FREEZE_CHECK_01.md", out="runs/freeze-01.json",
             default_settings=tuple(freeze.SETTINGS), options=(("ratio", 0.001),)),
+    Config("adafactor", "issue 61's recipe: a nanoGPT char transformer with torch.optim.Adafactor(lr=1e-2), "
+           "clipped at 1.0, on every road (the DDP hook also with its former classic error feedback)",
+           "ADAFACTOR.md", "docs/data/adafactor", recipe_jobs, render_adafactor, tasks=("adafactor",),
+           seeds=(0, 1)),
 )}

@@ -39,6 +39,7 @@ survive re-created gradient tensors and checkpoints.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -703,6 +704,12 @@ class LocalUpdate(ErrorFeedback):
     The change is applied when the exchange finishes (in ``synchronize()``), so anything done
     to ``p.grad`` between ``synchronize()`` and ``step()`` (clipping, unscaling) no longer
     reaches compressed tensors: use the compressor's ``clip=`` (local clipping) instead.
+
+    In the DDP hook (``hvd_gradcomp.ddp.register(..., optimizer=opt)``) the private optimizers
+    step in :meth:`prepare`, during the backward pass, under the hook's lock; they read the
+    parameters, which stay put until ``opt.step()``, where a step pre-hook applies the averaged
+    change (:meth:`received`). A rank whose bucket holds NaN/Inf does not prepare it: its private
+    optimizers are left as they were, as are its residuals.
     """
 
     key = "update"
@@ -723,6 +730,11 @@ class LocalUpdate(ErrorFeedback):
         if optimizer is not None:
             self._factory = (plain_class(optimizer), dict(optimizer.defaults))
 
+    def needs_optimizer_state(self, name: str) -> bool:
+        """The private optimizer of ``name`` is built from the wrapped optimizer's class and param group:
+        a tensor outside the bound optimizer has none (the DDP hook averages it uncompressed)."""
+        return name not in self._bound or self._factory is None
+
     def _optimizer_for(self, name: str, param: torch.Tensor) -> Any:
         local = self._local.get(name)
         if local is None:
@@ -737,9 +749,10 @@ class LocalUpdate(ErrorFeedback):
         return local
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        if name not in self._bound or self._factory is None:
+        if self.needs_optimizer_state(name):   # the DDP hook sends such a tensor dense instead
             raise RuntimeError(f"feedback='update' needs the wrapped optimizer to know parameter {name!r}: "
-                               "use it through hvd_gradcomp.DistributedOptimizer or hvd.DistributedOptimizer")
+                               "use it through hvd_gradcomp.DistributedOptimizer, hvd.DistributedOptimizer or "
+                               "hvd_gradcomp.ddp.register(..., optimizer=opt)")
         self.residuals.check_shape(name, grad)
         param, group = self._bound[name]
         local = self._optimizer_for(name, param)
@@ -768,13 +781,16 @@ class LocalUpdate(ErrorFeedback):
         return "compress the update (each rank steps its own copy of the optimizer; error feedback on the change)"
 
     def state_dict(self) -> Dict[str, Any]:
+        """The residuals and each private optimizer's state, copied (torch's ``state_dict()`` holds the
+        live tensors, which the next step changes in place: a checkpoint kept in memory moved on)."""
         local = {name: opt.state_dict() for name, opt in self._local.items()}
-        return {**super().state_dict(), "local": {**self._pending_state, **local}}
+        return {**super().state_dict(), "local": copy.deepcopy({**self._pending_state, **local})}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._local.clear()
-        self._pending_state = dict(state.get("local", {}))
+        # copied: torch's load_state_dict keeps tensors it need not cast (the step count, stepped in place)
+        self._pending_state = copy.deepcopy(dict(state.get("local", {})))
 
 
 FROZEN_VARIANCE_CLASSES = ("Adam", "AdamW")

@@ -354,10 +354,9 @@ def check_frozen_variance(optimizer: Any) -> None:
     >>> check_frozen_variance(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     Traceback (most recent call last):
     ...
-    ValueError: feedback='frozen' needs torch.optim.Adam or AdamW, got SGD: use feedback='momentum' for SGD with momentum, 'classic' for plain SGD, and for other adaptive optimizers 'update' (the Horovod wrappers) or 'classic' (the DDP hook)
+    ValueError: feedback='frozen' needs torch.optim.Adam or AdamW, got SGD: use feedback='momentum' for SGD with momentum, 'classic' for plain SGD, and 'update' for other adaptive optimizers
     """
     why = frozen_variance_unsupported(optimizer)
     if why:
         raise ValueError(f"feedback='frozen' needs torch.optim.Adam or AdamW, got {why}: use feedback='momentum' "
-                         "for SGD with momentum, 'classic' for plain SGD, and for other adaptive optimizers 'update' "
-                         "(the Horovod wrappers) or 'classic' (the DDP hook)")
+                         "for SGD with momentum, 'classic' for plain SGD, and 'update' for other adaptive optimizers")
