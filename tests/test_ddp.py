@@ -196,7 +196,8 @@ def test_nonfinite_gradient_on_one_rank_reaches_every_rank(battery, sid):
     ("class_compression", "got the class: pass an instance, compression=TopKQSGD(...)"),
     ("bad_start", "start_compress_iter"), ("no_names", "named_parameters"), ("shared", "own compressor"),
     ("wrong_rank", "own file"), ("wrong_kind", "same compression"), ("acc_steps", "steps must be"),
-    ("acc_outside", "accumulate()"), ("update_policy", "cannot run in the DDP hook"),
+    ("acc_outside", "accumulate()"),
+    ("update_without_optimizer", "steps a private copy of the optimizer on each rank: pass optimizer="),
     ("momentum_without_optimizer", "pass optimizer="), ("frozen_without_optimizer", "pass optimizer="), ("foreign_optimizer", "none of the wrapped module")])
 def test_bad_arguments_give_clear_errors(battery, key, words):
     """The same message on every rank (register()'s rank-0 check of HVDGC_* settings used to read a

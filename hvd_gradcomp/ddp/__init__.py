@@ -97,8 +97,11 @@ class GradCompState:
             its own velocity through error feedback, so nothing it drops loses its momentum),
             ``"frozen"`` (:class:`hvd_gradcomp.FrozenVariance`: a dense warm-up, then Adam's second
             moment frozen and each rank's update direction through error feedback) for ``Adam``/``AdamW``,
-            classic error feedback otherwise; the choice is said once on rank 0. Without it:
-            classic. Under ``"frozen"`` the parameters move when the optimizer steps (a step
+            ``"update"`` (:class:`hvd_gradcomp.feedback.LocalUpdate`: each rank steps a private copy of
+            the optimizer on its own gradient, in the hook, and sends the parameter change through error
+            feedback) for other adaptive optimizers (``Adafactor``, ``RMSprop``, ``NAdam``...), classic
+            error feedback otherwise; the choice is said once on rank 0. Without it:
+            classic. Under ``"frozen"`` and ``"update"`` the parameters move when the optimizer steps (a step
             pre-hook applies the averaged update and hands the optimizer a zero gradient, so
             AdamW only applies its weight decay): between ``backward()`` and ``step()``,
             ``p.grad`` of a compressed parameter holds the averaged update direction, not a
@@ -729,9 +732,11 @@ class GradientAccumulator:
 
 
 # ---------------------------------------------------------------- helpers
-# Feedback policies the hook can run ("frozen" through an optimizer step pre-hook, see
-# GradCompState._received); "update" needs a private optimizer per rank, the Horovod roads only.
-HOOK_POLICIES = ("none", "classic", "momentum", "frozen")
+# Feedback policies the hook can run. "frozen" and "update" move the parameters themselves: their
+# averages are kept apart and applied when the optimizer steps (GradCompState._received); "update"
+# steps each rank's private copy of the optimizer on its local gradient in the hook (the parameters
+# it reads stay put until that step).
+HOOK_POLICIES = ("none", "classic", "momentum", "frozen", "update")
 
 
 def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.Optimizer],
@@ -739,9 +744,9 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
     """The compressor's feedback policy for the hook, bound to ``optimizer``'s param groups
     (see ``optimizer`` in :class:`GradCompState`); the choice is said once on rank 0."""
     if comp.feedback.key not in HOOK_POLICIES:
-        raise ValueError(f"feedback={comp.feedback.key!r} cannot run in the DDP hook ('update' steps a private "
-                         "copy of the optimizer on each rank, which only the Horovod roads do): use feedback="
-                         "'frozen' for Adam/AdamW, 'momentum' for SGD with momentum, or 'classic'")
+        raise ValueError(f"feedback={comp.feedback.key!r} cannot run in the DDP hook, which runs the policies "
+                         f"{', '.join(repr(k) for k in HOOK_POLICIES)}: use feedback='frozen' for Adam/AdamW, "
+                         "'update' for other adaptive optimizers, 'momentum' for SGD with momentum, or 'classic'")
     auto = comp.feedback_choice == "auto" and not comp._restored
     dense_codec = codecs.nature_of(comp) == codecs.DENSE   # its choice does not depend on the optimizer (feedback.choose)
     if optimizer is None:
@@ -749,13 +754,15 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
             raise ValueError("feedback='momentum' reads the momentum from the optimizer: pass optimizer= to "
                              "register() / GradCompState (or feedback=MomentumCorrection(momentum=m))")
         if comp.feedback.moves_parameters:
-            raise ValueError(f"feedback={comp.feedback.key!r} freezes and steps the optimizer's Adam state: pass "
-                             "optimizer= to register() / GradCompState")
+            does = "steps a private copy of the optimizer on each rank" if comp.feedback.key == "update" \
+                else "freezes and steps the optimizer's Adam state"
+            raise ValueError(f"feedback={comp.feedback.key!r} {does}: pass optimizer= to register() / GradCompState")
         if not (auto and dense_codec):   # (low-bit QSGD gets 'none' here too: classic shrank 2-bit averages)
             if auto and rank == 0:  # said once: with Adam/AdamW classic error feedback trains far worse
                 fb.announce(f"{comp!r} in the DDP hook: classic error feedback, because no optimizer was given. "
                             "Pass optimizer=opt to register() so the hook picks the policy for it: momentum "
-                            "correction for SGD(momentum > 0), 'frozen' for Adam/AdamW (see docs/STUDY.md).")
+                            "correction for SGD(momentum > 0), 'frozen' for Adam/AdamW, 'update' for other "
+                            "adaptive optimizers (see docs/FEEDBACK.md).")
             return
     else:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -765,10 +772,7 @@ def _choose_feedback(comp: GradientCompressor, optimizer: Optional[torch.optim.O
                              "built on this model's parameters")
     why = "chosen by the user"
     if auto:
-        key, why = fb.choose(optimizer, dense_codec, comp._contracting)
-        if key not in HOOK_POLICIES:  # 'update' (adaptive optimizers other than Adam/AdamW)
-            key, why = "classic", (f"{why}; the Horovod road would use feedback {key!r}, which steps a private "
-                                   "copy of the optimizer on each rank; in the DDP hook error feedback is classic")
+        key, why = fb.choose(optimizer, dense_codec, comp._contracting)   # as on the Horovod roads
         if key != comp.feedback.key:
             comp._set_policy(comp._auto_policy(key))
     if optimizer is not None:
