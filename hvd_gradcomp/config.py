@@ -1,7 +1,8 @@
 """Run settings handed from ``hvdgc-launch`` to every rank through environment variables.
 
 ``hvdgc-launch --compression topk-qsgd --ratio 0.01 --bits 8 --accumulate 8 train.py``
-exports the variables below; a training script turns them into objects with::
+exports the variables below, those of the options given only (a variable left unset reads as
+its default); a training script turns them into objects with::
 
     from hvd_gradcomp.config import from_env
     cfg = from_env()                      # defaults when nothing is set

@@ -229,8 +229,12 @@ def unread_settings_message(built: Mapping[str, Any], env: Optional[Mapping[str,
     ``built`` holds the :class:`~hvd_gradcomp.config.CompressionConfig` fields of what the script built (only those
     it determines). Nothing to say when no setting is set, when the script called
     ``config.from_env()`` (it owns them, and its flags may override them), or when what it built
-    agrees with every setting.
+    agrees with every setting. It names only the variables set (non-empty) in ``env``; ``hvdgc-launch``
+    sets only those of the options given, so a launch without compression options sets none, and a
+    script that builds its own compressor there hears nothing.
 
+    >>> unread_settings_message({"compression": "topk-qsgd", "ratio": 0.01, "bits": 8}, {}) is None
+    True
     >>> env = {"HVDGC_COMPRESSION": "topk", "HVDGC_RATIO": "0.05"}
     >>> print(unread_settings_message({"compression": "none"}, env, "DistributedOptimizer(compression=None)"))
     HVDGC_COMPRESSION=topk HVDGC_RATIO=0.05 are set (hvdgc-launch sets them), but this script built DistributedOptimizer(compression=None) without reading them, so they have no effect: read them with hvd_gradcomp.config.from_env() (cfg.make_compressor(), cfg.accumulate), or drop the launcher's compression options.

@@ -176,3 +176,67 @@ def test_a_codec_written_against_the_old_private_names_still_works_with_a_warnin
     idx, vals = c.decode_parts(payload)
     assert idx.tolist() == [0, 2, 4, 6, 8] and vals.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
     assert c.decode(payload).tolist() == [0.0, 0.0, 2.0, 0.0, 4.0, 0.0, 6.0, 0.0, 8.0, 0.0]
+
+
+def test_a_codec_without_a_repr_of_its_own_prints_its_class_and_settings(caplog):
+    """A codec that defines no ``__repr__`` prints as ``ClassName(setting=value, ...)`` (its constructor's
+    arguments that it keeps, followed through ``**kwargs``), not ``<module.Class object at 0x...>``,
+    in the library's log lines (the feedback announcement) and ``state_dict``."""
+    import logging
+
+    import torch
+
+    from hvd_gradcomp import wire
+    from hvd_gradcomp.settings import Checked, check_ratio
+
+    class Halves(HorovodCompressor, GradientCompressor):
+        codec_name, collective, kind = "halves-test", codecs.ALLGATHER, wire.KIND_TOPK
+        share = Checked(check_ratio, "Share of entries sent.")
+
+        def __init__(self, share: float = 0.5, scale: float = 1.0, tag: str = "a", window: int = 3,
+                     **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.share, self.scale, self.tag = share, scale, tag   # window is not kept
+
+        def pack(self, flat, dtype, seed, contract=False, marked=None):   # never called here
+            raise NotImplementedError
+
+        unpack = pack
+
+    class Bare(Halves):
+        def __init__(self) -> None:
+            super().__init__()
+
+    class Untouched(HorovodCompressor, GradientCompressor):   # no __init__ at all
+        codec_name, collective, kind = "untouched-test", codecs.ALLGATHER, wire.KIND_TOPK
+        pack = unpack = Halves.pack
+
+    c = Halves(share=0.25, tag="b", window=9, seed=4, clip=2.0, exclude="bias", feedback="classic")
+    assert repr(c) == ("Halves(share=0.25, scale=1.0, tag='b', error_feedback=True, feedback='classic', "
+                       "clip=2.0, exclude='bias')")
+    assert str(c) == repr(c)
+    assert repr(Halves(error_feedback=False)) == "Halves(share=0.5, scale=1.0, tag='a', error_feedback=False)"
+    assert repr(Bare()) == "Bare()"
+    assert repr(Untouched()) == "Untouched(error_feedback=True)"
+    assert c.state_dict()["compressor"] == repr(c)
+
+    w = torch.nn.Parameter(torch.zeros(8))
+    d = Halves(share=0.1)
+    with caplog.at_level(logging.INFO, logger="hvd_gradcomp"):
+        d.attach(torch.optim.SGD([w], lr=0.1), {w: "w"})
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "Halves(share=0.1, scale=1.0, tag='a', error_feedback=True) with SGD: feedback" in logged, logged
+    assert " object at 0x" not in logged
+
+
+def test_the_built_in_codecs_keep_their_own_reprs():
+    from hvd_gradcomp import QSGD, PowerSGD, TopK, TopKQSGD
+    from tests.external_randomk import RandomK
+
+    assert repr(TopK(ratio=0.05)) == "TopK(ratio=0.05, error_feedback=True)"
+    assert repr(QSGD(bits=4)) == "QSGD(bits=4, bucket_size=512, error_feedback=True)"
+    assert repr(TopKQSGD(clip=1.0)) == "TopKQSGD(ratio=0.01, bits=8, bucket_size=512, error_feedback=True, clip=1.0)"
+    assert repr(PowerSGD(rank=2)).startswith("PowerSGD(rank=2")
+    # a plugin's hand-written repr and the default agree on the same codec
+    r = RandomK(ratio=0.1, seed=0, exempt="fp32")
+    assert repr(r) == GradientCompressor.__repr__(r) == "RandomK(ratio=0.1, error_feedback=True, exempt='fp32')"

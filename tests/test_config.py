@@ -98,3 +98,26 @@ def test_make_compressor_returns_the_named_class():
 def test_make_compressor_from_env():
     c = from_env({"HVDGC_COMPRESSION": "qsgd", "HVDGC_BITS": "2", "HVDGC_SEED": "3"}).make_compressor()
     assert type(c) is QSGD and (c.bits, c.seed) == (2, 3)
+
+
+@pytest.mark.parametrize("var, raw, field, value", [
+    ("HVDGC_COMPRESSION", "topk", "compression", "topk"), ("HVDGC_RATIO", "0.05", "ratio", 0.05),
+    ("HVDGC_BITS", "4", "bits", 4), ("HVDGC_ACCUMULATE", "8", "accumulate", 8),
+    ("HVDGC_ERROR_FEEDBACK", "0", "error_feedback", False), ("HVDGC_SEED", "3", "seed", 3),
+])
+def test_one_variable_alone_leaves_the_others_at_their_defaults(var, raw, field, value):
+    """hvdgc-launch exports only the options given (--ratio 0.05: HVDGC_RATIO alone); from_env reads
+    every other setting as its default, as it did when the launcher exported them all."""
+    assert from_env({var: raw}) == CompressionConfig(**{field: value})
+
+
+def test_unread_settings_warning_names_only_the_variables_set():
+    """A script building its own TopKQSGD under a launch without compression options is not warned;
+    with one option given, the warning names that one."""
+    from hvd_gradcomp import ddp
+
+    assert ddp.unread_settings_message(TopKQSGD(ratio=0.01, bits=8), {}) is None
+    assert ddp.unread_settings_message(TopKQSGD(ratio=0.01, bits=8), {"HVDGC_COMPILE": "0"}) is None
+    message = ddp.unread_settings_message(TopKQSGD(ratio=0.01, bits=8), {"HVDGC_RATIO": "0.05"})
+    assert message.startswith("HVDGC_RATIO=0.05 is set"), message
+    assert not any(var in message for var in DOCUMENTED - {"HVDGC_RATIO"}), message

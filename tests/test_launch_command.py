@@ -12,8 +12,7 @@ from hvd_gradcomp.launchers.command import (LaunchError, LaunchSpec, build_comma
                                             parse_hosts, program_argv, resolve_np)
 
 SCRIPT = "tests/scripts/launch_target.py"
-HVDGC_DEFAULT_ENV = {"HVDGC_COMPRESSION": "none", "HVDGC_RATIO": "0.01", "HVDGC_BITS": "8",
-                     "HVDGC_ACCUMULATE": "1", "HVDGC_ERROR_FEEDBACK": "1"}
+NO_SETTINGS: dict = {}   # no compression option given: hvdgc-launch exports no HVDGC_* setting
 
 
 # ---------------------------------------------------------------- host parsing
@@ -191,7 +190,7 @@ def test_cli_dry_run_prints_exact_command_and_env(invoke):
                  "--accumulate", "8", "--seed", "3", SCRIPT, "--epochs", "3", "a b;c")
     assert res.exit_code == 0, res.output
     env = {"HVDGC_COMPRESSION": "topk-qsgd", "HVDGC_RATIO": "0.05", "HVDGC_BITS": "4", "HVDGC_ACCUMULATE": "8",
-           "HVDGC_ERROR_FEEDBACK": "1", "HVDGC_SEED": "3"}
+           "HVDGC_SEED": "3"}   # no --error-feedback given: not exported
     argv = ["/opt/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, SCRIPT,
             "--epochs", "3", "a b;c"]
     assert res.output.splitlines() == _dry_run_lines(env, argv)
@@ -202,7 +201,7 @@ def test_cli_forwards_options_after_the_script(invoke):
     assert res.exit_code == 0, res.output
     argv = ["/opt/bin/horovodrun", "-np", "1", "-H", "localhost:1", sys.executable, SCRIPT,
             "-np", "5", "--compression", "bogus", "--help"]
-    assert res.output.splitlines() == _dry_run_lines(HVDGC_DEFAULT_ENV, argv)
+    assert res.output.splitlines() == _dry_run_lines(NO_SETTINGS, argv)
 
 
 def test_cli_mpirun_no_error_feedback(invoke, monkeypatch):
@@ -212,11 +211,69 @@ def test_cli_mpirun_no_error_feedback(invoke, monkeypatch):
     monkeypatch.delenv("PYTHONPATH", raising=False)
     res = invoke("--dry-run", "--launcher", "mpirun", "-H", "a:1,b:1", "--no-error-feedback", SCRIPT)
     assert res.exit_code == 0, res.output
-    env = dict(HVDGC_DEFAULT_ENV, HVDGC_ERROR_FEEDBACK="0")
+    env = {"HVDGC_ERROR_FEEDBACK": "0"}
     argv = ["/opt/bin/mpirun", "-np", "2", "-H", "a:1,b:1", "-bind-to", "none", "-map-by", "slot",
-            "-x", "HVDGC_ACCUMULATE", "-x", "HVDGC_BITS", "-x", "HVDGC_COMPRESSION", "-x", "HVDGC_ERROR_FEEDBACK",
-            "-x", "HVDGC_RATIO", "-x", "PATH", sys.executable, SCRIPT]
+            "-x", "HVDGC_ERROR_FEEDBACK", "-x", "PATH", sys.executable, SCRIPT]
     assert res.output.splitlines() == _dry_run_lines(env, argv)
+
+
+def _exported(res) -> dict:
+    """The variables a dry run adds, as a dict."""
+    lines = res.output.splitlines()
+    added = lines[lines.index("# environment added:") + 1:]
+    return dict(line[len("export "):].split("=", 1) for line in added[:next(
+        i for i, line in enumerate(added) if line.startswith("#"))])
+
+
+def test_cli_without_compression_options_sets_no_settings(invoke):
+    res = invoke("--dry-run", "-np", "4", SCRIPT)
+    assert res.exit_code == 0, res.output
+    assert _exported(res) == {}
+    assert "HVDGC_" not in res.output
+
+
+@pytest.mark.parametrize("args, env", [
+    (("--ratio", "0.05"), {"HVDGC_RATIO": "0.05"}),
+    (("--bits", "4"), {"HVDGC_BITS": "4"}),
+    (("--accumulate", "8"), {"HVDGC_ACCUMULATE": "8"}),
+    (("--seed", "7"), {"HVDGC_SEED": "7"}),
+    (("--error-feedback",), {"HVDGC_ERROR_FEEDBACK": "1"}),
+    (("--compression", "none"), {"HVDGC_COMPRESSION": "none"}),     # given, even if it is the default
+    (("--compression", "topk", "--ratio", "0.1"), {"HVDGC_COMPRESSION": "topk", "HVDGC_RATIO": "0.1"}),
+])
+def test_cli_exports_only_the_options_given(invoke, args, env):
+    res = invoke("--dry-run", "-np", "2", *args, SCRIPT)
+    assert res.exit_code == 0, res.output
+    assert _exported(res) == env
+
+
+def test_what_is_not_given_reads_as_the_same_defaults():
+    """A script reading the settings (config.from_env, ddp.compression_from_env) gets the defaults of
+    the options left out, as when the launcher exported them all."""
+    from hvd_gradcomp.config import CompressionConfig, from_env
+    for given in ((), ("ratio",), ("compression", "bits")):
+        env, _ = cli._compression_env("topk-qsgd", 0.05, 4, 1, True, None, given=given)
+        assert set(env) == {f"HVDGC_{name.upper()}" for name in given}
+        full = dict(compression="topk-qsgd", ratio=0.05, bits=4)
+        assert from_env(env) == CompressionConfig(**{k: v for k, v in full.items() if k in given})
+    all_env, owned = cli._compression_env("topk-qsgd", 0.05, 4, 2, False, 3)   # given=None: every setting
+    assert from_env(all_env) == CompressionConfig("topk-qsgd", 0.05, 4, 2, False, 3)
+    assert set(owned) == set(all_env) | {"HVDGC_CODEC_MODULE"}
+
+
+def test_a_script_building_its_own_compressor_is_not_warned_under_a_bare_launch(invoke):
+    """hvdgc-launch -np 4 train.py, whose script builds TopKQSGD(...) itself: nothing to warn about;
+    with --ratio 0.05 the warning names that one setting only."""
+    from hvd_gradcomp import settings
+    built = {"compression": "topk-qsgd", "ratio": 0.01, "bits": 8, "error_feedback": True, "seed": 1234}
+    bare = _exported(invoke("--dry-run", "-np", "4", SCRIPT))
+    assert settings.unread_settings_message(built, bare, "TopKQSGD()") is None
+    assert settings.unread_settings_message(dict(built, ratio=0.05),
+                                            _exported(invoke("--dry-run", "--ratio", "0.05", SCRIPT))) is None
+    message = settings.unread_settings_message(built, _exported(invoke("--dry-run", "--ratio", "0.05", SCRIPT)),
+                                               "TopKQSGD()")
+    assert message.startswith("HVDGC_RATIO=0.05 is set") and "built TopKQSGD()" in message, message
+    assert "HVDGC_COMPRESSION" not in message and "HVDGC_BITS" not in message
 
 
 def test_cli_hostfile(invoke, tmp_path):

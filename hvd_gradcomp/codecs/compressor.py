@@ -25,6 +25,7 @@ Example::
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -142,6 +143,82 @@ def clips_whole_step(compression: Any) -> bool:
     return isinstance(compression, GradientCompressor) and compression.clip is not None
 
 
+_SHARED_REPR = ("seed", "checksum", "feedback", "clip", "exclude", "exempt")
+"""Arguments of :class:`GradientCompressor` that its default ``__repr__`` leaves to ``_extra_repr``
+(``feedback``, ``clip``, ``exclude``, ``exempt``, printed when not their defaults) or omits (``seed``,
+drawn at random unless given, and ``checksum``), as the built-in codecs' reprs do."""
+
+
+def _init_arguments(cls: type) -> List[str]:
+    """The named arguments of ``cls``'s constructor, in order, followed through ``*args``/``**kwargs``
+    to the constructors further up the MRO that take them (each name once)."""
+    names: List[str] = []
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            break
+        passes_on = False
+        for p in list(params)[1:]:   # past self
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                passes_on = True
+            elif p.name not in names:
+                names.append(p.name)
+        if not passes_on:
+            break
+    return names
+
+
+def _holds(obj: Any, name: str) -> bool:
+    """Whether ``obj`` keeps ``name`` as an attribute: in its ``__dict__``, or a data descriptor of its
+    class (a property, a :class:`~hvd_gradcomp.settings.Checked` setting); not a method or class constant."""
+    if name in getattr(obj, "__dict__", {}):
+        return True
+    attr = inspect.getattr_static(type(obj), name, None)
+    return attr is not None and hasattr(type(attr), "__set__")
+
+
+def settings_repr(codec: "GradientCompressor") -> str:
+    """``ClassName(setting=value, ...)``: how a codec prints in log lines, warnings and ``describe``.
+
+    :class:`GradientCompressor`'s default ``__repr__``, so that a codec of one's own need not write
+    one (the built-in codecs write theirs): the arguments of its constructor that the instance holds
+    as attributes (set in ``__init__``, or a property or checked setting of the class), in the
+    constructor's order; an argument it does not store is left out. Through ``**kwargs`` the
+    constructors it hands them to are read too, down to GradientCompressor's: ``error_feedback`` is
+    printed, the shared ``feedback``, ``clip``, ``exclude`` and ``exempt`` as the built-in codecs
+    print them (only when not their defaults), ``seed`` and ``checksum`` not at all.
+
+    >>> from hvd_gradcomp import wire
+    >>> class Scaled(GradientCompressor):
+    ...     codec_name, kind = "scaled-doc", wire.KIND_TOPK
+    ...     def __init__(self, scale=0.5, window=3, **kwargs):
+    ...         super().__init__(**kwargs)
+    ...         self.scale = scale            # window is not kept: not printed
+    ...     def pack(self, *a): ...
+    ...     def unpack(self, *a): ...
+    >>> Scaled(scale=0.25, window=4, clip=1.0)
+    Scaled(scale=0.25, error_feedback=True, clip=1.0)
+    """
+    shown = []
+    for name in _init_arguments(type(codec)):
+        if name in _SHARED_REPR or not _holds(codec, name):
+            continue
+        try:
+            value = getattr(codec, name)
+        except Exception:   # a property that cannot answer yet (an object half built)
+            continue
+        shown.append(f"{name}={value!r}")
+    try:
+        extra = codec._extra_repr()
+    except AttributeError:   # the base constructor has not run (yet)
+        extra = ""
+    return f"{type(codec).__name__}({', '.join(shown)}{extra})"
+
+
 class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
     """Base class of the codecs: feedback policy, random stream and byte statistics.
 
@@ -237,6 +314,9 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         self._init_binding()
         self.stats = ByteStats()
         self._init_steps()
+
+    def __repr__(self) -> str:
+        return settings_repr(self)   # a codec of one's own need not write one; the built-in ones do
 
     def _extra_repr(self) -> str:
         extra = ""

@@ -9,8 +9,9 @@ Examples::
     hvdgc-launch --torchrun -np 2 --compression topk-qsgd examples/train_ddp.py --steps 100
     hvdgc-launch --sbatch --nodes 2 --ntasks-per-node 4 --time 1:00:00 --submit examples/train.py
 
-The compression settings reach every rank as ``HVDGC_*`` environment variables that
-:func:`hvd_gradcomp.config.from_env` reads. See docs/LAUNCHING.md.
+The compression options given reach every rank as ``HVDGC_*`` environment variables that
+:func:`hvd_gradcomp.config.from_env` reads; an option not given sets nothing (``from_env`` reads
+its default). See docs/LAUNCHING.md.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import click
 
@@ -110,15 +111,30 @@ def _extra_env(items: Sequence[str], owned: Sequence[str],
     return added, tuple(forwarded)
 
 
-def _compression_env(compression: str, ratio: float, bits: int, accumulate: int,
-                     error_feedback: bool, seed: Optional[int],
-                     codec_module: Optional[str] = None) -> Tuple[Dict[str, str], Tuple[str, ...]]:
-    """The ``HVDGC_*`` variables for these settings, and every name the launcher owns.
+_SETTING_OPTIONS = {name: var for var, (name, _, _) in settings.VARIABLES.items() if name}
+"""Each compression option of this launcher (its parameter name, a CompressionConfig field) -> its variable."""
 
-    Owned names that these settings leave unset (``HVDGC_SEED`` without ``--seed``) are
+
+def _compression_env(compression: str, ratio: float, bits: int, accumulate: int,
+                     error_feedback: bool, seed: Optional[int], codec_module: Optional[str] = None,
+                     given: Optional[Collection[str]] = None) -> Tuple[Dict[str, str], Tuple[str, ...]]:
+    """The ``HVDGC_*`` variables for the options the user gave, and every name the launcher owns.
+
+    ``given`` names the options given on the command line (None: all of them). Only those are
+    exported: an option left out sets nothing, and the script's ``from_env()`` reads the same
+    default for the missing variable, while a script that builds its own compressor sees no
+    setting it never asked for (no ``UnreadSettingsWarning``). All the values are checked
+    together all the same, as the ranks' ``from_env()`` will read them.
+
+    Owned names that the given options leave unset (``HVDGC_SEED`` without ``--seed``) are
     removed from the job's environment, so a stale value in the shell cannot reach the ranks.
     ``codec_module`` (``--codec-module``) is imported here first, so that ``--compression`` may name a
     codec it registers, and handed to the ranks (``HVDGC_CODEC_MODULE``: ``from_env`` imports it there).
+
+    >>> _compression_env("none", 0.05, 8, 1, True, None, given=("ratio",))[0]
+    {'HVDGC_RATIO': '0.05'}
+    >>> _compression_env("none", 0.01, 8, 1, True, None, given=())[0]
+    {}
     """
     try:
         if codec_module:
@@ -127,11 +143,18 @@ def _compression_env(compression: str, ratio: float, bits: int, accumulate: int,
                                        error_feedback=error_feedback, seed=seed)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
-    owned = tuple(config.CompressionConfig(seed=0).to_env()) + (settings.ENV_CODEC_MODULE,)
-    env = cfg.to_env()
+    owned = tuple(_SETTING_OPTIONS.values()) + (settings.ENV_CODEC_MODULE,)
+    exported = set(_SETTING_OPTIONS.values()) if given is None else {_SETTING_OPTIONS[n] for n in given}
+    env = {var: value for var, value in cfg.to_env().items() if var in exported}
     if codec_module:
         env[settings.ENV_CODEC_MODULE] = codec_module
     return env, owned
+
+
+def _given(ctx: click.Context, names: Collection[str]) -> Tuple[str, ...]:
+    """Which of these options the command line gave (not left at their defaults)."""
+    return tuple(name for name in names
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT)
 
 
 def _hosts(hosts: Optional[str], hostfile: Optional[str],
@@ -334,7 +357,8 @@ def main(ctx: click.Context, command: Tuple[str, ...], **opts: object) -> None:
     _check_sbatch_only(ctx)
     _torchrun_flag(ctx, opts)
     env, owned = _compression_env(opts["compression"], opts["ratio"], opts["bits"], opts["accumulate"],
-                                  opts["error_feedback"], opts["seed"], opts["codec_module"])
+                                  opts["error_feedback"], opts["seed"], opts["codec_module"],
+                                  given=_given(ctx, _SETTING_OPTIONS))
     try:
         if opts["sbatch"]:
             _sbatch(ctx, command, launcher_args, env, owned, opts)
