@@ -83,6 +83,13 @@ def make_compression(kind: str, **kw: Any) -> Any:
             "qsgd": lambda: gc.QSGD(seed=seed, **kw)}[kind]()
 
 
+UPDATE_OPTIMIZERS: Dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-3)}
+"""Adaptive optimizers other than Adam/AdamW: feedback='auto' gives them 'update' (issue 61)."""
+
+
 def batch(rank: int, step: int, n: int = 16) -> Any:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -256,10 +263,13 @@ def train(model: DDP, state: Any, opt: torch.optim.Optimizer, steps: range, extr
 
 
 def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, schedule: bool = False,
-               **kw: Any) -> Dict[str, Any]:
+               optimizer: str = "", all_ranks: bool = False, **kw: Any) -> Dict[str, Any]:
     """6 steps straight vs 3 steps, save, fresh DDP + state + optimizer, load, 3 steps: bit-identical.
     ``bind``: the optimizer goes to register() (momentum correction: velocities are checkpointed too).
     ``adamw``: AdamW with FrozenVariance(warmup=2), so the checkpoint falls in the frozen phase.
+    ``optimizer``: one of :data:`UPDATE_OPTIMIZERS` instead (feedback 'update': each rank's private
+    optimizers are checkpointed too). ``all_ranks``: one file, written by rank 0, of
+    ``state.state_dict(all_ranks=True)``, which every rank loads.
     ``schedule``: a rate that changes every step (the policy must read the param groups that the
     optimizer's load_state_dict put in place, not those register() saw)."""
     rank = dist.get_rank()
@@ -267,10 +277,11 @@ def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, sc
     def fresh():
         model = DDP(net(), bucket_cap_mb=BUCKET_MB)
         opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if adamw
+               else UPDATE_OPTIMIZERS[optimizer](model.parameters()) if optimizer
                else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         extra = {"feedback": gc.FrozenVariance(warmup=2)} if adamw else {}
         state = gc_ddp.register(model, compression=make_compression(kind, seed=11, **kw, **extra),
-                                optimizer=opt if bind else None)
+                                optimizer=opt if bind or optimizer else None)
         sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7) if schedule else None
         return model, state, opt, sched
 
@@ -280,9 +291,14 @@ def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, sc
 
     model, state, opt, sched = fresh()
     train(model, state, opt, range(3), sched=sched)
-    path = Path(ckpt) / f"rank{rank}.pt"
-    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict(),
-                "sched": sched.state_dict() if sched is not None else None}, path)
+    path = Path(ckpt) / (f"rank{rank}.pt" if not all_ranks else "rank0-only.pt")
+    hook = state.state_dict(all_ranks=True) if all_ranks else state.state_dict()   # all_ranks: on every rank
+    if not all_ranks or rank == 0:
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": hook,
+                    "sched": sched.state_dict() if sched is not None else None}, path)
+    if all_ranks:
+        dist.barrier()
+    feedback = state.compression.feedback.key if isinstance(state.compression, gc.GradientCompressor) else None
     model, state, opt, sched = fresh()
     saved = torch.load(path, weights_only=False)
     model.module.load_state_dict(saved["model"])
@@ -293,7 +309,7 @@ def checkpoint(kind: str, ckpt: str, bind: bool = False, adamw: bool = False, sc
     train(model, state, opt, range(3, 6), sched=sched)
     resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"identical": bool(torch.equal(straight, resumed)), "max_diff": float((straight - resumed).abs().max()),
-            "params": resumed.tolist()}
+            "params": resumed.tolist(), "feedback": feedback}
 
 
 def clipped_warmup(steps: int = 9, scale: float = 0.5) -> Dict[str, Any]:
@@ -407,14 +423,18 @@ def _frozen(m: Net) -> Net:
     return m
 
 
-def nonfinite(kind: str, bind: bool = False, **kw: Any) -> Dict[str, Any]:
+def nonfinite(kind: str, bind: bool = False, optimizer: str = "", **kw: Any) -> Dict[str, Any]:
     """Rank 1 has an Inf in its loss: every rank gets a non-finite gradient and nobody hangs.
     ``bind``: SGD(momentum) given to register(), so momentum correction runs (its velocity is kept
-    only for what was sent: rank 1 keeps none from the bad step)."""
+    only for what was sent: rank 1 keeps none from the bad step). ``optimizer``: one of
+    :data:`UPDATE_OPTIMIZERS` given to register() instead (feedback 'update': rank 1 steps none of
+    its private optimizers on the bad step)."""
     rank = dist.get_rank()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = gc_ddp.register(model, compression=make_compression(kind, **kw), optimizer=opt if bind else None)
+    opt = UPDATE_OPTIMIZERS[optimizer](model.parameters()) if optimizer else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = gc_ddp.register(model, compression=make_compression(kind, **kw),
+                            optimizer=opt if bind or optimizer else None)
     loss = loss_of(model, *batch(rank, 0))
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -422,10 +442,18 @@ def nonfinite(kind: str, bind: bool = False, **kw: Any) -> Dict[str, Any]:
     bad = not bool(torch.isfinite(flat_grads(model.module)).all())
     feedback = state.compression.feedback
     kept = {"velocities": len(getattr(feedback, "velocity", {})), "residuals": len(feedback.residuals._residuals)}
+    stepped = _private_steps(feedback)
     model.zero_grad()
     loss_of(model, *batch(rank, 1)).backward()  # the next step is fine again
     return {"nonfinite": bad, "count": state.nonfinite_exchanges, "kept_after_bad": kept,
-            "next_finite": bool(torch.isfinite(flat_grads(model.module)).all())}
+            "next_finite": bool(torch.isfinite(flat_grads(model.module)).all()), "feedback": feedback.key,
+            "private_after_bad": stepped, "private_after_next": _private_steps(feedback)}
+
+
+def _private_steps(feedback: Any) -> Dict[str, int]:
+    """feedback 'update': the steps each private optimizer took, by parameter name (none: {})."""
+    return {name: int(o.state[o.param_groups[0]["params"][0]]["step"])
+            for name, o in sorted(getattr(feedback, "_local", {}).items())}
 
 
 def transport() -> Dict[str, Any]:
@@ -561,13 +589,15 @@ def intermittent(steps: int = 8, bind: bool = True) -> Dict[str, Any]:
             "finite": bool(torch.isfinite(skipped).all()), "said": said, "params": skipped.tolist()}
 
 
-def optimizer_over_part(steps: int = 3) -> Dict[str, Any]:
+def optimizer_over_part(steps: int = 3, optimizer: str = "adamw") -> Dict[str, Any]:
     """AdamW over fc3 and the head only, TopKQSGD(5%) ("frozen"): DDP still averages fc1 and fc2, which
     the policy cannot compress without their Adam state; they go uncompressed (before: a RuntimeError at
-    the first exchange). Then they join the optimizer (add_param_group): bound before their next exchange."""
+    the first exchange). Then they join the optimizer (add_param_group): bound before their next exchange.
+    ``optimizer``: one of :data:`UPDATE_OPTIMIZERS` instead ("update": no private optimizer for them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
-    opt = torch.optim.AdamW(list(model.module.fc3.parameters()) + list(model.module.head.parameters()), lr=1e-3)
+    make = UPDATE_OPTIMIZERS.get(optimizer, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    opt = make(list(model.module.fc3.parameters()) + list(model.module.head.parameters()))
     state = gc_ddp.register(model, compression=gc.TopKQSGD(ratio=0.05, seed=3), optimizer=opt)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -656,6 +686,75 @@ def frozen(steps: int = 6, warmup: int = 2) -> Dict[str, Any]:
     want = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
     return {"policy": state.compression.feedback.key, "rel": rel(got, want), "zero_grads": zero_grads,
             "sent_bytes": sent_bytes, "raw_bytes": sum(p.numel() * 4 for p in model.parameters())}
+
+
+def update(optimizer: str, steps: int = 5, ratio: float = 0.1) -> Dict[str, Any]:
+    """feedback='auto' with an adaptive optimizer other than Adam/AdamW: 'update' in the hook, as on the
+    Horovod roads (issue 61). ``TopK(ratio, exempt="fp32")`` through it against the arithmetic written
+    out here from every rank's gradients: each rank steps its own copy of the optimizer on its local
+    gradient, the top-k of that change plus its residual goes out, the average of what went out is
+    added to the parameter; the wrapped optimizer steps the small tensors (dense, float32) on their
+    average and leaves the compressed ones alone (their gradient is zero at its step)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    make = UPDATE_OPTIMIZERS[optimizer]
+    policies = {}
+    for name, other in UPDATE_OPTIMIZERS.items():   # the README's compressor, the library's choice
+        m = DDP(net(), bucket_cap_mb=BUCKET_MB)
+        policies[name] = gc_ddp.register(m, compression=gc.TopKQSGD(ratio=0.01, bits=8, seed=3),
+                                         optimizer=other(m.parameters())).compression.feedback.key
+    model = DDP(net(), bucket_cap_mb=BUCKET_MB)
+    opt = make(model.parameters())
+    comp = gc.TopK(ratio=ratio, exempt="fp32", seed=5)
+    state = gc_ddp.register(model, compression=comp, optimizer=opt)
+    big = [n for n, p in model.module.named_parameters() if p.numel() >= gc_ddp.DEFAULT_MIN_COMPRESS_NUMEL]
+    zero_grads, moved_before_step = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+        loss_of(model, *batch(rank, step)).backward()
+        moved_before_step.append(not torch.equal(before, torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+        zero_grads.append(all(int(torch.count_nonzero(model.module.get_parameter(n).grad)) == 0 for n in big))
+        opt.step()
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    ref = net()
+    ref_opt = make(ref.parameters())
+    private: Dict[Tuple[str, int], torch.optim.Optimizer] = {}
+    residual: Dict[Tuple[str, int], torch.Tensor] = {}
+    for t in range(steps):
+        local = []
+        for r in range(world):
+            ref.zero_grad()
+            loss_of(ref, *batch(r, t)).backward()
+            local.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        for n, p in ref.named_parameters():
+            if n not in big:
+                p.grad = sum(g[n] for g in local) / world
+                continue
+            total = torch.zeros(p.numel())
+            for r in range(world):
+                if (n, r) not in private:
+                    private[n, r] = make([torch.zeros_like(p)])
+                shadow = private[n, r].param_groups[0]["params"][0]
+                with torch.no_grad():
+                    shadow.copy_(p)
+                shadow.grad = local[r][n]
+                private[n, r].step()
+                acc = (shadow.detach() - p.detach()).reshape(-1) + residual.get((n, r), torch.zeros(p.numel()))
+                top = acc.abs().topk(comp.selected(acc.numel())).indices
+                sent = torch.zeros_like(acc)
+                sent[top] = acc[top]
+                residual[n, r] = acc - sent
+                total += sent
+            with torch.no_grad():
+                p.add_((total / world).view_as(p))
+            p.grad = None   # the wrapped optimizer does not step it
+        ref_opt.step()
+    want = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    start = torch.cat([p.detach().reshape(-1) for p in net().parameters()])
+    return {"policies": policies, "feedback": state.compression.feedback.key, "rel": rel(got, want),
+            "moved": rel(got, start), "zero_grads": zero_grads, "moved_before_step": moved_before_step,
+            "params": got.tolist(), "private": _private_steps(state.compression.feedback)}
 
 
 SMALL_VALUES = [1e6, -3e5, 70000.0, 1.0, -0.25, 1e-3, 3e-5, 1e-7, -2e-9, 0.0]
@@ -788,7 +887,7 @@ SCENARIOS = {"one_step": one_step, "ef_average": ef_average, "accumulation": acc
              "die": die, "momentum": momentum, "frozen": frozen, "exempt": exempt, "clipped_warmup": clipped_warmup,
              "accumulation_clipped": accumulation_clipped, "scaled_averages": scaled_averages,
              "min_ratio": min_ratio, "intermittent": intermittent, "optimizer_over_part": optimizer_over_part,
-             "transport": transport}
+             "transport": transport, "update": update}
 
 
 def main(scenarios: Dict[str, Callable[..., Dict[str, Any]]] = SCENARIOS) -> None:

@@ -50,17 +50,25 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
                                        "adamw": True, "schedule": True},
     "ckpt-topkqsgd-mc-scheduled": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "bind": True,
                                    "schedule": True},
+    "ckpt-topkqsgd-update-scheduled": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "optimizer": "adafactor",
+                                       "schedule": True},
+    "ckpt-topkqsgd-update-rank0": {"fn": "checkpoint", "kind": "topkqsgd", "ratio": 0.05, "optimizer": "rmsprop",
+                                   "all_ranks": True},
     "momentum": {"fn": "momentum"},
     "intermittent": {"fn": "intermittent"},
     "optimizer-over-part": {"fn": "optimizer_over_part"},
+    "optimizer-over-part-update": {"fn": "optimizer_over_part", "optimizer": "adafactor"},
     "options-none": {"fn": "ddp_options", "kind": "none"},
     "options-topk-all": {"fn": "ddp_options", "kind": "topk", "ratio": 1.0, "exempt": "fp32"},
     "options-qsgd8": {"fn": "ddp_options", "kind": "qsgd", "bits": 8},
     "nonfinite-topkqsgd": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05},
     "nonfinite-qsgd": {"fn": "nonfinite", "kind": "qsgd", "bits": 8},
     "nonfinite-topkqsgd-mc": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05, "bind": True},
+    "nonfinite-topkqsgd-update": {"fn": "nonfinite", "kind": "topkqsgd", "ratio": 0.05, "optimizer": "adafactor"},
     "errors": {"fn": "errors"},
     "frozen": {"fn": "frozen"},
+    "update-adafactor": {"fn": "update", "optimizer": "adafactor"},
+    "update-rmsprop": {"fn": "update", "optimizer": "rmsprop"},
     "clipped-warmup": {"fn": "clipped_warmup"},
     "acc-clipped": {"fn": "accumulation_clipped"},
     "scaled-averages": {"fn": "scaled_averages"},
@@ -161,11 +169,16 @@ def test_flush_averages_a_partial_window(battery):
 
 
 @pytest.mark.parametrize("sid", ["ckpt-topkqsgd", "ckpt-qsgd4", "ckpt-topkqsgd-mc", "ckpt-topkqsgd-frozen",
-                                 "ckpt-topkqsgd-frozen-scheduled", "ckpt-topkqsgd-mc-scheduled"])
+                                 "ckpt-topkqsgd-frozen-scheduled", "ckpt-topkqsgd-mc-scheduled",
+                                 "ckpt-topkqsgd-update-scheduled", "ckpt-topkqsgd-update-rank0"])
 def test_checkpoint_resume_is_bit_identical(battery, sid):
+    """``-update``: feedback 'update' (Adafactor under a schedule; RMSprop from one file that rank 0 wrote of
+    state_dict(all_ranks=True)): each rank's private optimizers resume with their state."""
     r0, r1 = battery[sid]
     assert r0["identical"] and r1["identical"], (r0["max_diff"], r1["max_diff"])
     assert r0["params"] == r1["params"]
+    if "-update" in sid:
+        assert r0["feedback"] == r1["feedback"] == "update"
 
 
 @pytest.mark.parametrize("label", ["unused", "unused_on_one_rank", "frozen", "static"])
@@ -180,7 +193,8 @@ def test_unused_frozen_and_static_graph(battery, label):
     assert battery["options-qsgd8"][1]["unused_on_one_rank"]["spare_grad"] > 0
 
 
-@pytest.mark.parametrize("sid", ["nonfinite-topkqsgd", "nonfinite-qsgd", "nonfinite-topkqsgd-mc"])
+@pytest.mark.parametrize("sid", ["nonfinite-topkqsgd", "nonfinite-qsgd", "nonfinite-topkqsgd-mc",
+                                 "nonfinite-topkqsgd-update"])
 def test_nonfinite_gradient_on_one_rank_reaches_every_rank(battery, sid):
     for r in battery[sid]:
         assert r["nonfinite"] and r["count"] >= 1 and r["next_finite"]
@@ -189,6 +203,11 @@ def test_nonfinite_gradient_on_one_rank_reaches_every_rank(battery, sid):
         assert battery[sid][0]["kept_after_bad"]["residuals"] > 0
     if sid.endswith("-mc"):
         assert battery[sid][0]["kept_after_bad"]["velocities"] > 0
+    if sid.endswith("-update"):   # nor did its private optimizers step on it (Adafactor: fc1..fc3)
+        r0, r1 = battery[sid]
+        assert r0["feedback"] == "update" and r1["private_after_bad"] == {}, r1
+        assert set(r0["private_after_bad"].values()) == {1} and len(r0["private_after_bad"]) == 3, r0
+        assert r1["private_after_next"] == r0["private_after_bad"]   # the next, finite, step: one each
 
 
 @pytest.mark.parametrize("key,words", [
@@ -233,19 +252,39 @@ def test_a_layer_skipped_on_some_steps_is_stepped_with_its_exchange(battery):
     assert r1["said"] == []   # said on rank 0 only
 
 
-def test_parameters_outside_an_adamw_over_part_of_the_model_go_uncompressed(battery):
+@pytest.mark.parametrize("sid,policy", [("optimizer-over-part", "frozen"), ("optimizer-over-part-update", "update")])
+def test_parameters_outside_an_adamw_over_part_of_the_model_go_uncompressed(battery, sid, policy):
     """register(..., optimizer=AdamW over fc3 and the head): fc1 and fc2, which "frozen" cannot compress
     without their Adam state, are averaged exactly (before: a RuntimeError at the first exchange); said
     once on rank 0, naming the fix; ranks identical. Added to the optimizer later (progressive
-    unfreezing), they are bound to the policy before their next exchange."""
-    r0, r1 = battery["optimizer-over-part"]
-    assert r0["policy"] == "frozen"
+    unfreezing), they are bound to the policy before their next exchange. The same with Adafactor
+    ("update": no private optimizer can be built for a parameter outside the optimizer)."""
+    r0, r1 = battery[sid]
+    assert r0["policy"] == policy
     assert r0["fc1_rel"] <= 1e-6 and r1["fc1_rel"] <= 1e-6, (r0["fc1_rel"], r1["fc1_rel"])
     assert len(r0["said"]) == 1 and "whole model" in r0["said"][0] and r1["said"] == []
     assert r0["params"] == r1["params"]
     # added later with add_param_group: bound to the policy from the next exchange on, and stepped
     assert r0["outside"] == r1["outside"] == [True, False, False], (r0["outside"], r1["outside"])
     assert r0["fc1_steps"] == 2
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "rmsprop"])
+def test_other_adaptive_optimizers_get_update_as_written_out(battery, optimizer):
+    """Issue 61: feedback='auto' picks 'update' in the hook for Adafactor, RMSprop and NAdam, as on the
+    Horovod roads (it gave 'classic'). TopK(10%) through it ends on the weights written out from every
+    rank's gradients (each rank's own optimizer copy on its local gradient, top-k of the change plus its
+    residual, averaged; the wrapped optimizer steps only the small tensors); every rank holds the same
+    weights; the parameters do not move during backward, and the compressed ones reach the step with a
+    zero gradient (their average is applied by the step pre-hook)."""
+    r0, r1 = battery[f"update-{optimizer}"]
+    for r in (r0, r1):
+        assert r["policies"] == {"adafactor": "update", "rmsprop": "update", "nadam": "update"}, r["policies"]
+        assert r["feedback"] == "update"
+        assert r["rel"] <= 1e-6 and r["moved"] > 1e-3, (r["rel"], r["moved"])
+        assert r["zero_grads"] == [True] * 5 and r["moved_before_step"] == [False] * 5, r
+        assert r["private"] == {"fc1.weight": 5, "fc2.weight": 5, "fc3.weight": 5}, r["private"]
+    assert r0["params"] == r1["params"]
 
 
 def test_adamw_gets_frozen_variance_and_it_is_exact_at_ratio_one(battery):
