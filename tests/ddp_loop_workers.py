@@ -198,7 +198,27 @@ def seeded(seed: int, steps: int = 4) -> Dict[str, Any]:
     return {"seed": state.compression.seed, "params": _params(model).tolist()}
 
 
-SCENARIOS = {"closure": closure, "lbfgs": lbfgs, "rank0_checkpoint": rank0_checkpoint,
+def compiled(steps: int = 3) -> Dict[str, Any]:
+    """The hook under ``static_graph=True`` (eager) and under ``torch.compile`` of the DDP model, against the
+    same steps eager: replicas identical, weights as eager's (compiled kernels may round differently)."""
+    out: Dict[str, Any] = {}
+    runs = {}
+    for mode in ("eager", "static", "compile"):
+        # DDP's default buckets: the compiled graph's splitter (dynamo's DDPOptimizer) refuses the tests' tiny ones
+        model = DDP(net(), static_graph=mode == "static")
+        opt = _optimizer("momentum", model.parameters())
+        state = gc_ddp.register(model, compression=gc.TopKQSGD(ratio=0.05, bits=8, seed=11), optimizer=opt)
+        run = torch.compile(model) if mode == "compile" else model
+        for step in range(steps):
+            _step_plain(run, opt, step)
+        runs[mode] = _params(model)
+        out[mode] = {"exchanges": state.iter, "replicas": _same_on_every_rank(runs[mode])}
+    for mode in ("static", "compile"):
+        out[mode]["max_diff"] = float((runs[mode] - runs["eager"]).abs().max())
+    return out
+
+
+SCENARIOS = {"compiled": compiled, "closure": closure, "lbfgs": lbfgs, "rank0_checkpoint": rank0_checkpoint,
              "rank_count_change": rank_count_change, "stub_from_other_rank": stub_from_other_rank, "seeded": seeded}
 
 if __name__ == "__main__":

@@ -88,3 +88,14 @@ def test_manual_seed_makes_a_compressed_run_repeatable(battery):
     assert a["seed"] == b["seed"] == 5 and c["seed"] == 6
     assert a["params"] == b["params"]
     assert a["params"] != c["params"]
+
+
+@pytest.mark.slow
+def test_static_graph_and_torch_compile_keep_the_hook_working():
+    per_rank = run_job([{"fn": "compiled"}], timeout=420, workers=WORKERS)
+    for result in per_rank:
+        got = result[0]
+        for mode in ("eager", "static", "compile"):
+            assert got[mode]["exchanges"] == 3 and got[mode]["replicas"], (mode, got[mode])
+        assert got["static"]["max_diff"] == 0.0
+        assert got["compile"]["max_diff"] < 1e-4

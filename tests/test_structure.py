@@ -208,7 +208,9 @@ LAYERS = (
                      "collectives.inflight", "collectives.exchange", "collectives.fused")),
     ("horovod", ("horovod",)),
     ("auto", ("auto", "auto.policy", "auto.schedule", "auto.measure", "auto.state")),
-    ("optimizers", ("horovod.optimizer", "horovod.accumulate", "ddp", "ddp.roads", "ddp.auto", "config")),
+    ("optimizers", ("horovod.optimizer", "horovod.accumulate", "ddp", "ddp.roads", "ddp.auto", "ddp.checkpoint",
+                    "config")),
+    ("integrations", ("integrations", "integrations.lightning", "integrations.accelerate")),
     ("launchers", ("launchers",)),
 )
 FIRST_WITH_HOROVOD = "collectives"   # layers below it import no Horovod

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
@@ -292,7 +291,7 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
             fb.make(feedback)  # validates the name now, not at the first step
         self.checksum = checksum
         self.exempt = exempt
-        self.seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._seed = seed   # None: torch's seed, read at first use (see the seed property)
         self.stream = 0  # set to the rank by hvd_gradcomp.horovod on every road: ranks draw independent noise
         self.clip = clip
         # Set by a road that clips every tensor of a step at once (clip_local) before compressing any:

@@ -35,6 +35,29 @@ class StepState:
         self.join_checked = False                          # this step checked hvd.join() (stock road)
         self._undo_steps: Optional[Dict[str, int]] = None  # random streams at the round's start
 
+    @property
+    def seed(self) -> int:
+        """Seed of the rounding noise (with the rank's ``stream``, the tensor name and the step).
+
+        Given as ``seed=``, that value; otherwise ``torch.initial_seed()`` (32 bits of it) when first
+        needed, so ``torch.manual_seed(s)`` before training makes a compressed run repeatable, as it
+        does an uncompressed one, without drawing from torch's random stream (which would change the
+        run's data order or dropout). With no ``manual_seed`` torch's own seed is random per process,
+        and so is this one.
+
+        >>> from hvd_gradcomp import TopK
+        >>> _ = torch.manual_seed(7)
+        >>> TopK(ratio=0.01).seed, TopK(ratio=0.01, seed=3).seed
+        (7, 3)
+        """
+        if self._seed is None:
+            self._seed = torch.initial_seed() % 2**32
+        return self._seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._seed = value
+
     def _next_seed(self, name: str) -> int:
         """A 32-bit seed from (seed, stream, name, step): reproducible, distinct per call."""
         step = self._steps.get(name, 0)

@@ -64,8 +64,8 @@ from .. import codecs, settings, wire
 from ..wire import kernels
 from ..horovod.accumulate import check_clippable, check_max_grad_norm
 from ..auto import Auto
-from ..codecs.steps import state_to_cpu, state_to_device
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step, refuse_class
+from . import checkpoint
 from .auto import _AutoRoads
 from .roads import _KEEP_ALIVE, _ROADS, Future, _allreduce, _dense_bucket, _InOrder, _Plan, _Segment
 from ..feedback.momentum import MomentumCorrection
@@ -73,7 +73,7 @@ from ..stats import ByteStats
 from ..codecs.topk import TopKQSGD
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16)
-STATE_VERSION = 1
+STATE_VERSION = checkpoint.STATE_VERSION
 _DEFAULT_COMPRESSION = TopKQSGD(ratio=0.01, bits=8)
 _CLAIMED: "weakref.WeakSet[GradientCompressor]" = weakref.WeakSet()
 class GradCompState:
@@ -216,95 +216,21 @@ class GradCompState:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self, all_ranks: bool = False) -> Dict[str, Any]:
-        """Residuals, random streams and the exchange counter (not the process group).
+        """Residuals, random streams and the exchange counter (not the process group): this rank's, or with
+        ``all_ranks=True`` (a collective: call it on every rank) every rank's in the dict rank 0 gets, for a
+        checkpoint rank 0 alone writes (:mod:`hvd_gradcomp.ddp.checkpoint`)::
 
-        Residuals differ between ranks. Two ways to keep them all:
-
-        * ``all_ranks=True`` (for a checkpoint written by rank 0 only, as Lightning, accelerate and most
-          scripts do): a collective, **call it on every rank**; rank 0 gets every rank's state in one
-          dict, which :meth:`load_state_dict` on each rank reads its own part from. Other ranks get a
-          stub that says so (rank 0 holds ``world_size`` times one rank's residuals)::
-
-              hook = state.state_dict(all_ranks=True)                      # every rank
-              if dist.get_rank() == 0:
-                  torch.save({"model": model.state_dict(), "hook": hook}, "ckpt.pt")
-              ...
-              state.load_state_dict(torch.load("ckpt.pt")["hook"])          # every rank, its own part
-
-        * the default, this rank's own state: save one file per rank, e.g.
-          ``torch.save(state.state_dict(), f"hook-rank{dist.get_rank()}.pt")``.
-
-        No update is ever pending here after ``optimizer.step()`` returns (see :attr:`pending_updates`).
+            hook = state.state_dict(all_ranks=True)                      # every rank
+            if dist.get_rank() == 0:
+                torch.save({"model": model.state_dict(), "hook": hook}, "ckpt.pt")
         """
-        comp = self.compression
-        ours = isinstance(comp, (GradientCompressor, Auto))
-        mine = {"version": STATE_VERSION, "iter": self.iter, "rank": self.rank, "world_size": self.world_size,
-                "compressor": type(comp).__name__ if ours else repr(comp),
-                "compression": comp.state_dict() if ours else None}
-        if not all_ranks:
-            return mine
-        parts: Optional[List[Any]] = [None] * self.world_size if self.rank == 0 else None
-        # on CPU: every rank's tensors unpickle on rank 0 without touching the others' devices
-        dist.gather_object(state_to_cpu(mine), parts, dst=dist.get_global_rank(self.process_group, 0),
-                           group=self.process_group)
-        return {"version": STATE_VERSION, "all_ranks": True, "world_size": self.world_size, "iter": self.iter,
-                "ranks": parts}
+        return checkpoint.state_dict(self, all_ranks)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`: this rank's own file, or (on every rank) the one dict that
-        ``state_dict(all_ranks=True)`` gave rank 0, from which each rank takes its own part.
-
-        On another number of ranks an all-ranks state restarts error feedback: residuals are per rank
-        (and QSGD's per chunk of the ranks), so none of them fits; the exchange counter is kept and a
-        warning says what restarts. A per-rank file on another rank or rank count is refused."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            version = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"hook state of version {version!r}; this library reads {STATE_VERSION}")
-        if state.get("all_ranks"):
-            part = self._own_part(state)
-            if part is None:
-                return
-            state = part
-        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
-            raise ValueError(f"hook state saved by rank {state['rank']} of {state['world_size']} loaded on rank "
-                             f"{self.rank} of {self.world_size}: residuals are per rank. Load each rank's own "
-                             "file with the same number of ranks, or save with state.state_dict(all_ranks=True) "
-                             "on every rank (one dict, written by rank 0, that every rank loads)")
-        comp = self.compression
-        ours = isinstance(comp, (GradientCompressor, Auto))
-        mine = type(comp).__name__ if ours else repr(comp)
-        if state["compressor"] != mine:
-            raise ValueError(f"hook state was saved with compression {state['compressor']}, this state uses "
-                             f"{mine}; build the state with the same compression")
-        if ours:
-            comp.load_state_dict(state_to_device(state["compression"], self._device()))
-        self._resume_at(int(state["iter"]))
-
-    def _own_part(self, state: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-        """This rank's part of an all-ranks state; None when the job's rank count differs (error feedback
-        restarts, said in a warning)."""
-        parts = state.get("ranks")
-        if parts is None:
-            raise ValueError("this hook state came from state_dict(all_ranks=True) on a rank other than 0, which "
-                             "holds no rank's residuals: save the dict that rank 0 got")
-        if state["world_size"] != self.world_size:
-            if self.rank == 0:
-                warnings.warn(f"hvd_gradcomp DDP hook: the checkpoint's hook state was saved by {state['world_size']} "
-                              f"ranks and this job has {self.world_size}: residuals are per rank, so error feedback "
-                              "restarts from zero here (as does a feedback policy's warm-up, e.g. 'frozen'); the "
-                              f"exchange counter continues at {state['iter']}. Resume on {state['world_size']} ranks "
-                              "to continue exactly.", RuntimeWarning, stacklevel=3)
-            self._resume_at(int(state["iter"]))
-            return None
-        return parts[self.rank]
-
-    def _resume_at(self, step: int) -> None:
-        self.iter = step
-        self.comm_stats.resume_at(step)
-
-    def _device(self) -> Optional[torch.device]:
-        """Where this rank's parameters (so its residuals) live."""
-        return next(iter(self._names)).device if self._names else None
+        ``state_dict(all_ranks=True)`` gave rank 0; on another number of ranks that one restarts error
+        feedback, with a warning (:func:`hvd_gradcomp.ddp.checkpoint.load_state_dict`)."""
+        checkpoint.load_state_dict(self, state)
 
     # ------------------------------------------------------------ bucket layout
     def _plan(self, bucket: dist.GradBucket) -> _Plan:
@@ -421,14 +347,7 @@ class GradCompState:
         ``frozen`` update landed one step late and the last one never. Returns the arguments with the
         closure wrapped (torch's step pre-hook protocol)."""
         self._finish_exchange()   # a backward() before step(closure), or no closure at all
-        closure_at_args = len(args) > 1 and args[1] is not None
-        closure = args[1] if closure_at_args else kwargs.get("closure")
-        if closure is None:
-            return None
-        wrapped = _after_closure(closure, self._finish_exchange)
-        if closure_at_args:
-            return (args[0], wrapped, *args[2:]), kwargs
-        return args, {**kwargs, "closure": wrapped}
+        return _after_closure(args, kwargs, self._finish_exchange)
 
     def _finish_exchange(self) -> None:
         """Hand the optimizer what this step's exchange owes it: the deferred :meth:`_received` calls
@@ -502,13 +421,20 @@ def _relay(source: Future, target: Future) -> None:
     source.add_done_callback(done)
 
 
-def _after_closure(closure: Callable[[], Any], then: Callable[[], None]) -> Callable[[], Any]:
-    """``closure`` followed by ``then()``, each time the optimizer calls it (LBFGS calls it several times)."""
+def _after_closure(args: Tuple[Any, ...], kwargs: Dict[str, Any], then: Callable[[], None]
+                   ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """``optimizer.step``'s arguments with its closure (positional or ``closure=``) followed by ``then()`` each
+    time the optimizer calls it (LBFGS calls it several times); None without a closure."""
+    at_args = len(args) > 1 and args[1] is not None
+    closure = args[1] if at_args else kwargs.get("closure")
+    if closure is None:
+        return None
+
     def wrapped() -> Any:
         loss = closure()
         then()
         return loss
-    return wrapped
+    return ((args[0], wrapped, *args[2:]), kwargs) if at_args else (args, {**kwargs, "closure": wrapped})
 
 
 def _hook_now(state: GradCompState, bucket: dist.GradBucket) -> Future:

@@ -170,6 +170,36 @@ class _SmallTensors:
             finish_rounds(f.run, [road.result(pending) for road, pending in f.pendings])
 
 
+def _all_finite(params: List[torch.Tensor], known: Dict[torch.Tensor, Optional[torch.Tensor]]) -> bool:
+    """Whether every averaged gradient is finite: the same answer on every rank, since every
+    rank holds the same averages (one host sync for all of them). ``known``: the answer for
+    a parameter where its exchange had it cheaper than a pass over the whole gradient
+    (:func:`hvd_gradcomp.collectives.exchange.finite_at_indices`)."""
+    known_ok = [known[p] for p in params if known.get(p) is not None]
+    rest = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if known.get(p) is None]
+    # One sum per gradient, not isfinite().all(), which costs ~10x more on CPU (kernels.all_finite)...
+    checks = known_ok + ([kernels.sums_finite(rest)] if rest else [])
+    if not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all()):
+        return True
+    # ...and where a sum is not finite (a NaN/Inf, or finite values whose sum overflowed), exactly.
+    exact = known_ok + [torch.isfinite(g).all() for g in rest]
+    return bool(torch.stack([c.to(exact[0].device) for c in exact]).all())
+
+
+def _synchronizing(closure: Callable[[], Any], synchronize: Callable[[], None]) -> Callable[[], Any]:
+    """``closure`` then ``synchronize()``, each time the optimizer calls it (LBFGS calls it several times).
+
+    Why: the closure runs forward and backward inside ``step``, so the exchange its backward starts must be
+    finished before the optimizer's arithmetic reads ``p.grad`` (and, under ``frozen``/``update``, before the
+    averaged update is applied). Horovod's own optimizer synchronizes before it runs the closure and steps
+    on this rank's gradient."""
+    def wrapped() -> Any:
+        loss = closure()
+        synchronize()
+        return loss
+    return wrapped
+
+
 class _GradCompOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
@@ -376,21 +406,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                     self._delay[p] = self.backward_passes_per_step
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hook))
 
-    @staticmethod
-    def _all_finite(params: List[torch.Tensor], known: Dict[torch.Tensor, Optional[torch.Tensor]]) -> bool:
-        """Whether every averaged gradient is finite: the same answer on every rank, since every
-        rank holds the same averages (one host sync for all of them). ``known``: the answer for
-        a parameter where its exchange had it cheaper than a pass over the whole gradient
-        (:func:`hvd_gradcomp.collectives.exchange.finite_at_indices`)."""
-        known_ok = [known[p] for p in params if known.get(p) is not None]
-        rest = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in params if known.get(p) is None]
-        # One sum per gradient, not isfinite().all(), which costs ~10x more on CPU (kernels.all_finite)...
-        checks = known_ok + ([kernels.sums_finite(rest)] if rest else [])
-        if not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all()):
-            return True
-        # ...and where a sum is not finite (a NaN/Inf, or finite values whose sum overflowed), exactly.
-        exact = known_ok + [torch.isfinite(g).all() for g in rest]
-        return bool(torch.stack([c.to(exact[0].device) for c in exact]).all())
+    _all_finite = staticmethod(_all_finite)   # an attribute: benchmarks/step_probe.py times it
 
     @property
     def last_step_bytes(self) -> int:
@@ -407,18 +423,13 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        """Finish the exchange, then step the wrapped optimizer.
-
-        With a ``closure`` (Lightning's automatic optimization, LBFGS), forward and backward run inside
-        the step: the exchange they start is finished each time the closure returns, before the
-        optimizer's arithmetic, so the weights are those of ``backward()`` then ``step()``. (Horovod's
-        own optimizer synchronizes before it runs the closure and steps on this rank's gradient.)
-        """
+        """Finish the exchange, then step; with a ``closure`` (LBFGS, Lightning) after each call of it (see
+        :func:`_synchronizing`): the weights of ``backward()`` then ``step()``."""
         if in_state_broadcast():  # hvd.broadcast_optimizer_state creating state: local, no exchange
             return super(self.__class__, self).step(closure)
         if closure is not None:   # its backward pass makes new gradients: whatever was synchronized is superseded
             try:
-                return super(self.__class__, self).step(self._synchronizing(closure))
+                return super(self.__class__, self).step(_synchronizing(closure, self.synchronize))
             finally:
                 self._synchronized = False
         if self._should_synchronize:
@@ -433,14 +444,6 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
-
-    def _synchronizing(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """``closure`` then :meth:`synchronize`, each time the optimizer calls it (LBFGS calls it several times)."""
-        def wrapped() -> Any:
-            loss = closure()
-            self.synchronize()
-            return loss
-        return wrapped
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Torch's ``add_param_group``; on a wrapped optimizer (progressive unfreezing: a backbone added
