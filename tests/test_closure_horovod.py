@@ -60,3 +60,4 @@ def test_rank0_only_checkpoint_of_the_accumulator_resumes_every_rank(battery, po
     r0, r1 = (result[f"ckpt-{policy}-{road}"] for result in battery)
     assert r0["identical"] and r1["identical"]
     assert r0["held"] and not r1["held"]
+    assert "6 steps (bytes of steps 4-6, counted since the resume at step 3)" in r0["summary"]

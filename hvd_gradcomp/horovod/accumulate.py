@@ -223,6 +223,9 @@ class GradientAccumulator:
             comp.load_state_dict(state["compression"])
         self.pending = 0
         self.optimizer_steps = int(state["optimizer_steps"])
+        stats = getattr(comp, "stats", None)
+        if stats is not None and hasattr(stats, "resume_at"):   # one exchange per optimizer step
+            stats.resume_at(self.optimizer_steps)
 
 
 _MID_WINDOW = ("checkpoints are taken between accumulation windows, not in the middle of one (the "

@@ -150,7 +150,9 @@ def rank0_checkpoint(policy: str, ckpt: str, stock: bool = False, steps: int = 6
     model.load_state_dict(saved["model"])
     acc.load_state_dict(saved["acc"])
     run(half, steps, model, acc)
-    return {"identical": bool(torch.equal(straight, _params(model))), "held": state["compression"]["ranks"] is not None}
+    stats = acc.optimizer.compression.stats if not stock else acc.optimizer._compression.stats
+    return {"identical": bool(torch.equal(straight, _params(model))), "held": state["compression"]["ranks"] is not None,
+            "summary": stats.summary()}
 
 
 def battery(jobs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
