@@ -59,7 +59,10 @@ def prepared(optimizer: str, accumulate: int) -> Any:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     model = net()
     model, opt = accelerator.prepare(model, make_optimizer(optimizer, model.parameters()))
-    state = gc_accelerate.register(model, opt, compression=make_compression(optimizer))
+    if optimizer == "sgd":   # hvd_gradcomp.ddp.register itself takes the AcceleratedOptimizer too
+        state = gc_ddp.register(model, compression=make_compression(optimizer), optimizer=opt)
+    else:
+        state = gc_accelerate.register(model, opt, compression=make_compression(optimizer))
     return accelerator, model, opt, state
 
 

@@ -715,17 +715,16 @@ def torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
     itself. The hook's step pre-hooks go on the torch optimizer, which every wrapper's ``step()`` calls.
 
     >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    >>> class Wrapper:
+    >>> class Wrapper(torch.optim.Optimizer):     # as accelerate's: an Optimizer around an Optimizer
     ...     def __init__(self, optimizer): self.optimizer = optimizer
     >>> torch_optimizer(Wrapper(opt)) is opt, torch_optimizer(opt) is opt, torch_optimizer(None)
     (True, True, None)
     """
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and seen < 4:
+    for _ in range(4):   # AcceleratedOptimizer subclasses torch's Optimizer: unwrap by what it holds
         inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None:
+        if not isinstance(inner, torch.optim.Optimizer):
             break
-        optimizer, seen = inner, seen + 1
+        optimizer = inner
     return optimizer
 
 

@@ -32,7 +32,6 @@ a compressed parameter's ``p.grad`` holds zeros there); give the norm to the com
 This module needs accelerate only for :func:`register_for_checkpointing` (``pip install
 'hvd-gradcomp[accelerate]'``); :func:`register` takes any DDP model and optimizer.
 """
-import sys
 from typing import Any, Dict
 
 import torch
@@ -49,8 +48,8 @@ def register(model: Any, optimizer: Any = None, compression: Any = gc_ddp._DEFAU
         model: the prepared model: ``DistributedDataParallel`` (what ``prepare`` makes of a model
             when several processes run), or ``torch.compile``'s wrapper around one.
         optimizer: the prepared optimizer (an ``AcceleratedOptimizer``: the torch optimizer inside it
-            picks the feedback policy and gets the step pre-hooks) or a torch optimizer; None: classic
-            error feedback.
+            picks the feedback policy and gets the step pre-hooks, :func:`hvd_gradcomp.ddp.torch_optimizer`)
+            or a torch optimizer; None: classic error feedback.
         compression: as :func:`hvd_gradcomp.ddp.register` (a fresh ``TopKQSGD(ratio=0.01, bits=8)`` by default).
         **kwargs: :func:`hvd_gradcomp.ddp.register`'s others (``start_compress_iter``, ``min_compress_numel``,
             ``process_group``).
@@ -66,24 +65,7 @@ def register(model: Any, optimizer: Any = None, compression: Any = gc_ddp._DEFAU
                         f"{type(inner).__name__}. prepare() wraps the model in DDP only when several processes run "
                         "(torchrun --nproc-per-node N) and, without a GPU, only with Accelerator(cpu=True): otherwise "
                         "each process trains alone and there is nothing to exchange")
-    return gc_ddp.register(inner, compression=compression, optimizer=torch_optimizer(optimizer), **kwargs)
-
-
-def torch_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (``.optimizer``), or ``optimizer``.
-
-    ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` but keeps no state or hooks of its own:
-    its ``step()`` calls the inner optimizer's, where the hook's step pre-hooks must sit, and the feedback
-    policy is chosen from the inner optimizer's class (``frozen`` for AdamW).
-
-    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    >>> torch_optimizer(opt) is opt, torch_optimizer(None)
-    (True, None)
-    """
-    wrapper = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
-    while wrapper is not None and isinstance(optimizer, wrapper):
-        optimizer = optimizer.optimizer
-    return gc_ddp.torch_optimizer(optimizer)   # other frameworks' wrappers (Lightning's)
+    return gc_ddp.register(inner, compression=compression, optimizer=optimizer, **kwargs)
 
 
 class AllRanksHookState:
@@ -122,4 +104,4 @@ def register_for_checkpointing(accelerator: Any, state: gc_ddp.GradCompState) ->
     return holder
 
 
-__all__ = ["register", "register_for_checkpointing", "AllRanksHookState", "torch_optimizer"]
+__all__ = ["register", "register_for_checkpointing", "AllRanksHookState"]
