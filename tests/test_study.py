@@ -65,7 +65,7 @@ def test_every_configuration_has_its_page_and_a_renderer() -> None:
     assert study.make_run(["--recipes"]).config.name == "recipes" and study.make_run([]).config.name == "study"
 
 
-@pytest.mark.parametrize("config", ["run-length", "powersgd", "wrapper", "outside", "recipes"])
+@pytest.mark.parametrize("config", ["run-length", "powersgd", "wrapper", "outside", "recipes", "adafactor"])
 def test_a_page_is_the_rendering_of_its_saved_results(config: str, tmp_path: Path) -> None:
     """The page's own command, with ``--report-only`` into another folder, writes the page as committed
     (docs/STUDY.md names its date and minutes: its tables are tested above)."""

@@ -18,8 +18,11 @@ from benchmarks.study.recipes import RECIPES, ROADS
 TARGET = 0.03
 """The gap allowed: 3% of uncompressed held-out loss, or the uncompressed seed spread if larger."""
 
-VARIANTS = {"+clip=0.25": "the same, clipping with the compressor's `clip=0.25` instead of by hand"}
-"""Rows beyond the default roads: a setting the library recommends, passed as the compressor's argument."""
+VARIANTS = {"+clip=0.25": "the same, clipping with the compressor's `clip=0.25` instead of by hand",
+            "+feedback=classic": "with classic error feedback (`feedback=\"classic\"`: what the hook ran for Adafactor "
+                                 "before it ran `\"update\"`, issue 61)"}
+"""Rows beyond the default roads: a setting the library recommends, or one it ran before, passed as the
+compressor's argument."""
 
 
 def load(out: Path) -> Dict[Tuple[str, str], List[dict]]:
