@@ -29,6 +29,7 @@ POLICIES = {
     "momentum": ("momentum", "auto"),
     "frozen": ("adamw", gc.FrozenVariance(warmup=2)),
     "auto-adamw": ("adamw", "auto"),
+    "update": ("rmsprop", "auto"),
 }
 
 
@@ -37,6 +38,8 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.1)
     if kind == "momentum":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-2)
     if kind == "lbfgs":
         return torch.optim.LBFGS(params, lr=0.5, max_iter=3, history_size=4)
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)

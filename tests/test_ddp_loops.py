@@ -17,7 +17,7 @@ from tests.test_ddp import run_job
 
 pytestmark = pytest.mark.multirank
 WORKERS = str(ROOT / "tests" / "ddp_loop_workers.py")
-POLICIES = ["classic", "none", "momentum", "frozen", "auto-adamw"]
+POLICIES = ["classic", "none", "momentum", "frozen", "auto-adamw", "update"]
 _cache: Dict[str, Any] = {}
 
 
@@ -50,7 +50,7 @@ def test_step_with_closure_matches_backward_then_step(battery, policy, how):
 
 def test_closure_runs_every_policy_the_hook_has(battery):
     keys = {battery[f"closure-{p}"][0]["feedback"] for p in POLICIES}
-    assert keys == {"classic", "none", "momentum", "frozen"}
+    assert keys == {"classic", "none", "momentum", "frozen", "update"}
 
 
 def test_lbfgs_calls_the_closure_several_times_and_replicas_agree(battery):
