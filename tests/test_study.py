@@ -65,7 +65,8 @@ def test_every_configuration_has_its_page_and_a_renderer() -> None:
     assert study.make_run(["--recipes"]).config.name == "recipes" and study.make_run([]).config.name == "study"
 
 
-@pytest.mark.parametrize("config", ["run-length", "powersgd", "wrapper", "outside", "recipes", "adafactor"])
+@pytest.mark.parametrize("config", ["run-length", "powersgd", "wrapper", "outside", "recipes", "adafactor",
+                                    "lightning"])
 def test_a_page_is_the_rendering_of_its_saved_results(config: str, tmp_path: Path) -> None:
     """The page's own command, with ``--report-only`` into another folder, writes the page as committed
     (docs/STUDY.md names its date and minutes: its tables are tested above)."""
@@ -74,6 +75,47 @@ def test_a_page_is_the_rendering_of_its_saved_results(config: str, tmp_path: Pat
     run = study.make_run(shlex.split(command)[2:] + ["--docs", str(tmp_path), "--report-only"])
     assert run.config.name == config and run.command == command
     assert run.config.render(run) == page.read_text()
+
+
+def test_lightning_check_plans_one_torchrun_job_per_missing_run(tmp_path: Path) -> None:
+    """``--config lightning``: an AdamW and a momentum-SGD recipe, seeds 0 and 1, each on the ``lightning``
+    road and the ``ddp`` road rerun beside it, under torchrun; a run whose result is kept is not planned."""
+    run = study.make_run(["--config", "lightning", "--out", str(tmp_path)])
+    jobs = run.config.jobs(run)
+    assert [j.what for j in jobs] == [f"{name} seed {seed}: {road}" for seed in (0, 1) for name in ("nanogpt", "cnn-bn")
+                                      for road in ("ddp", "lightning")]
+    assert all(j.argv[1:3] == ["-m", "torch.distributed.run"] and j.argv[j.argv.index("--out") + 1] == str(tmp_path)
+               for j in jobs)
+    assert jobs[1].argv[-8:] == ["--recipe", "nanogpt", "--roads", "lightning", "--seed", "0", "--out", str(tmp_path)]
+    (tmp_path / "nanogpt-lightning-s0.json").write_text("{}")
+    assert [j.what for j in run.config.jobs(run)] == [j.what for j in jobs if j.what != "nanogpt seed 0: lightning"]
+
+
+def test_lightning_check_sets_every_gap_beside_the_uncompressed_seed_spread(tmp_path: Path) -> None:
+    """Each seed's Lightning run against the saved uncompressed and DDP-hook runs of that seed and the DDP
+    hook rerun, the uncompressed spread over its saved seeds beside every gap, the verdict in the summary."""
+    def write(folder: Path, road: str, losses: list) -> None:
+        folder.mkdir(exist_ok=True)
+        for seed, loss in enumerate(losses):
+            (folder / f"nanogpt-{road}-s{seed}.json").write_text(json.dumps({
+                "recipe": "nanogpt", "road": road, "seed": seed, "extra": {}, "val_loss": loss, "val_accuracy": 0.5,
+                "code": "abc", "feedback": None if road == "none" else "frozen", "ratio_whole_run": 5.0,
+                "ratio_steady": 90.0, "identical": True, "wall_s": 10.0, "diverged": False}))
+    saved, out = tmp_path / "recipes", tmp_path / "lightning"
+    write(saved, "none", [2.0, 2.1, 2.2])            # spread 0.2 / 2.1: 9.5%
+    write(saved, "ddp", [1.9, 2.0])
+    write(out, "ddp", [1.95])                         # seed 1 not rerun
+    write(out, "lightning", [1.94, 2.1])
+    page = configs.recipe_report.lightning_check(out, saved, "cmd", ["nanogpt"], [0, 1])
+    rows = [ln for ln in page.splitlines() if ln.startswith("| 0 |") or ln.startswith("| 1 |")
+            or ln.startswith("| mean |")]
+    assert rows == ["| 0 | 2.0000 | 1.9000 | 1.9500 | 1.9400 | -3.0% | +2.1% | -0.5% | -5.0% | 9.5% |",
+                    "| 1 | 2.1000 | 2.0000 | - | 2.1000 | +0.0% | +5.0% | - | -4.8% | 9.5% |",
+                    "| mean | | | | | -1.5% | +3.6% | -0.5% | -4.9% | 9.5% |"]
+    assert "- `nanogpt`: through Lightning -1.5% against uncompressed training (2 seeds; target 9.5%): within; " \
+           "the DDP hook's saved rows of the same seeds -4.9%. Lightning against them +3.6%, within the " \
+           "uncompressed seed spread (9.5%)." in page
+    assert "`cmd`" in page and page.count("| `nanogpt` |") == 2 + 2 + 1 + 2   # seeds 0, 1 of the saved, the reruns
 
 
 def test_run_length_page_sets_each_gap_beside_the_longer_runs() -> None:

@@ -10,7 +10,7 @@ are not there yet (an interrupted run resumes); its ``render`` makes the page fr
 ``check_worker.py`` (:mod:`.checks`); pages in :mod:`.report`, :mod:`.recipe_report` and :mod:`.pages`.
 
 >>> list(CONFIGS)
-['study', 'recipes', 'run-length', 'powersgd', 'wrapper', 'outside', 'small-mlp', 'freeze', 'freeze-01', 'adafactor']
+['study', 'recipes', 'run-length', 'powersgd', 'wrapper', 'outside', 'small-mlp', 'freeze', 'freeze-01', 'adafactor', 'lightning']
 """
 from __future__ import annotations
 
@@ -301,6 +301,20 @@ def render_adafactor(run: Run) -> str:
                                title="Adafactor: a recipe on every road").read_text()
 
 
+def lightning_jobs(run: Run) -> List[Job]:
+    """One torchrun job per seed, recipe and road (``lightning``; ``ddp`` rerun on the same code) not done yet."""
+    return [Job(f"{name} seed {seed}: {road}",
+                two_ranks("torchrun", [str(ROOT / "benchmarks/study/recipe_worker.py"), "--recipe", name, "--roads", road,
+                                       "--seed", str(seed), "--out", str(run.out)]))
+            for seed in run.seeds for name in run.tasks for road in run.roads
+            if not (run.out / result_name(name, road, seed, {})).exists()]
+
+
+def render_lightning(run: Run) -> str:
+    """docs/LIGHTNING_CHECK.md: the Lightning runs beside the recipe study's saved rows (``--out`` of ``recipes``)."""
+    return recipe_report.lightning_check(run.out, ROOT / run.options["saved"], run.command, run.tasks, run.seeds)
+
+
 # -- the checks: their own training (benchmarks/study/checks), one check_worker.py job each --------
 
 def check_job(what: str, check: str, launcher: str, result: Path, **job: Any) -> Job:
@@ -392,4 +406,9 @@ CONFIGS: Dict[str, Config] = {c.name: c for c in (
            "clipped at 1.0, on every road (the DDP hook also with its former classic error feedback)",
            "ADAFACTOR.md", "docs/data/adafactor", recipe_jobs, render_adafactor, tasks=("adafactor",),
            seeds=(0, 1)),
+    Config("lightning", "recipes through Lightning's Trainer with GradCompStrategy (an AdamW and a momentum-SGD "
+           "recipe by default), beside the recipe study's saved uncompressed and DDP-hook rows",
+           "LIGHTNING_CHECK.md", "docs/data/lightning", lightning_jobs, render_lightning, tasks=recipes.PAGE_RECIPES,
+           default_tasks=("nanogpt", "cnn-bn"), roads=recipes.TORCHRUN_ROADS, seeds=(0, 1),
+           options=(("saved", "docs/data/recipes"),)),
 )}

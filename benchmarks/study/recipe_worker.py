@@ -3,6 +3,7 @@ user drives it (see :mod:`benchmarks.study.recipes`). Rank 0 writes one JSON per
 
     horovodrun -np 2 -H localhost:2 --gloo python benchmarks/study/recipe_worker.py --recipe nanogpt --roads none,stock,gc
     torchrun --standalone --nproc-per-node 2 benchmarks/study/recipe_worker.py --recipe nanogpt --roads ddp
+    torchrun --standalone --nproc-per-node 2 benchmarks/study/recipe_worker.py --recipe nanogpt --roads lightning
 
 ``--setting KEY=VALUE`` passes a compressor argument (for the probes of a search: e.g.
 ``min_compress_numel=1`` on the gc road, ``feedback=classic``); the JSON file then carries it in its name.
@@ -68,18 +69,13 @@ def counter(road: str, opt: Any, comp: Any, state: Any, raw: int) -> Callable[[]
     return step
 
 
-def run(recipe: recipes.Recipe, road: str, seed: int, comm: Comm, extra: Dict[str, Any]) -> Dict[str, Any]:
-    built = recipes.build(recipe, seed, comm.rank, comm.size)
-    net, opt = built.model, built.optimizer
-    comp = None if road == "none" else gc.TopKQSGD(ratio=0.01, bits=8, seed=1000 * seed + comm.rank, **extra)
-    model, opt, state = wrap_as_user(road, net, opt, comp, None if road == "ddp" else comm.hvd)
-    start = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
-    raw = recipes.raw_bytes(net)
-    hand_clip = recipe.clip and "clip" not in extra   # a probe with the compressor's clip= clips nothing by hand
-    count = counter(road, opt, comp, state, raw)
-    evals: List[Dict[str, float]] = [dict(zip(("step", "val_loss", "val_accuracy"), (0, *recipes.evaluate(net, built.val))))]
-    sent: List[int] = []
-    t0 = time.perf_counter()
+def fit_as_user(recipe: recipes.Recipe, road: str, built: recipes.Built, comp: Any, comm: Comm, hand_clip: bool,
+                evals: List[Dict[str, float]], sent: List[int]) -> None:
+    """The Horovod roads and ``ddp``: the README's wrapping (:func:`wrap_as_user`), then the recipe's loop as
+    users write it; appends the held-out evaluations to ``evals`` and each step's bytes to ``sent``."""
+    net = built.model
+    model, opt, state = wrap_as_user(road, net, built.optimizer, comp, None if road == "ddp" else comm.hvd)
+    count = counter(road, opt, comp, state, recipes.raw_bytes(net))
     for step in range(recipe.steps):
         for group in opt.param_groups:
             group["lr"] = recipe.lr_at(step)
@@ -99,6 +95,63 @@ def run(recipe: recipes.Recipe, road: str, seed: int, comm: Comm, extra: Dict[st
         if recipes.evals_due(step + 1, recipe.steps):
             loss, acc = recipes.evaluate(net, built.val)
             evals.append({"step": step + 1, "val_loss": loss, "val_accuracy": acc})
+
+
+def fit_lightning(recipe: recipes.Recipe, road: str, built: recipes.Built, comp: Any, comm: Comm, hand_clip: bool,
+                  evals: List[Dict[str, float]], sent: List[int]) -> None:
+    """The ``lightning`` road: the recipe's model and optimizer (its parameter groups) in a LightningModule,
+    ``Trainer(strategy=GradCompStrategy(compression=comp))`` as docs/INTEGRATIONS.md shows it, on the
+    ``ddp`` road's batches (this rank's ``built.batch()`` draws, in order, one per step) with the same rate
+    per optimizer step (set before each step) and the recipe's clipping as ``gradient_clip_val`` (the
+    strategy makes it the compressor's ``clip=``); fills ``evals`` and ``sent`` as :func:`fit_as_user` does."""
+    import lightning.pytorch as pl
+
+    from hvd_gradcomp.integrations.lightning import GradCompStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = built.model
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return built.optimizer
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = recipe.lr_at(self.global_step)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return recipes.loss_of(self.net(batch[0]), batch[1])
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            sent.append(strategy.gradcomp_state.last_step_bytes)
+            if recipes.evals_due(self.global_step, recipe.steps):
+                loss, acc = recipes.evaluate(self.net, built.val)
+                evals.append({"step": self.global_step, "val_loss": loss, "val_accuracy": acc})
+
+    batches = [built.batch() for _ in range(recipe.steps)]
+    # in order, and a generator of its own: a DataLoader draws its base seed, which would move dropout's masks
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, generator=torch.Generator())
+    strategy = GradCompStrategy(compression=comp)
+    trainer = pl.Trainer(accelerator="cpu", devices=comm.size, strategy=strategy, max_steps=recipe.steps,
+                         gradient_clip_val=recipe.clip if hand_clip else None, use_distributed_sampler=False,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Module(), loader)
+
+
+def run(recipe: recipes.Recipe, road: str, seed: int, comm: Comm, extra: Dict[str, Any]) -> Dict[str, Any]:
+    built = recipes.build(recipe, seed, comm.rank, comm.size)
+    net = built.model
+    comp = None if road == "none" else gc.TopKQSGD(ratio=0.01, bits=8, seed=1000 * seed + comm.rank, **extra)
+    # every rank built the same weights (one seed): the wrappers' broadcasts change none of them
+    start = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+    raw = recipes.raw_bytes(net)
+    hand_clip = bool(recipe.clip) and "clip" not in extra   # a probe with the compressor's clip= clips nothing by hand
+    evals: List[Dict[str, float]] = [dict(zip(("step", "val_loss", "val_accuracy"), (0, *recipes.evaluate(net, built.val))))]
+    sent: List[int] = []
+    t0 = time.perf_counter()
+    (fit_lightning if road == "lightning" else fit_as_user)(recipe, road, built, comp, comm, hand_clip, evals, sent)
     wall = time.perf_counter() - t0
     # how far training moved the weights: a compressed road ending far below uncompressed training
     # with a longer distance took longer steps (docs/RECIPES.md)
@@ -144,11 +197,12 @@ def main() -> int:
     ap.add_argument("--out", default="runs/recipes")
     args = ap.parse_args()
     roads = args.roads.split(",")
-    if "ddp" in roads and len(roads) > 1:
-        ap.error("the ddp road runs alone, under torchrun")
+    alone = [r for r in roads if r in recipes.TORCHRUN_ROADS]
+    if alone and len(roads) > 1:
+        ap.error(f"the {alone[0]} road runs alone, under torchrun")
     extra = {k: setting_value(v) for k, v in (s.split("=", 1) for s in args.setting)}
     torch.set_num_threads(1)
-    comm = Comm(ddp=roads == ["ddp"])
+    comm = Comm(ddp=bool(alone))
     recipe = recipes.RECIPES[args.recipe]
     if args.steps or args.peak or args.clip:
         recipe = recipes.Recipe(**{**recipe.__dict__, "steps": args.steps or recipe.steps,

@@ -20,7 +20,9 @@ library's own tasks do), for the study's recipe part (``study.py --recipes``, do
 Each recipe is driven the way a user drives it on each road (:data:`ROADS`):
 ``zero_grad()``, ``backward()``, clipping where the recipe clips (Horovod:
 ``synchronize()``, clip, ``step()`` under ``skip_synchronize()``; DDP: after ``backward()``),
-``step()``; the rate set each step through ``param_groups[i]["lr"]``.
+``step()``; the rate set each step through ``param_groups[i]["lr"]``. Through Lightning, the same
+model, optimizer and batches in a ``LightningModule``, the rate set before each step, the clipping as
+``gradient_clip_val``.
 
 >>> sorted(RECIPES)
 ['adafactor', 'bert-ft', 'cnn-bn', 'lstm', 'nanogpt', 'tied-1e-3', 'tied-2e-3']
@@ -47,10 +49,14 @@ import data as datasets  # noqa: E402
 ROADS = {"none": "uncompressed `hvd.DistributedOptimizer`",
          "stock": "stock `hvd.DistributedOptimizer(compression=TopKQSGD)`",
          "gc": "`hvd_gradcomp.DistributedOptimizer(compression=TopKQSGD)`",
-         "ddp": "DDP hook, `hvd_gradcomp.ddp.register(compression=TopKQSGD, optimizer=opt)`"}
-"""The roads every recipe runs on: the uncompressed reference and the three compressed roads, each
-``TopKQSGD(ratio=0.01, bits=8, seed=...)`` with every other setting left at its default."""
+         "ddp": "DDP hook, `hvd_gradcomp.ddp.register(compression=TopKQSGD, optimizer=opt)`",
+         "lightning": "Lightning, `Trainer(strategy=GradCompStrategy(compression=TopKQSGD))`"}
+"""The roads a recipe runs on: the uncompressed reference and the three compressed roads of every recipe
+(docs/RECIPES.md), each ``TopKQSGD(ratio=0.01, bits=8, seed=...)`` with every other setting left at its
+default; and the DDP hook through Lightning's ``Trainer`` (``study.py --config lightning``)."""
 HOROVOD_ROADS = ("none", "stock", "gc")
+TORCHRUN_ROADS = ("ddp", "lightning")
+"""Roads that run alone, under torchrun (the others share one horovodrun job)."""
 
 
 @dataclass
