@@ -99,6 +99,7 @@ def test_lightning_check_sets_every_gap_beside_the_uncompressed_seed_spread(tmp_
         for seed, loss in enumerate(losses):
             (folder / f"nanogpt-{road}-s{seed}.json").write_text(json.dumps({
                 "recipe": "nanogpt", "road": road, "seed": seed, "extra": {}, "val_loss": loss, "val_accuracy": 0.5,
+                "evals": [{"step": 0, "val_loss": 3.0}, {"step": 10, "val_loss": loss}],
                 "code": "abc", "feedback": None if road == "none" else "frozen", "ratio_whole_run": 5.0,
                 "ratio_steady": 90.0, "identical": True, "wall_s": 10.0, "diverged": False}))
     saved, out = tmp_path / "recipes", tmp_path / "lightning"
@@ -114,7 +115,10 @@ def test_lightning_check_sets_every_gap_beside_the_uncompressed_seed_spread(tmp_
                     "| mean | | | | | -1.5% | +3.6% | -0.5% | -4.9% | 9.5% |"]
     assert "- `nanogpt`: through Lightning -1.5% against uncompressed training (2 seeds; target 9.5%): within; " \
            "the DDP hook's saved rows of the same seeds -4.9%. Lightning against them +3.6%, within the " \
-           "uncompressed seed spread (9.5%)." in page
+           "uncompressed seed spread (9.5%). The DDP hook rerun on the Lightning runs' code gives every held-out " \
+           "evaluation of the saved run on 0 of 1 seeds." in page
+    write(out, "ddp", [1.9])                          # the rerun gives the saved run's evaluations
+    assert "on 1 of 1 seeds." in configs.recipe_report.lightning_check(out, saved, "cmd", ["nanogpt"], [0, 1])
     assert "`cmd`" in page and page.count("| `nanogpt` |") == 2 + 2 + 1 + 2   # seeds 0, 1 of the saved, the reruns
 
 

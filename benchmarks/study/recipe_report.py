@@ -338,13 +338,20 @@ def lightning_check(out: Path, saved: Path, command: str, names: Sequence[str], 
                  f"{rel_spread:.1%} |", ""]
         lit_runs = [r for r in now.get((recipe, "lightning"), []) if r["seed"] in seeds]
         if lit_runs and "none" in mean:
-            v = verdict(mean["none"], allowed, sum(bool(r["diverged"]) for r in lit_runs))
+            v = verdict(mean["none"], allowed, sum(bool(r["diverged"]) for r in lit_runs)).replace(
+                " (see below)", " (as the recipe's compressed roads: [RECIPES.md](RECIPES.md#results-better-than-"
+                "uncompressed) says why)")
             near = abs(mean.get("ddp", float("nan"))) <= rel_spread
+            saved_ddp = {r["seed"]: r.get("evals") for r in before.get((recipe, "ddp"), [])}
+            reruns = [r for r in now.get((recipe, "ddp"), []) if r["seed"] in seeds]
+            same = sum(r.get("evals") is not None and r["evals"] == saved_ddp.get(r["seed"]) for r in reruns)
             summary.append(f"- `{recipe}`: through Lightning {_pct(mean['none'])} against uncompressed training "
                            f"({len(lit_runs)} seeds; target {allowed:.1%}): {v}; the DDP hook's saved rows of the "
                            f"same seeds {_pct(mean.get('saved', float('nan')))}. Lightning against them "
                            f"{_pct(mean.get('ddp', float('nan')))}, "
-                           f"{'within' if near else '**outside**'} the uncompressed seed spread ({rel_spread:.1%}).")
+                           f"{'within' if near else '**outside**'} the uncompressed seed spread ({rel_spread:.1%}). "
+                           f"The DDP hook rerun on the Lightning runs' code gives every held-out evaluation of the "
+                           f"saved run on {same} of {len(reruns)} seeds.")
     text += ["## Summary", "", *(summary or ["No Lightning run yet."]), "", "## Runs", "",
              "| recipe | seed | road | code | feedback | held-out loss | accuracy | bytes saved, whole run | "
              "second half | replicas identical | seconds |",
