@@ -365,7 +365,7 @@ class _Handles:
         return torch.tensor([float(self.active)])
 
 
-def test_join_guard_starts_once_per_step_and_reads_before_the_allgather(monkeypatch) -> None:
+def test_join_guard_counts_once_per_step_and_reads_before_the_first_collective(monkeypatch) -> None:
     fake = _Handles(active=2)
     monkeypatch.setattr(exchange, "_hvd", lambda: fake)
     ranks = SimpleNamespace(size=lambda: 2)
@@ -380,12 +380,23 @@ def test_join_guard_starts_once_per_step_and_reads_before_the_allgather(monkeypa
     guard.begin()                  # next step: checked again (a rank may join between steps)
     guard.end_step()               # started without an allgather after it: still read
     assert (fake.started, fake.read) == (2, 2)
+    fake.active = 1                # a rank inside hvd.join(): the roads fall back to allreduces over the other
+    assert (guard.confirm(), guard.joined(), fake.started) == (1, 1, 3)
+    guard.end_step()
+    fake.active = 2
+    assert guard.joined() == 0 and fake.started == 4   # the next step is counted again
+    guard.end_step()
     fake.active = 1
-    with pytest.raises(JoinNotSupportedError, match="1 of 2 ranks called hvd.join"):
-        guard.confirm()
+    auto = JoinGuard(ranks, falls_back=False)   # gc.Auto: refused, naming the road that carries join
+    with pytest.raises(JoinNotSupportedError, match="1 of 2 ranks called hvd.join.*fixed compressor"):
+        auto.confirm()
+    quiet = JoinGuard(ranks, counts=False)      # no compressor: Horovod's own allreduces handle join
+    quiet.begin()
+    started = fake.started
+    assert quiet.joined() == 0 and fake.started == started
     one = JoinGuard(SimpleNamespace(size=lambda: 1))
     one.confirm()
-    assert fake.started == 3       # one rank: nothing to check
+    assert fake.started == started  # one rank: nothing to check
 
 
 def test_chunk_bounds() -> None:

@@ -186,6 +186,31 @@ class StepState:
                 "residuals": state.pop("residuals"), "shapes": state.pop("shapes"),
                 "feedback": state, "relay": self._relay.state_dict(), "half": self._half.state_dict()}
 
+    def shared_state(self) -> Dict[str, Any]:
+        """:meth:`state_dict` without this rank's own state (its residuals, the relay's and the float16
+        road's, the policy's :attr:`~hvd_gradcomp.feedback.Feedback.rank_own_state`), with the exchange step:
+        what every rank holds alike. After ``hvd.join()`` the ranks still training ran steps the others
+        did not; the rank that trained last sends this and the others :meth:`load_shared_state` it."""
+        state = self.state_dict()
+        for key in _RANK_OWN:
+            state.pop(key, None)
+        own = self.feedback.rank_own_state
+        state["feedback"] = {k: v for k, v in state["feedback"].items() if k not in own}
+        state["round"] = self._round
+        return state
+
+    def load_shared_state(self, shared: Dict[str, Any]) -> None:
+        """Take :meth:`shared_state` of another rank (the exchange step, random-stream counts, the policy's
+        shared state: momentum correction's last average, ``frozen``'s ``v``, PowerSGD's ``Q``...) and keep
+        this rank's own: its residuals are still there for its next step."""
+        mine = self.state_dict()
+        own = self.feedback.rank_own_state
+        merged = {**shared, **{k: mine[k] for k in _RANK_OWN if k in mine},
+                  "feedback": {**shared["feedback"], **{k: v for k, v in mine["feedback"].items() if k in own}}}
+        step = int(merged.pop("round"))
+        self.load_state_dict(merged)
+        self._round = step
+
     def check_state(self, state: Any) -> None:
         """Raise ``ValueError`` naming every way ``state`` cannot be loaded (:meth:`load_state_dict`
         checks it before changing anything; so does ``GradientAccumulator.load_state_dict``)."""
@@ -264,6 +289,8 @@ def _check_compressor_state(comp: StepState, state: Any) -> None:
                          "then restarts from zero: set state['compression'] = None before "
                          "GradientAccumulator.load_state_dict). Nothing was changed.")
 
+
+_RANK_OWN = ("residuals", "relay", "half", "stream", "seed")   # a compressor's state_dict() keys that are this rank's own
 
 _ON_DEVICE = "__hvdgc_on_device__"
 

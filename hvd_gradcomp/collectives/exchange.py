@@ -38,7 +38,7 @@ from ..codecs.compressor import GradientCompressor
 from .fused import FusedAllgatherExchange, encode_carried
 from .inflight import ENVELOPE_BYTES, Envelope, Pending, _begin, _confirm, _hvd, check_steps, is_average, seal, unseal
 from .inflight import RankDivergenceError as RankDivergenceError  # raised on every road; documented here
-from .reduce import finite_at_indices, sparse_support
+from .reduce import chunk_bounds, finite_at_indices, own_dense, sparse_support
 from .rounds import Algorithm, Allreduce, Payloads, compressed_allreduce, low_rank_rounds, sparse_allgather
 from .rounds import finish as finish_rounds
 from .transport import HorovodTransport
@@ -62,13 +62,17 @@ class DenseExchange:
         self.op, self.process_set = op, process_set
         self.compression = compression if compression is not None else _hvd().Compression.none
 
-    def start(self, name: str, grad: torch.Tensor) -> Pending:
+    def start(self, name: str, grad: torch.Tensor, joined: int = 0) -> Pending:
+        """``joined``: the ranks still training while others are inside ``hvd.join()`` (they add zeros):
+        summed, and :meth:`result` divides an average by them, not by every rank as Horovod's Average."""
         # Horovod's collectives take contiguous tensors only (a channels_last gradient is not).
         tensor, ctx = self.compression.compress(grad.contiguous())
         tensor = allreducible(tensor)   # finish() casts back as it copies into the output
-        handle = _hvd().allreduce_async(tensor, name=f"hvdgc.dense.{name}", op=self.op,
-                                        process_set=self.process_set)
-        return Pending(name, grad.shape, grad.dtype, handle, ctx, tensor.numel() * tensor.element_size())
+        hvd = _hvd()
+        handle = hvd.allreduce_async(tensor, name=f"hvdgc.dense.{name}", op=hvd.Sum if joined else self.op,
+                                     process_set=self.process_set)
+        return Pending(name, grad.shape, grad.dtype, handle, ctx, tensor.numel() * tensor.element_size(),
+                       joined=joined if is_average(self.op) else 0)
 
     def advance(self, p: Pending) -> None:
         pass
@@ -82,7 +86,8 @@ class DenseExchange:
     def result(self, p: Pending) -> torch.Tensor:
         """The average (or sum, as ``op`` says), decompressed, once done."""
         p.finished = True
-        return self.compression.decompress(_hvd().synchronize(p.handle), p.ctx)
+        out = self.compression.decompress(_hvd().synchronize(p.handle), p.ctx)
+        return out.div_(p.joined) if p.joined else out
 
 
 class HalfExchange:
@@ -126,25 +131,32 @@ class SparseExchange:
 
 
 class JoinNotSupportedError(RuntimeError):
-    """A rank called ``hvd.join()`` while others still exchange compressed gradients."""
+    """A rank called ``hvd.join()`` while others still exchange compressed gradients, on a road that
+    cannot carry them then (stock ``hvd.DistributedOptimizer``, ``gc.Auto``)."""
 
 
-def _join_error(size: int, active: int) -> JoinNotSupportedError:
+def _join_error(size: int, active: int, road: str = "stock") -> JoinNotSupportedError:
+    what = ("gc.Auto measures and decides with allgathers and broadcasts, which Horovod refuses while a rank "
+            "is inside hvd.join(): give hvd_gradcomp.DistributedOptimizer a fixed compressor (e.g. "
+            "TopKQSGD(ratio=0.01, bits=8)), which carries the steps after a join densely among the ranks "
+            "still training" if road == "auto" else
+            "stock hvd.DistributedOptimizer hands Horovod compressed payloads by allgather, which Horovod "
+            "refuses while a rank is inside hvd.join(): use hvd_gradcomp.DistributedOptimizer (same "
+            "arguments), which carries the steps after a join densely among the ranks still training, then "
+            "optimizer.sync_after_join(hvd.join()) on every rank")
     return JoinNotSupportedError(
-        f"{size - active} of {size} ranks called hvd.join() while this rank still trains: compressed "
-        "gradients travel by allgather/alltoall, which Horovod does not support with joined ranks. "
-        "Give every rank the same number of batches (e.g. drop the last uneven batches, or stop all "
-        "ranks at the smallest count: hvd.allreduce(torch.tensor(len(loader)), op=hvd.Min)), or use "
-        "compression=None / hvd.Compression.fp16 with hvd.join().")
+        f"{size - active} of {size} ranks called hvd.join() while this rank still trains: {what}. Or give every "
+        "rank the same number of batches (drop the last uneven batches, or stop all ranks at the smallest "
+        "count: hvd.allreduce(torch.tensor(len(loader)), op=hvd.Min)).")
 
 
 def check_no_joined_ranks(process_set: Any) -> None:
     """Raise :class:`JoinNotSupportedError` if a rank of ``process_set`` is inside ``hvd.join()``.
 
-    Compressed payloads travel by allgather and alltoall, which Horovod cannot run while a
-    rank has joined (it crashes in its background thread). A joined rank adds zero to an
-    allreduce, so one allreduce of a 1 per rank counts the ranks still training. Blocking: the
-    stock road's check; ``hvd_gradcomp.DistributedOptimizer`` uses :class:`JoinGuard`.
+    Stock Horovod's road allgathers each payload, which Horovod refuses while a rank has joined
+    ("Allgather is not supported with Join at this time", a ``HorovodInternalError``). A joined rank
+    adds zero to an allreduce, so one allreduce of a 1 per rank counts the ranks still training.
+    Blocking: the stock road's check; ``hvd_gradcomp.DistributedOptimizer`` uses :class:`JoinGuard`.
     """
     hvd = _hvd()
     size = process_set.size()
@@ -156,23 +168,29 @@ def check_no_joined_ranks(process_set: Any) -> None:
 
 
 class JoinGuard:
-    """:func:`check_no_joined_ranks` once per step, off the critical path.
+    """The ranks still training (not inside ``hvd.join()``), counted once per step, off the critical path.
 
-    :meth:`begin` (at each compressed exchange's start; only the step's first does anything)
-    starts the count of ranks still training as an asynchronous allreduce; :meth:`confirm`
-    (just before an allgather or alltoall is handed to Horovod) reads it, by then usually long
-    done, since the payload was encoded in between; :meth:`end_step` (at ``synchronize()``)
-    arms it for the next step. A joined rank still gets :class:`JoinNotSupportedError` before
-    any allgather is issued, never a hang or crash.
+    :meth:`begin` (at the step's first gradient hook, and at each compressed exchange's start; only
+    the first call of a step does anything) starts the count as an asynchronous allreduce of a 1
+    per rank (a joined rank adds zero); :meth:`joined` (just before a step's collective is handed to
+    Horovod) reads it, by then usually long done; :meth:`end_step` (at ``synchronize()``) arms it
+    for the next step. Every rank still training reads the same count, so all take the same road.
+
+    When some rank has joined, ``hvd_gradcomp.DistributedOptimizer``'s roads carry each rank's part
+    dense in an allreduce (Sum, divided by the ranks counted): no allgather or alltoall is issued.
+    ``falls_back=False`` (``gc.Auto``) raises :class:`JoinNotSupportedError` instead, before any
+    allgather, never a hang or a crash. ``counts=False`` (no compressor: Horovod's own allreduces,
+    which handle join themselves): nothing is counted.
     """
 
-    def __init__(self, process_set: Any) -> None:
-        self.process_set = process_set
+    def __init__(self, process_set: Any, falls_back: bool = True, counts: bool = True) -> None:
+        self.process_set, self.falls_back, self.counts = process_set, falls_back, counts
         self._handle: Any = None
-        self._done = False   # this step's check is read (or not needed: one rank)
+        self._done = False   # this step's count is read (or not needed: one rank)
+        self._active = process_set.size()
 
     def begin(self) -> None:
-        if self._done or self._handle is not None:
+        if self._done or self._handle is not None or not self.counts:
             return
         if self.process_set.size() == 1:
             self._done = True
@@ -181,24 +199,31 @@ class JoinGuard:
         self._handle = hvd.allreduce_async(torch.ones(1), op=hvd.Sum, name="hvdgc.active",
                                            process_set=self.process_set)
 
-    def confirm(self) -> None:
+    def confirm(self) -> int:
+        """The ranks still training this step (all of them when nothing is counted)."""
         self.begin()
-        if self._done:
-            return
-        active, self._handle, self._done = int(_hvd().synchronize(self._handle).item()), None, True
+        if self._done or self._handle is None:
+            return self._active
+        self._active, self._handle, self._done = int(_hvd().synchronize(self._handle).item()), None, True
         size = self.process_set.size()
-        if active < size:
-            raise _join_error(size, active)
+        if self._active < size and not self.falls_back:
+            raise _join_error(size, self._active, "auto")
+        return self._active
+
+    def joined(self) -> int:
+        """The ranks still training when some are inside ``hvd.join()``, else 0."""
+        active = self.confirm()
+        return active if active < self.process_set.size() else 0
 
     def end_step(self) -> None:
         """The step is over: the next exchange checks again (a rank may join between steps)."""
         if self._handle is not None:
-            self.confirm()   # started but no allgather followed: still read it
-        self._done = False
+            self.confirm()   # started but no collective followed: still read
+        self._done, self._active = False, self.process_set.size()
 
     def reset(self) -> None:
         """Drop a check left in flight (an elastic reset abandoned the step)."""
-        self._handle, self._done = None, False
+        self._handle, self._done, self._active = None, False, self.process_set.size()
 
 
 class AllgatherExchange:
@@ -246,6 +271,26 @@ def payloads_of(compressor: GradientCompressor, envelopes: List[Envelope], size:
     return [[e.payload] for e in envelopes]
 
 
+def start_joined(name: str, grad: torch.Tensor, dense: torch.Tensor, joined: int, process_set: Any) -> Pending:
+    """The allreduce (Sum) of ``dense``, this rank's part of ``name`` (:func:`~hvd_gradcomp.collectives.reduce.own_dense`),
+    when ranks inside ``hvd.join()`` leave an allgather or alltoall impossible (a joined rank adds zeros):
+    :func:`finish_joined` divides the sum by the ``joined`` ranks still training."""
+    hvd = _hvd()
+    handle = hvd.allreduce_async(dense, name=f"hvdgc.joined.{name}", op=hvd.Sum, process_set=process_set)
+    return Pending(name, grad.shape, grad.dtype, handle, bytes_sent=dense.numel() * dense.element_size(), stage=2,
+                   joined=joined)
+
+
+def finish_joined(p: Pending, out: torch.Tensor, average: bool) -> None:
+    """Write the result of :func:`start_joined` into ``out``: the sum over the ranks still training, divided by
+    their number (``p.joined``) for an ``average``."""
+    total = _hvd().synchronize(p.handle)
+    if average:
+        total.div_(p.joined)
+    out.copy_(total.view(out.shape))
+    p.finished = True
+
+
 class _TwoCollectives:
     """A road of two dependent collectives, the second launched by ``advance`` once the first is done."""
 
@@ -274,9 +319,15 @@ class ScatterReduceExchange(_TwoCollectives):
         size, rank = self.process_set.size(), self.process_set.rank()
         outs = [grad]   # where the average goes: set in finish(), written by the algorithm's last step
         run = compressed_allreduce(self.compressor, [(name, grad)], outs, size, rank, is_average(self.op))
-        sealed = [seal(pls[0], self.compressor.exchange_step, grad.device) for pls in next(run).payloads]
+        chunks = next(run).payloads
+        joined = _confirm(self)
+        if joined:   # ranks inside hvd.join(): no alltoall; this rank's chunks, dense, in one allreduce
+            bounds = chunk_bounds(grad.numel(), size)
+            dense = torch.cat([own_dense(self.compressor, pls[0], e - b, grad.device)
+                               for pls, b, e in zip(chunks, bounds, bounds[1:])])
+            return start_joined(name, grad, dense, joined, self.process_set)
+        sealed = [seal(pls[0], self.compressor.exchange_step, grad.device) for pls in chunks]
         splits = torch.tensor([s.numel() for s in sealed], dtype=torch.int32)
-        _confirm(self)
         handle = _hvd().alltoall_async(torch.cat(sealed), splits=splits, name=f"hvdgc.a2a.{name}",
                                        process_set=self.process_set)
         # The chunk this rank keeps never leaves it: count only what goes to the others, so
@@ -301,6 +352,10 @@ class ScatterReduceExchange(_TwoCollectives):
         p.stage = 2
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
+        if p.joined:
+            finish_joined(p, out, is_average(self.op))
+            self.compressor.received(p.name, out)
+            return
         if p.stage == 1:
             self.advance(p)
         payloads = payloads_of(self.compressor, unseal(_hvd().synchronize(p.handle)), self.process_set.size(), p.name)
@@ -322,33 +377,34 @@ class RoundsExchange(_TwoCollectives):
     and launches the second, ``finish`` writes the approximation. A tensor the compressor does
     not factor (1-d, too small to gain) is allreduced as it is, in one round. A NaN/Inf
     gradient on any rank makes the average non-finite on every rank (the optimizer's check then
-    undoes the step in the compressor). A rank inside ``hvd.join()`` would add zeros to the
-    averages unnoticed: :class:`JoinGuard` refuses it first, as on the other compressed roads."""
+    undoes the step in the compressor). While ranks are inside ``hvd.join()`` (they add zeros) both
+    rounds run over the ranks still training: each allreduce is a sum, divided by their number
+    (:class:`JoinGuard`), so the factors are those of the average over the ranks that contributed."""
 
     def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
         self.transport = HorovodTransport(process_set)
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
-        _begin(self)   # hvd.join() is refused, as on the other compressed roads (see JoinGuard)
+        _begin(self)
         if not self.compressor.compressible(tuple(grad.shape)):
-            _confirm(self)
+            joined = _confirm(self)
             tensor = allreducible(grad.contiguous())
-            work = self.transport.allreduce(tensor, f"hvdgc.rounds.dense.{name}", is_average(self.op))
+            work = self.transport.allreduce(tensor, f"hvdgc.rounds.dense.{name}", is_average(self.op), joined)
             return Pending(name, grad.shape, grad.dtype, work.handle, work,
-                           tensor.numel() * tensor.element_size(), stage=2)
-        scale = 1.0 if is_average(self.op) else float(self.process_set.size())
+                           tensor.numel() * tensor.element_size(), stage=2, joined=joined)
+        joined = _confirm(self)   # counted since the step's first gradient hook: read at once
+        scale = 1.0 if is_average(self.op) else float(joined or self.process_set.size())
         outs = [grad]   # where the approximation goes: set in finish(), read by the algorithm's last step
         p = Pending(name, grad.shape, grad.dtype, None, _Rounds(low_rank_rounds(self.compressor, [(name, grad)],
-                                                                                outs, scale), outs))
-        request = next(p.ctx.run)
-        _confirm(self)
-        self._issue(p, request)
+                                                                                outs, scale), outs), joined=joined)
+        self._issue(p, next(p.ctx.run))
         return p
 
     def _issue(self, p: Pending, request: Allreduce) -> None:
         """Hand the algorithm's next request to Horovod; the average comes back in ``advance``/``finish``."""
-        work = self.transport.allreduce(request.tensor, f"hvdgc.rounds.{request.tag}.{p.name}", request.average)
+        work = self.transport.allreduce(request.tensor, f"hvdgc.rounds.{request.tag}.{p.name}", request.average,
+                                        p.joined)
         p.ctx.work, p.handle = work, work.handle
         p.bytes_sent += request.tensor.numel() * request.tensor.element_size()
 

@@ -15,7 +15,7 @@ import torch
 from .. import wire
 from ..codecs.compressor import GradientCompressor
 from .inflight import FLAG_NONFINITE, Envelope, Pending, _begin, _confirm, _hvd, check_steps, encode_or_flag, is_average
-from .reduce import Parts, add_part, finite_at_indices, sparse_support, sum_parts, sums_in_place
+from .reduce import Parts, add_part, finite_at_indices, own_dense, sparse_support, sum_parts, sums_in_place
 
 
 FUSE_MAGIC = 0x47434655  # "GCFU"
@@ -74,6 +74,7 @@ class _Group:
         self.handle: Any = None
         self.decoded = False
         self.prepared = False   # own payloads decoded (see FusedAllgatherExchange._prepare)
+        self.joined = 0         # ranks still training while others are in hvd.join(): an allreduce, see _launch
 
     def prefix_bytes(self) -> int:
         """Size of each rank's prefix: known to every rank from the tensors' shapes alone."""
@@ -152,11 +153,14 @@ class FusedAllgatherExchange:
         # on rank 0 only) arrives there at synchronize(), elsewhere during backward.
         order = sorted(range(len(g.members)), key=lambda i: g.members[i].name)
         g.members, g.payloads = [g.members[i] for i in order], [g.payloads[i] for i in order]
-        blob = g.blob(self.compressor.exchange_step, g.members[0].device)
-        g.members[0].bytes_sent += g.prefix_bytes()  # the index travels once per group
-        g.members[0].framing_bytes += g.prefix_bytes()
-        _confirm(self)
-        g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
+        g.joined = _confirm(self)
+        if g.joined:   # ranks inside hvd.join(): no allgather; this rank's parts, dense, in one allreduce (Sum)
+            g.handle, g.prepared = _launch_joined(self.compressor, g, self.process_set), True
+        else:
+            blob = g.blob(self.compressor.exchange_step, g.members[0].device)
+            g.members[0].bytes_sent += g.prefix_bytes()  # the index travels once per group
+            g.members[0].framing_bytes += g.prefix_bytes()
+            g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
         for m in g.members:
             m.handle = g.handle
         if self._open is g:
@@ -216,7 +220,7 @@ class FusedAllgatherExchange:
         rank's part, not the local gradient: the error stops the step either way.
         """
         g = p.group
-        if g.handle is None or g.decoded or not _PREZERO:
+        if g.handle is None or g.decoded or not _PREZERO or g.joined:
             return
         add_own = _ADD_OWN and self.process_set.size() == 2
         for m in g.members:
@@ -241,6 +245,41 @@ class FusedAllgatherExchange:
         (``codec_s``) and noted as ``codec_elsewhere_s`` on ``caller``, so that
         :class:`TimedExchange` charges each tensor its own decode."""
         blob = _hvd().synchronize(g.handle)
+        n = len(g.members)
+        if g.joined:
+            parts, spent = _joined_parts(g, blob, is_average(self.op)), [0.0] * n
+        else:
+            parts, spent = self._gathered_parts(g, blob)
+        g.decoded = True
+        g.payloads = []
+        for i, member in enumerate(g.members):
+            member.parts = parts[i]
+            out = member.out
+            if out is not None:   # scatter now, not in synchronize() (see finish)
+                t0 = time.perf_counter()
+                zeroed, held, member.zeroed, member.held = member.zeroed, member.held, False, False
+                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out,
+                          zeroed=zeroed, held=self.process_set.rank() if held else None)
+                member.summed = True
+                if not self.compressor.feedback.moves_parameters:
+                    # The policy's rewrite too (momentum correction: a clone and two passes over the
+                    # gradient), while backward goes on; not a policy that moves the parameter,
+                    # which autograd may still need as it was.
+                    self.compressor.received(member.name, out, sparse_support(parts[i]))
+                    member.received = True
+                    # its finiteness too, read where the average can be nonzero: one thing less
+                    # for synchronize() to do (~0.1 ms a tensor on CPU)
+                    member.finite = finite_at_indices(self.compressor, parts[i], out, member.name)
+                spent[i] += time.perf_counter() - t0
+            _charge(member, caller, spent[i])
+        # Each member points at its group (p.group); the group lets go of its members now,
+        # else the pair is a reference cycle holding every member's p.grad (p.out) until
+        # Python's cyclic GC runs: with zero_grad(set_to_none=True) several steps of gradients
+        # would stay alive, and every new step's gradients fault in fresh pages.
+        g.members = []
+
+    def _gathered_parts(self, g: _Group, blob: torch.Tensor) -> Tuple[List[Parts], List[float]]:
+        """Every member's parts from the allgather's ``blob``, in rank order, and the seconds spent on each."""
         names = [m.name for m in g.members]
         n, prefix = len(g.members), g.prefix_bytes()
         ranks = self._split_ranks(blob, names, prefix)
@@ -275,33 +314,7 @@ class FusedAllgatherExchange:
                     parts[i].append(self.compressor.decode_parts(blob[body:body + size_i], h))
                 spent[i] += time.perf_counter() - t0
                 head_pos, body = head_pos + head_i, body + size_i
-        g.decoded = True
-        g.payloads = []
-        for i, member in enumerate(g.members):
-            member.parts = parts[i]
-            out = member.out
-            if out is not None:   # scatter now, not in synchronize() (see finish)
-                t0 = time.perf_counter()
-                zeroed, held, member.zeroed, member.held = member.zeroed, member.held, False, False
-                sum_parts(parts[i], is_average(self.op), out.numel(), member.dtype, out=out,
-                          zeroed=zeroed, held=me if held else None)
-                member.summed = True
-                if not self.compressor.feedback.moves_parameters:
-                    # The policy's rewrite too (momentum correction: a clone and two passes over the
-                    # gradient), while backward goes on; not a policy that moves the parameter,
-                    # which autograd may still need as it was.
-                    self.compressor.received(member.name, out, sparse_support(parts[i]))
-                    member.received = True
-                    # its finiteness too, read where the average can be nonzero: one thing less
-                    # for synchronize() to do (~0.1 ms a tensor on CPU)
-                    member.finite = finite_at_indices(self.compressor, parts[i], out, member.name)
-                spent[i] += time.perf_counter() - t0
-            _charge(member, caller, spent[i])
-        # Each member points at its group (p.group); the group lets go of its members now,
-        # else the pair is a reference cycle holding every member's p.grad (p.out) until
-        # Python's cyclic GC runs: with zero_grad(set_to_none=True) several steps of gradients
-        # would stay alive, and every new step's gradients fault in fresh pages.
-        g.members = []
+        return parts, spent
 
     def _split_ranks(self, blob: torch.Tensor, names: List[str], prefix: int) -> List[Tuple[int, bytes, List[int]]]:
         """Each rank's part of a fused allgather as (start, its prefix bytes on the host, its index):
@@ -341,6 +354,27 @@ class FusedAllgatherExchange:
         if not received:   # else _decode read it, after the same sum and the same received
             p.finite = finite_at_indices(self.compressor, parts, out, p.name)
         p.finished = True
+
+
+def _launch_joined(compressor: GradientCompressor, g: _Group, process_set: Any) -> Any:
+    """The allreduce (Sum) of this rank's parts of ``g``'s members, dense and concatenated (float32, see
+    :func:`~hvd_gradcomp.collectives.reduce.own_dense`), while ranks inside ``hvd.join()`` leave an allgather
+    impossible: a joined rank adds zeros, :func:`_joined_parts` divides by ``g.joined``. Every member was
+    encoded as in any step (its residual and random stream moved on alike); only the carriage differs."""
+    dense = [own_dense(compressor, pl, m.shape.numel(), m.device, m.own) for m, pl in zip(g.members, g.payloads)]
+    for m, d in zip(g.members, dense):
+        m.bytes_sent, m.framing_bytes, m.own, m.joined = d.numel() * d.element_size(), 0, None, g.joined
+    return _hvd().allreduce_async(torch.cat(dense), name=f"hvdgc.joined.fag.{g.index}", op=_hvd().Sum,
+                                  process_set=process_set)
+
+
+def _joined_parts(g: _Group, total: torch.Tensor, average: bool) -> List[Parts]:
+    """Each member's part from :func:`_launch_joined`'s sum: one dense part, already the average over the
+    ``g.joined`` ranks that contributed (so that :func:`sum_parts`, which divides by the parts, keeps it)."""
+    if average:
+        total = total.div_(g.joined)
+    sizes = [m.shape.numel() for m in g.members]
+    return [[(None, piece)] for piece in total.split(sizes)]
 
 
 def _charge(member: Pending, caller: Pending, seconds: float) -> None:

@@ -73,6 +73,9 @@ class Pending:
     road: Optional[str] = None
     payload_bytes: int = 0
     itemsize: int = 0
+    # hvd.join(): the ranks that contributed to this step when fewer than all (0: all). The road then
+    # carries this rank's part dense in one allreduce (Sum), and the average divides by them.
+    joined: int = 0
 
 
 # ---------------------------------------------------------------- envelope
@@ -146,8 +149,9 @@ def check_steps(compressor: GradientCompressor, name: str, steps: List[int]) -> 
         raise RankDivergenceError(
             f"ranks exchanged different steps of {name!r} ({where}; this rank is at step {mine}): a rank "
             "skipped or repeated a step (caught an exception and went on, skipped step() or called "
-            "synchronize() once more than the others). Every rank must run the same steps; stopping "
-            "instead of averaging gradients of different steps.")
+            "synchronize() once more than the others; or, after hvd.join(), the ranks still training ran "
+            "steps the others did not: call optimizer.sync_after_join(hvd.join()) on every rank). Every rank "
+            "must run the same steps; stopping instead of averaging gradients of different steps.")
 
 
 def _hvd():
@@ -170,6 +174,9 @@ def _begin(exchange: Any) -> None:
         exchange.join_guard.begin()
 
 
-def _confirm(exchange: Any) -> None:
-    if exchange.join_guard is not None:
-        exchange.join_guard.confirm()
+def _confirm(exchange: Any) -> int:
+    """The ranks still training this step when some are inside ``hvd.join()`` (0: all of them, or no
+    guard counts them); a guard that cannot fall back raises instead (see ``exchange.JoinGuard``)."""
+    if exchange.join_guard is None:
+        return 0
+    return exchange.join_guard.joined()

@@ -130,6 +130,26 @@ def add_part(acc: torch.Tensor, part: Tuple[Optional[torch.Tensor], torch.Tensor
     return acc.index_add_(0, idx, vals.to(acc.dtype), alpha=scale)
 
 
+def own_dense(compressor: GradientCompressor, payload: Optional[torch.Tensor], numel: int, device: torch.device,
+              own: Optional[Tuple[Optional[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """This rank's part of an exchange as a dense float32 tensor of ``numel`` values: what its payload
+    carries (``own``: as its encoder carried it, not decoded), or NaN everywhere for a payload flagged
+    ``None`` (its input held NaN/Inf). What a rank sends when ranks inside ``hvd.join()`` leave an
+    allgather impossible: summed by an allreduce, to which a joined rank adds zeros.
+
+    >>> from hvd_gradcomp import TopK
+    >>> c = TopK(ratio=0.5, min_k=1)
+    >>> own_dense(c, c.compress_named("w", torch.tensor([1.0, -4.0, 0.5, 3.0])), 4, torch.device("cpu")).tolist()
+    [0.0, -4.0, 0.0, 3.0]
+    >>> own_dense(c, None, 2, torch.device("cpu")).tolist()
+    [nan, nan]
+    """
+    if payload is None:
+        return torch.full((numel,), float("nan"), dtype=torch.float32, device=device)
+    part = own if own is not None else compressor.decode_parts(payload)
+    return add_part(torch.zeros(numel, dtype=torch.float32, device=device), part, 1.0)
+
+
 def finite_at_indices(compressor: GradientCompressor, parts: Parts, out: torch.Tensor,
                       name: str = "") -> Optional[torch.Tensor]:
     """Whether ``out`` (the sum of sparse ``parts`` by :func:`sum_parts`, then the feedback policy's

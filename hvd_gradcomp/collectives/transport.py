@@ -82,10 +82,12 @@ def all_gather_single(out: torch.Tensor, tensor: torch.Tensor, group: Any = None
 
 
 class _HorovodWork:
-    """A Horovod handle; ``handle`` stays readable for callers that poll or time it."""
+    """A Horovod handle; ``handle`` stays readable for callers that poll or time it. ``divisor``: the
+    result is divided by it on ``wait()`` (an average over the ranks still training, see
+    :meth:`HorovodTransport.allreduce`)."""
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    def __init__(self, handle: Any, divisor: int = 1) -> None:
+        self.handle, self._divisor = handle, divisor
         self._result: Optional[torch.Tensor] = None
 
     def done(self) -> bool:
@@ -94,6 +96,8 @@ class _HorovodWork:
     def wait(self) -> torch.Tensor:
         if self._result is None:
             self._result = _hvd().synchronize(self.handle)
+            if self._divisor != 1:
+                self._result.div_(self._divisor)
         return self._result
 
 
@@ -107,8 +111,13 @@ class HorovodTransport:
     size = property(lambda self: self.process_set.size())
     rank = property(lambda self: self.process_set.rank())
 
-    def allreduce(self, tensor: torch.Tensor, tag: str, average: bool) -> _HorovodWork:
+    def allreduce(self, tensor: torch.Tensor, tag: str, average: bool, joined: int = 0) -> _HorovodWork:
+        """``joined``: the ranks still training when others are inside ``hvd.join()`` (they add zeros, and
+        Horovod's Average divides by every rank): then the sum, divided by ``joined`` for an ``average``."""
         hvd = _hvd()
+        if joined:
+            return _HorovodWork(hvd.allreduce_async(tensor, name=tag, op=hvd.Sum, process_set=self.process_set),
+                                joined if average else 1)
         return _HorovodWork(hvd.allreduce_async(tensor, name=tag, op=hvd.Average if average else hvd.Sum,
                                                 process_set=self.process_set))
 

@@ -420,9 +420,14 @@ class Feedback:
     ``share_sent``: set by a top-k compressor on the policy it binds: the share of tensor ``name``
     it sends at the exchange being prepared (its ratio, its schedule's value, a sparsity warm-up's);
     None for a dense codec.
+    ``rank_own_state``: the keys of :meth:`state_dict` that hold this rank's own state (what its own
+    gradients made: residuals' units, velocities, private optimizers); every other key must be the
+    same on every rank. After ``hvd.join()`` the ranks take the rank that trained last's state but
+    these (``hvd_gradcomp.DistributedOptimizer.sync_after_join``); a policy of one's own declares them.
     """
 
     key = "none"
+    rank_own_state: Tuple[str, ...] = ("units",)
     contract = False
     moves_parameters = False
     sparsity_warmup = 0
@@ -713,6 +718,7 @@ class LocalUpdate(ErrorFeedback):
     """
 
     key = "update"
+    rank_own_state = ("units", "local")
     follow_lr = False   # its residual is a parameter change already: the rate is inside it
     moves_parameters = True
 

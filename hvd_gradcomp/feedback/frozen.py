@@ -68,6 +68,8 @@ class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
     """
 
     key = "frozen"
+    # this rank's velocity and gradient scale; denom, steps and the warm-up's window are the same on every rank
+    rank_own_state = ("units", "velocity", "scale", "scale_at_freeze")
     moves_parameters = True
     _round_stores = ("velocity", "steps", "scale")  # velocity, steps: set at the freeze, before _remember
 

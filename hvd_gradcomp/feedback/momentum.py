@@ -58,6 +58,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     """
 
     key = "momentum"
+    rank_own_state = ("units", "velocity")   # "delivered" (the averaged velocity) is the same on every rank
     uses_support = True
     # Below 1% the warm-up lasts sqrt(1%/ratio) times longer (317 steps at 0.1%), not 172 at 1%'s pace:
     # unlike "frozen", whose dense warm-up comes first, this warm-up is all the lead-in momentum SGD gets.

@@ -56,6 +56,7 @@ from ..collectives.exchange import DenseExchange, HalfExchange, JoinGuard, Pendi
 from ..collectives.inflight import is_average
 from ..collectives.rounds import HALF, Algorithm, dense_fallback
 from ..collectives.rounds import finish as finish_rounds
+from ..codecs.steps import state_to_cpu, state_to_device
 from . import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from ..stats import ByteStats
 
@@ -138,8 +139,8 @@ class _SmallTensors:
     float16 casts (:class:`~hvd_gradcomp.collectives.exchange.HalfExchange`) for those the compressor
     sends as float16."""
 
-    def __init__(self, compression: Any, names: Dict[torch.Tensor, str], dense: DenseExchange) -> None:
-        self.compression, self._names, self._dense = compression, names, dense
+    def __init__(self, compression: Any, names: Dict[torch.Tensor, str], dense: DenseExchange, joins: JoinGuard) -> None:
+        self.compression, self._names, self._dense, self._joins = compression, names, dense, joins
         self._half = HalfExchange(dense.process_set)
 
     def start(self, params: List[torch.Tensor], min_compress_numel: int, record: Callable[[str, int, Pending], None],
@@ -154,12 +155,15 @@ class _SmallTensors:
                 p.grad = torch.zeros_like(p)
         ours = self.compression if isinstance(self.compression, GradientCompressor) else None
         grads = [p.grad for p in params]
-        run = dense_fallback(ours, [(self._names[p], p.grad) for p in params], grads, self._dense.process_set.size(),
-                             min_compress_numel, is_average(self._dense.op))
+        # While ranks are inside hvd.join() (they add zeros): averaged over the ranks still training
+        joined = self._joins.joined() if ours is not None else 0
+        run = dense_fallback(ours, [(self._names[p], p.grad) for p in params], grads,
+                             joined or self._dense.process_set.size(), min_compress_numel, is_average(self._dense.op))
         pendings = []
         for request in next(run).requests:
             road = self._half if request.tag == HALF else self._dense
-            pending = road.start(f"fused{tag}.{request.tag}", request.tensor)
+            name = f"fused{tag}.{request.tag}"
+            pending = road.start(name, request.tensor) if road is self._half else road.start(name, request.tensor, joined)
             record(pending.name, request.raw_bytes, pending)
             pendings.append((road, pending))
         return [_Fused(params, run, pendings)]
@@ -200,6 +204,39 @@ def _synchronizing(closure: Callable[[], Any], synchronize: Callable[[], None]) 
     return wrapped
 
 
+def sync_after_join(self: Any, root_rank: int) -> None:
+    """After ``hvd.join()``, on every rank (a collective): the optimizer's state, its parameters and the
+    compressor's shared state from ``root_rank``, the rank that trained last (``hvd.join()`` returns it);
+    each rank keeps its own residuals for its next step::
+
+        opt.sync_after_join(hvd.join())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=...)   # buffers (BatchNorm), as uncompressed
+
+    Why: a rank inside ``hvd.join()`` steps no more, while the others go on (their steps after a join
+    travel dense among them, see :class:`~hvd_gradcomp.collectives.exchange.JoinGuard`): its weights, its
+    optimizer's state and the state every rank must hold alike (the exchange step, momentum
+    correction's last average, ``frozen``'s ``v``, PowerSGD's ``Q``) stayed behind. Uncompressed Horovod
+    leaves the weights apart the same way; here the next compressed exchange would also stop with
+    :class:`~hvd_gradcomp.collectives.exchange.RankDivergenceError` (the exchange steps differ)."""
+    from . import require_horovod
+    hvd = require_horovod("sync_after_join")
+    if not self._included:
+        return
+    if self._pending or self._sparse_pending or self._early_fused is not None:
+        raise RuntimeError("sync_after_join() was called with exchanges in flight: call it after step() (or "
+                           "synchronize()), once hvd.join() has returned on every rank")
+    # The state first: Horovod creates a missing one by a step of zero gradients, which weight decay would
+    # see in parameters broadcast before it.
+    hvd.broadcast_optimizer_state(self, root_rank=root_rank)
+    params = [p for g in self.param_groups for p in g["params"]]
+    hvd.broadcast_parameters([(f"hvdgc.join.{self._parameter_names[p]}", p.data) for p in params], root_rank)
+    if isinstance(self.compression, GradientCompressor):
+        mine = self.compression.shared_state() if hvd.rank() == root_rank else None
+        shared = hvd.broadcast_object(state_to_cpu(mine), root_rank, name="hvdgc.join.compressor")
+        if hvd.rank() != root_rank:
+            self.compression.load_shared_state(state_to_device(shared, params[0].device if params else None))
+
+
 class _GradCompOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
@@ -228,13 +265,15 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         warn_unread_settings(compression, backward_passes_per_step,
                              f"DistributedOptimizer(compression={compression!r}, "
                              f"backward_passes_per_step={backward_passes_per_step})")
-        # hvd.join() is refused before any allgather (see JoinGuard): one asynchronous check per step.
-        self._join = JoinGuard(process_set)
+        # Ranks inside hvd.join() counted once per step, asynchronously (see JoinGuard): the steps after
+        # a join go dense among the ranks still training (gc.Auto refuses them).
+        self._join = JoinGuard(process_set, falls_back=not isinstance(compression, Auto),
+                               counts=isinstance(compression, (GradientCompressor, Auto)))
         self._compressed = choose_exchange(compression, op, process_set, self._join)
         self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
                                     else compression)
         self._sparse = SparseExchange(op, process_set)
-        self._small_road = _SmallTensors(compression, self._parameter_names, self._dense)
+        self._small_road = _SmallTensors(compression, self._parameter_names, self._dense, self._join)
         self._delay: Dict[torch.Tensor, int] = {}
         self._pending: Dict[torch.Tensor, Pending] = {}
         self._sparse_pending: Dict[torch.Tensor, Pending] = {}
@@ -280,6 +319,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 f"({self.backward_passes_per_step}) times before step()/synchronize(). Increase "
                 "backward_passes_per_step to accumulate gradients locally, or call step() more often.")
         self._synchronized = False
+        self._join.begin()   # the step's count of ranks still training, read before its first collective
         self._delay[p] -= 1
         if self._delay[p] == 0:
             self._changes.watch(p)
@@ -407,6 +447,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hook))
 
     _all_finite = staticmethod(_all_finite)   # an attribute: benchmarks/step_probe.py times it
+    sync_after_join = sync_after_join
 
     @property
     def last_step_bytes(self) -> int:
@@ -546,9 +587,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     (``nn.Embedding(sparse=True)``) go through Horovod's sparse allreduce, uncompressed, or
     dense and compressed with ``sparse_as_dense=True``, as with ``hvd.DistributedOptimizer``.
     A ``process_set`` that excludes this rank makes it train locally, as with Horovod.
-    ``hvd.join()`` is not supported with hvd-gradcomp compressors (Horovod cannot allgather
-    with joined ranks): the first exchange after a rank joined raises
-    :class:`~hvd_gradcomp.collectives.exchange.JoinNotSupportedError` on the ranks still training.
+    ``hvd.join()`` (uneven data) works: once a rank has joined, the ranks still training encode as
+    in any step and carry their parts dense in allreduces (Horovod refuses allgathers then), the
+    average divided by the ranks that contributed; a joined rank's residuals wait for its next
+    step. After ``hvd.join()`` returns, call :func:`sync_after_join` on every rank
+    (``opt.sync_after_join(hvd.join())``). ``gc.Auto`` refuses it with
+    :class:`~hvd_gradcomp.collectives.exchange.JoinNotSupportedError`.
 
     >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),      # doctest: +SKIP
     ...                            named_parameters=model.named_parameters(),

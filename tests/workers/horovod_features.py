@@ -463,7 +463,8 @@ def rank_restarts_alone(wrapper: str, kind: str, tag: str) -> Dict[str, Any]:
 
 # ---------------------------------------------------------------- join (case 17)
 def join_uneven(wrapper: str, kind: str, tag: str) -> Dict[str, Any]:
-    """Rank 0 has 3 batches, rank 1 has 2 and then calls hvd.join()."""
+    """Rank 0 has 3 batches, rank 1 has 2 and then calls hvd.join(); then the replicas are made alike
+    (sync_after_join on ours, Horovod's broadcasts on stock)."""
     model = make_model()
     opt, _ = build(wrapper, kind, model, tag)
     error = None
@@ -473,8 +474,14 @@ def join_uneven(wrapper: str, kind: str, tag: str) -> Dict[str, Any]:
         except JoinNotSupportedError as e:
             error = str(e)
             break
-    hvd.join()
-    return {"error": error}
+    last = hvd.join()
+    if hvd.allreduce(torch.tensor([float(error is not None)]), op=hvd.Sum, name=f"{tag}.failed").item():
+        return {"error": error, "replicas_identical": None}
+    if wrapper == "ours":
+        opt.sync_after_join(last)
+    else:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    return {"error": error, "replicas_identical": all_ranks_equal(flat_params(model))}
 
 
 # ---------------------------------------------------------------- checkpoints (case 6)
