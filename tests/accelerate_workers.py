@@ -7,11 +7,8 @@ torchrun stops the other rank instead of letting it wait in a collective.
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -25,6 +22,7 @@ from accelerate import Accelerator  # noqa: E402
 
 import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
+from tests.ddp_workers import main as run_scenarios  # noqa: E402
 from hvd_gradcomp.integrations import accelerate as gc_accelerate  # noqa: E402
 
 
@@ -142,23 +140,7 @@ SCENARIOS: Dict[str, Callable[..., Dict[str, Any]]] = {"accumulate": accumulate,
 
 
 def main() -> None:
-    jobs, outdir = json.loads(sys.argv[1]), Path(sys.argv[2])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))   # accelerate uses it as it is
-    rank = dist.get_rank()
-    results = []
-    job: Dict[str, Any] = {}
-    try:
-        for job in jobs:
-            job = dict(job)
-            results.append(SCENARIOS[job.pop("fn")](**job))
-    except BaseException:
-        print(f"[rank {rank}] FAILED in {job}", file=sys.stderr, flush=True)
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    (outdir / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    run_scenarios(SCENARIOS)   # accelerate uses the process group as it is
 
 
 if __name__ == "__main__":
