@@ -80,17 +80,17 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
 
 
 def run_job(jobs: List[Dict[str, Any]], timeout: float = 300, expect_fail: bool = False,
-            workers: str = WORKERS) -> Any:
-    """torchrun 2 ranks of ``workers`` over ``jobs``; the per-rank result lists (or the failed process)."""
+            workers: str = WORKERS, nproc: int = 2) -> Any:
+    """torchrun ``nproc`` ranks of ``workers`` over ``jobs``; the per-rank result lists (or the failed process)."""
     with tempfile.TemporaryDirectory(prefix="hvdgc-ddp-") as outdir:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 workers, json.dumps(jobs), outdir]
         res = launch(argv, timeout, rank_env())
         if expect_fail:
             return res
         if res.returncode != 0:
             pytest.fail(f"DDP job exited {res.returncode}\n--- output of all ranks ---\n{res.stdout}")
-        return [json.loads((Path(outdir) / f"rank{r}.json").read_text()) for r in range(2)]
+        return [json.loads((Path(outdir) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module")

@@ -209,7 +209,7 @@ LAYERS = (
     ("horovod", ("horovod",)),
     ("auto", ("auto", "auto.policy", "auto.schedule", "auto.measure", "auto.state")),
     ("optimizers", ("horovod.optimizer", "horovod.accumulate", "ddp", "ddp.roads", "ddp.auto", "ddp.checkpoint",
-                    "config")),
+                    "ddp.join", "config")),
     ("integrations", ("integrations", "integrations.lightning", "integrations.accelerate")),
     ("launchers", ("launchers",)),
 )

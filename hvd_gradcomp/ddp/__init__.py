@@ -65,7 +65,7 @@ from ..wire import kernels
 from ..horovod.accumulate import check_clippable, check_max_grad_norm
 from ..auto import Auto
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step, refuse_class
-from . import checkpoint
+from . import checkpoint, join
 from .auto import _AutoRoads
 from .roads import _KEEP_ALIVE, _ROADS, Future, _allreduce, _dense_bucket, _InOrder, _Plan, _Segment
 from ..feedback.momentum import MomentumCorrection
@@ -389,6 +389,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
 
         >>> ddp_model.register_comm_hook(state, gradcomp_hook)    # doctest: +SKIP
     """
+    if join.step_with_joined(state, bucket):   # some rank is inside model.join(): see hvd_gradcomp.ddp.join
+        return join.joined_bucket(state, bucket)
     if clips_whole_step(state.compression):
         return _held_until_last(state, bucket)
     return _hook_now(state, bucket)
@@ -487,6 +489,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
                           start_compress_iter=start_compress_iter, min_compress_numel=min_compress_numel,
                           optimizer=optimizer)
     ddp_model.register_comm_hook(state, gradcomp_hook)
+    join.install(ddp_model, state, optimizer)
     _STATES[ddp_model] = state
     return state
 
