@@ -208,7 +208,7 @@ LAYERS = (
                      "collectives.inflight", "collectives.exchange", "collectives.fused")),
     ("horovod", ("horovod",)),
     ("auto", ("auto", "auto.policy", "auto.schedule", "auto.measure", "auto.state")),
-    ("optimizers", ("horovod.optimizer", "horovod.accumulate", "ddp", "ddp.roads", "ddp.auto", "ddp.checkpoint",
+    ("optimizers", ("horovod.elastic", "horovod.optimizer", "horovod.accumulate", "ddp", "ddp.roads", "ddp.auto", "ddp.checkpoint",
                     "ddp.join", "config")),
     ("integrations", ("integrations", "integrations.lightning", "integrations.accelerate")),
     ("launchers", ("launchers",)),

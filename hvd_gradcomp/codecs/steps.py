@@ -34,6 +34,7 @@ class StepState:
         self._round_ok = True
         self.join_checked = False                          # this step checked hvd.join() (stock road)
         self._undo_steps: Optional[Dict[str, int]] = None  # random streams at the round's start
+        self.elastic_synced = False                        # hvd.elastic's sync set every rank's step (horovod/elastic.py)
 
     @property
     def seed(self) -> int:

@@ -141,8 +141,8 @@ class RankDivergenceError(RuntimeError):
 
 def check_steps(compressor: GradientCompressor, name: str, steps: List[int]) -> None:
     """Raise :class:`RankDivergenceError` unless every rank's step (index = rank) is this rank's step."""
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
-        return  # ranks that join an elastic job start at step 0; state.sync() realigns them
+    if os.environ.get("HOROVOD_ELASTIC") == "1" and not getattr(compressor, "elastic_synced", False):
+        return  # ranks that join an elastic job start at step 0, until hvd.elastic's sync aligns them
     mine = compressor.exchange_step % (1 << 32)
     if any(s != mine for s in steps):
         where = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))

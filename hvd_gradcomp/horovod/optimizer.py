@@ -623,6 +623,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     if hasattr(optimizer, "_compressed") and hasattr(optimizer, "_pending"):
         raise ValueError("optimizer is already an hvd_gradcomp.DistributedOptimizer; wrap the plain optimizer once")
     process_set = hvd.global_process_set if process_set is None else process_set
+    from .elastic import register
+    register()   # hvd.elastic.TorchState(optimizer=opt) carries the compressor's state too
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_GradCompOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                process_set, min_compress_numel, sparse_as_dense)
