@@ -10,7 +10,11 @@ Faults, at fixed steps so that a compressed and an uncompressed run go through t
 * step ``GROW``: the rank left puts 127.0.0.1 back and waits at its commit for Horovod's
   ``HostsUpdatedInterrupt``: a new process starts there and joins (``sync()``).
 
-Usage: python tests/elastic_worker.py OUTDIR HOSTS_FILE COMPRESSION(topkqsgd|none) [STEPS KILL GROW] (24 8 14)
+With MODE ``remove``, at step ``KILL`` rank 0 takes 127.0.0.1 out of the discovery file and both ranks
+wait at their commit: Horovod interrupts them, stops the rank there and, the hosts only removed, skips
+``sync()``: the rank left goes on with the state it has.
+
+Usage: python tests/elastic_worker.py OUTDIR HOSTS_FILE COMPRESSION(topkqsgd|qsgd|none) [STEPS KILL GROW [MODE]] (24 8 14 kill)
 Each rank still there at the end writes OUTDIR/rank<r>.json; the rank that dies writes OUTDIR/dead.json.
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ import hvd_gradcomp as gc
 
 OUT, HOSTS, COMPRESSION = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 STEPS, KILL, GROW = (int(a) for a in (sys.argv[4:7] if len(sys.argv) > 4 else (24, 8, 14)))
+MODE = sys.argv[7] if len(sys.argv) > 7 else "kill"   # "remove": at KILL the host leaves the discovery file only
 
 
 def batch(step: int, rank: int, n: int = 32):
@@ -62,12 +67,26 @@ def identical(t: torch.Tensor) -> bool:
     return all(torch.equal(every[0], every[r]) for r in range(every.shape[0]))
 
 
+def wait_for_hosts(state, commits, opt) -> None:
+    """Commit, then wait (checking, a collective) until Horovod raises ``HostsUpdatedInterrupt``: the
+    reset comes at this step in every run."""
+    commits[state.step] = residual_norm(opt)
+    state.commit()
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        time.sleep(0.5)
+        state.check_host_updates()
+    raise RuntimeError("the hosts did not change within 120 s")
+
+
 def main() -> None:
     hvd.init()
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                 torch.nn.ReLU(), torch.nn.Linear(256, 8))
-    compression = gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=4)) if COMPRESSION == "topkqsgd" else None
+    compression = {"topkqsgd": lambda: gc.TopKQSGD(ratio=0.01, bits=8, feedback=gc.FrozenVariance(warmup=4)),
+                   "qsgd": lambda: gc.QSGD(bits=8, feedback=gc.FrozenVariance(warmup=4)),
+                   "none": lambda: None}[COMPRESSION]()
     opt = gc.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
                                   named_parameters=model.named_parameters(), compression=compression)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
@@ -84,7 +103,7 @@ def main() -> None:
             x, y = batch(state.step, hvd.rank())
             opt.zero_grad()
             loss = F.mse_loss(model(x), y)
-            if state.step == KILL and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
+            if state.step == KILL and MODE == "kill" and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
                 HOSTS.write_text("localhost:1\n")
                 (OUT / "dead.json").write_text(json.dumps({"residual_norm_lost": residual_norm(opt),
                                                            "step": state.step}))
@@ -92,15 +111,13 @@ def main() -> None:
             loss.backward()
             opt.step()
             state.step += 1
+            if state.step == KILL and MODE == "remove" and hvd.size() == 2:
+                if hvd.rank() == 0:
+                    HOSTS.write_text("localhost:1\n")
+                wait_for_hosts(state, commits, opt)   # both ranks, in step: Horovod interrupts them together
             if state.step == GROW and hvd.size() == 1:
                 HOSTS.write_text("localhost:1\n127.0.0.1:1\n")
-                commits[state.step] = residual_norm(opt)
-                state.commit()
-                deadline = time.time() + 120
-                while time.time() < deadline:   # raises HostsUpdatedInterrupt once the host is back
-                    time.sleep(0.5)
-                    state.check_host_updates()
-                raise RuntimeError("the host did not come back within 120 s")
+                wait_for_hosts(state, commits, opt)
             commits[state.step] = residual_norm(opt)
             state.commit()
 
@@ -111,7 +128,9 @@ def main() -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = hvd.allgather(flat.unsqueeze(0))
     comp = opt.compression
-    steps = [comp.exchange_step, sorted(comp._steps.items())] if isinstance(comp, gc.GradientCompressor) else None
+    # The random streams' counts per tensor; QSGD's relay chunks ("#reduced<rank>") are each rank's own.
+    steps = [comp.exchange_step, sorted((k, v) for k, v in comp._steps.items() if "#reduced" not in k)] \
+        if isinstance(comp, gc.GradientCompressor) else None
     all_steps = hvd.allgather_object(steps)
     result = {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "held_out": held_out,
               "replicas_identical": all(torch.equal(every[0], every[r]) for r in range(every.shape[0])),

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS, KILL, GROW = 80, 20, 40
 
 
-def elastic_job(compression: str, timeout: float = 240) -> Dict[str, Any]:
+def elastic_job(compression: str, mode: str = "kill", timeout: float = 240) -> Dict[str, Any]:
     """Run the job; every rank's output in the failure message."""
     with tempfile.TemporaryDirectory(prefix="hvdgc-elastic-") as tmp:
         out = Path(tmp)
@@ -35,7 +35,7 @@ def elastic_job(compression: str, timeout: float = 240) -> Dict[str, Any]:
         argv = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
                 "--blacklist-cooldown-range", "1", "2", "--gloo",
                 sys.executable, str(ROOT / "tests" / "elastic_worker.py"), str(out), str(hosts), compression,
-                str(STEPS), str(KILL), str(GROW)]
+                str(STEPS), str(KILL), str(GROW), mode]
         res = launch(argv, timeout, rank_env())
         ranks: List[Dict[str, Any]] = []
         for r in range(2):
@@ -76,3 +76,23 @@ def test_elastic_topkqsgd_adamw_loses_and_regains_a_host() -> None:
     # survives), uncompressed 0.0058 (docs/HOROVOD.md).
     loss, ref = ranks[0]["held_out"], reference["ranks"][0]["held_out"]
     assert loss < 3.0 * ref, (loss, ref)
+
+
+def test_elastic_host_removed_then_back() -> None:
+    """The discovery file shrinks (no rank fails): Horovod interrupts both ranks at a commit, stops the
+    rank on the removed host and skips ``sync()`` (hosts only removed); the rank left goes on with its
+    state (exchange step, residual) as it was. The host comes back: a new rank joins through ``sync()``."""
+    job = elastic_job("topkqsgd", mode="remove")
+    ranks = job["ranks"]
+    for r in ranks:
+        assert r["size"] == 2 and r["step"] == STEPS and r["exchange_step"] == STEPS, r
+        assert r["replicas_identical"] and r["steps_agree"] and r["elastic_synced"], r
+        assert all(e["identical"] for e in r["events"]), r["events"]
+    survivor = next(r for r in ranks if len(r["events"]) == 3)
+    alone, regrown = survivor["events"][1], survivor["events"][2]
+    assert (alone["world"], alone["at_step"], alone["exchange_step"]) == (1, KILL, KILL), alone
+    assert alone["last_reset"]["exchange_step"] == 0   # no sync after a removal: the first sync's record
+    assert alone["residual_norm"] == pytest.approx(survivor["commits"][str(KILL)], rel=1e-6)
+    assert (regrown["world"], regrown["at_step"], regrown["exchange_step"]) == (2, GROW, GROW), regrown
+    newcomer = next(r for r in ranks if r is not survivor)
+    assert [(e["at_step"], e["residual_norm"], e["exchange_step"]) for e in newcomer["events"]] == [(GROW, 0.0, GROW)]

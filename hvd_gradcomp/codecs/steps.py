@@ -144,6 +144,23 @@ class StepState:
         self._close_round(False)
         self._round = 0
 
+    def follow_world(self, world: int) -> float:
+        """The owner's process set now has ``world`` ranks (an ``hvd.elastic`` reset): QSGD's relay residuals,
+        kept per chunk of the ranks (``<name>#reduced<rank>``, whose sizes change with ``world``), are
+        dropped, with a RuntimeWarning giving the L2 norm they held, which is returned."""
+        before, self._world = self._world, world
+        store = self.relay_residuals
+        dropped = 0.0
+        for name in [n for n in {*store._residuals, *store._shapes} if "#reduced" in n]:
+            r = store.pop(name)
+            store._shapes.pop(name, None)
+            if r is not None:
+                dropped += float(r.float().pow(2).sum())
+        if dropped > 0:
+            warnings.warn(f"hvd_gradcomp: {before} -> {world} ranks (an elastic reset): QSGD's relay residuals, kept per "
+                          f"chunk of the ranks, were dropped (L2 norm {dropped ** 0.5:.4g})", RuntimeWarning, stacklevel=2)
+        return dropped ** 0.5
+
     @property
     def in_step(self) -> bool:
         """Whether exchanges opened by :meth:`exchange_opened` are still in flight."""

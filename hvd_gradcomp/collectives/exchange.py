@@ -317,6 +317,8 @@ class ScatterReduceExchange(_TwoCollectives):
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         _begin(self)
         size, rank = self.process_set.size(), self.process_set.rank()
+        if self.compressor._world not in (None, size):   # an hvd.elastic reset without sync (hosts only removed)
+            self.compressor.follow_world(size)
         outs = [grad]   # where the average goes: set in finish(), written by the algorithm's last step
         run = compressed_allreduce(self.compressor, [(name, grad)], outs, size, rank, is_average(self.op))
         chunks = next(run).payloads

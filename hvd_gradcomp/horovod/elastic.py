@@ -21,7 +21,8 @@ broadcast from rank 0 after a reset). Building an ``hvd_gradcomp.DistributedOpti
   residuals of a rank that left are gone with it (what it had computed and not yet sent: never applied).
   Each rank's noise stream is set to its new rank (independent noise after renumbering). When the
   number of ranks changed, QSGD's relay residuals (per chunk of the ranks) are dropped, with a warning
-  saying how much they held. The out-of-step check (``RankDivergenceError``) is on again from the
+  saying how much they held (``StepState.follow_world``; after a removal-only reset, which Horovod does
+  not follow by a sync, the QSGD road does it at its next exchange). The out-of-step check (``RankDivergenceError``) is on again from the
   first sync: every rank is at rank 0's exchange step.
 
 ``last_reset`` on the handler (``state._handlers["optimizer"].last_reset``) says what the last sync did.
@@ -29,7 +30,6 @@ broadcast from rank 0 after a reset). Building an ``hvd_gradcomp.DistributedOpti
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -58,19 +58,6 @@ class WrappedOptimizer(metaclass=_WrappedMeta):
 def _compressor(opt: Any) -> Optional[GradientCompressor]:
     comp = getattr(opt, "compression", None)
     return comp if isinstance(comp, GradientCompressor) else None
-
-
-def _drop_relay(comp: GradientCompressor) -> float:
-    """Drop QSGD's relay residuals (keyed per chunk of the ranks, whose sizes change with the number of
-    ranks); return the L2 norm of what they held."""
-    store = comp.relay_residuals
-    total = 0.0
-    for name in [n for n in list(store._residuals) + list(store._shapes) if "#reduced" in n]:
-        r = store.pop(name)
-        store._shapes.pop(name, None)
-        if r is not None:
-            total += float(r.float().pow(2).sum())
-    return total ** 0.5
 
 
 def _make_handler():
@@ -121,7 +108,7 @@ def _make_handler():
             super().sync()
             self._sync_parameters()
             shared = hvd.broadcast_object(shared, 0, name="hvdgc.elastic.compressor")
-            dropped = _drop_relay(comp) if before is not None and before != world else 0.0
+            dropped = comp.follow_world(world) if before is not None and before != world else 0.0
             comp._world = world
             shared["world_size"] = world
             params = [p for g in opt.param_groups for p in g["params"]]
@@ -132,10 +119,6 @@ def _make_handler():
             self.last_reset = {"world_before": before, "world": world, "rank": hvd.rank(),
                                "exchange_step": comp.exchange_step, "residual_norm": norm,
                                "relay_dropped_norm": dropped}
-            if dropped > 0:
-                warnings.warn(f"hvd_gradcomp elastic reset: {before} -> {world} ranks; QSGD's relay residuals "
-                              f"(per chunk of the ranks) were dropped on rank {hvd.rank()} (L2 norm {dropped:.4g})",
-                              RuntimeWarning, stacklevel=2)
 
         def _sync_parameters(self) -> None:
             """Rank 0's parameters again. Why: on a rank that joins, Horovod's ``broadcast_optimizer_state``
