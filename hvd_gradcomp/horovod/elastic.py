@@ -103,7 +103,7 @@ def _make_handler():
                 return
             world = opt.process_set.size()
             before = comp._world
-            # Read before Horovod's broadcast: its load_state_dict restarts the exchange step.
+            # Rank 0's, read before Horovod's broadcast of the optimizer state (which leaves the compressor alone).
             shared = state_to_cpu(comp.shared_state()) if hvd.rank() == 0 else None
             super().sync()
             self._sync_parameters()
