@@ -31,9 +31,10 @@ import horovod.torch as hvd
 
 import hvd_gradcomp as gc
 
-OUT, HOSTS, COMPRESSION = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-STEPS, KILL, GROW = (int(a) for a in (sys.argv[4:7] if len(sys.argv) > 4 else (24, 8, 14)))
-MODE = sys.argv[7] if len(sys.argv) > 7 else "kill"   # "remove": at KILL the host leaves the discovery file only
+# Set from the command line (see Usage) when run as a script; importing it (pytest's --doctest-modules) reads none.
+OUT, HOSTS, COMPRESSION = Path("."), Path("hosts"), "topkqsgd"
+STEPS, KILL, GROW = 24, 8, 14
+MODE = "kill"   # "remove": at KILL the host leaves the discovery file only
 
 
 def batch(step: int, rank: int, n: int = 32):
@@ -141,4 +142,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    OUT, HOSTS, COMPRESSION = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    if len(sys.argv) > 4:
+        STEPS, KILL, GROW = (int(a) for a in sys.argv[4:7])
+    if len(sys.argv) > 7:
+        MODE = sys.argv[7]
     main()
