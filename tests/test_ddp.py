@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.harness import ROOT, launch, rank_env
+from tests.torchrun_jobs import run_torchrun
 
 pytestmark = pytest.mark.multirank
 WORKERS = str(ROOT / "tests" / "ddp_workers.py")
@@ -82,15 +82,7 @@ SCENARIOS: Dict[str, Dict[str, Any]] = {
 def run_job(jobs: List[Dict[str, Any]], timeout: float = 300, expect_fail: bool = False,
             workers: str = WORKERS, nproc: int = 2) -> Any:
     """torchrun ``nproc`` ranks of ``workers`` over ``jobs``; the per-rank result lists (or the failed process)."""
-    with tempfile.TemporaryDirectory(prefix="hvdgc-ddp-") as outdir:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                workers, json.dumps(jobs), outdir]
-        res = launch(argv, timeout, rank_env())
-        if expect_fail:
-            return res
-        if res.returncode != 0:
-            pytest.fail(f"DDP job exited {res.returncode}\n--- output of all ranks ---\n{res.stdout}")
-        return [json.loads((Path(outdir) / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return run_torchrun(Path(workers), jobs, timeout, ranks=nproc, expect_fail=expect_fail)
 
 
 @pytest.fixture(scope="module")

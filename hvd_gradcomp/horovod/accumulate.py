@@ -27,6 +27,7 @@ micro-batches it saw, exactly as a full window uses the mean over N.
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -270,8 +271,6 @@ def _gather_ranks(mine: Dict[str, Any], process_set: Any) -> Dict[str, Any]:
 def _own_part(state: Dict[str, Any], optimizer: Any) -> Optional[Dict[str, Any]]:
     """This rank's compressor state from an all-ranks one; None (error feedback restarts, with a warning)
     when the job has another number of ranks."""
-    import warnings
-
     import horovod.torch as hvd
 
     if state.get("ranks") is None:
