@@ -25,6 +25,8 @@ def battery(tmp_path_factory) -> Dict[str, Any]:
                 "lbfgs": {"fn": "lbfgs"},
                 **{f"ckpt-{p}-{road}": {"fn": "rank0_checkpoint", "policy": p, "ckpt": ckpt, "stock": road == "stock"}
                    for p in ("momentum", "frozen") for road in ("gc", "stock")},
+                **{f"seed-{road}-{s}": {"fn": "seeded", "seed": s % 10, "stock": road == "stock"}
+                   for road in ("gc", "stock") for s in (5, 15, 6)},
                 "stock": {"fn": "stock_refuses"}}
         _cache["all"] = run_ranks("closure:battery", timeout=240, jobs=jobs)
     return _cache["all"]
@@ -61,3 +63,11 @@ def test_rank0_only_checkpoint_of_the_accumulator_resumes_every_rank(battery, po
     assert r0["identical"] and r1["identical"]
     assert r0["held"] and not r1["held"]
     assert "6 steps (bytes of steps 4-6, counted since the resume at step 3)" in r0["summary"]
+
+
+@pytest.mark.parametrize("road", ["gc", "stock"])
+def test_manual_seed_makes_a_compressed_run_repeatable(battery, road):
+    a, b, c = (battery[0][f"seed-{road}-{s}"] for s in (5, 15, 6))
+    assert a["seed"] == b["seed"] == 5 and c["seed"] == 6
+    assert a["params"] == b["params"]
+    assert a["params"] != c["params"]

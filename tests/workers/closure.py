@@ -155,7 +155,23 @@ def rank0_checkpoint(policy: str, ckpt: str, stock: bool = False, steps: int = 6
             "summary": stats.summary()}
 
 
+def seeded(seed: int, stock: bool = False, steps: int = 4) -> Dict[str, Any]:
+    """A run whose compressor has no ``seed=``, after ``torch.manual_seed(seed)``: its seed and weights."""
+    model = _model()
+    torch.manual_seed(seed)
+    comp = gc.TopKQSGD(ratio=0.05, bits=8)
+    wrap = hvd.DistributedOptimizer if stock else gc.DistributedOptimizer
+    opt = wrap(_optimizer("momentum", model.parameters()), named_parameters=model.named_parameters(),
+               compression=comp)
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {"seed": comp.seed, "params": _params(model).tolist()}
+
+
 def battery(jobs: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     fns = {"closure_matches": closure_matches, "lbfgs": lbfgs, "stock_refuses": stock_refuses,
-           "rank0_checkpoint": rank0_checkpoint}
+           "rank0_checkpoint": rank0_checkpoint, "seeded": seeded}
     return {key: fns[job.pop("fn")](**job) for key, job in ((k, dict(v)) for k, v in jobs.items())}
