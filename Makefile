@@ -44,7 +44,7 @@ lint: setup
 bench: setup
 	@$(PY) -m benchmarks
 
-# Compressed vs uncompressed training, 6 tasks x 3 seeds x 8+ settings on 2 ranks -> docs/STUDY.md
+# Compressed vs uncompressed training, 6 tasks x 3 seeds x 8+ settings on 2 ranks -> benchmarks/results/STUDY.md
 study: setup
 	@$(PY) benchmarks/study/study.py
 

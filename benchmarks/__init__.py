@@ -1,4 +1,4 @@
-"""The benchmark behind docs/BENCHMARKS.md, run from a checkout with ``make bench``.
+"""The benchmark behind benchmarks/results/BENCHMARKS.md, run from a checkout with ``make bench``.
 
 It runs the examples of this repository (examples/), so it is not part of the installed
 package. One module per concern, in the order a run goes:
@@ -12,5 +12,5 @@ package. One module per concern, in the order a run goes:
 - :mod:`benchmarks.cli`: the command line (``python -m benchmarks --help``).
 
 The ``bench_*.py`` scripts beside them are micro-benchmarks of single pieces;
-:mod:`benchmarks.study` is the convergence study behind docs/STUDY.md (``make study``).
+:mod:`benchmarks.study` is the convergence study behind benchmarks/results/STUDY.md (``make study``).
 """

@@ -83,7 +83,7 @@ def closing_lines(compressed: Dict[str, Any], plain: Dict[str, Any]) -> List[str
         f"effective batch {compressed['effective_batch']}.",
         f"Throughput here: {compressed['samples_per_s']:,.0f} vs {plain['samples_per_s']:,.0f} samples/s. Both ranks "
         "share one machine's loopback, so the network costs nothing here and the compressor's CPU time shows; "
-        "see docs/BENCHMARKS.md for a rate-limited link.",
+        "see benchmarks/results/BENCHMARKS.md for a rate-limited link.",
     ]
 
 

@@ -277,7 +277,7 @@ def test_convergence_rows_show_the_feedback_policy_the_run_used() -> None:
 
 @pytest.mark.slow
 def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
-    """docs/FIGURES.md and docs/AUTO.md carry bench_bytes_per_rank.py's tables between its markers
+    """benchmarks/results/FIGURES.md and docs/AUTO.md carry bench_bytes_per_rank.py's tables between its markers
     (``--write-docs``), and the modelled part is what the code models today."""
     from benchmarks import bench_bytes_per_rank as bpr
 
@@ -290,13 +290,13 @@ def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
     assert bpr.model_tables(tensors) in blocks["docs/AUTO.md"]
     assert "Measured bytes per rank per step" in blocks["docs/AUTO.md"]
     cross = bpr.crossovers(tensors)["TopKQSGD(1%, 8)"]
-    assert f"fp16 allreduce from {cross['fp16']} ranks on" in blocks["docs/FIGURES.md"]
-    assert "| sparse | TopKQSGD(1%, 8) |" in blocks["docs/FIGURES.md"]
+    assert f"fp16 allreduce from {cross['fp16']} ranks on" in blocks["benchmarks/results/FIGURES.md"]
+    assert "| sparse | TopKQSGD(1%, 8) |" in blocks["benchmarks/results/FIGURES.md"]
 
 
 def test_accumulation_memory_table_is_generated_from_the_saved_run() -> None:
-    """docs/FIGURES.md's accumulation table is bench_accumulation_memory.py's rendering of
-    docs/data/accumulation_memory.json (``--write-docs``; ``--render`` rewrites it), not typed."""
+    """benchmarks/results/FIGURES.md's accumulation table is bench_accumulation_memory.py's rendering of
+    benchmarks/results/data/accumulation_memory.json (``--write-docs``; ``--render`` rewrites it), not typed."""
     import json
     from benchmarks import bench_accumulation_memory as bam
     data = json.loads(bam.DATA.read_text())
@@ -308,15 +308,15 @@ def test_accumulation_memory_table_is_generated_from_the_saved_run() -> None:
 
 
 def test_readme_figures_are_generated_from_the_saved_results() -> None:
-    """The README's headline table and docs/FIGURES.md's speed and convergence tables are
-    benchmarks/readme_figures.py's rendering of the saved raw results (docs/data/bench.json,
-    docs/ddp/data.json, docs/data/study), not typed."""
+    """The README's headline table and benchmarks/results/FIGURES.md's speed and convergence tables are
+    benchmarks/readme_figures.py's rendering of the saved raw results (benchmarks/results/data/bench.json,
+    benchmarks/results/ddp/data.json, benchmarks/results/data/study), not typed."""
     from benchmarks import readme_figures as rf
     root = Path(__file__).resolve().parents[1]
-    assert rf.PAGES == {"README.md": "headline", "docs/FIGURES.md": "full"}
+    assert rf.PAGES == {"README.md": "headline", "benchmarks/results/FIGURES.md": "full"}
     headline, full = rf.render(root, "headline"), rf.render(root, "full")
     assert headline in (root / "README.md").read_text(), "run python benchmarks/readme_figures.py --write"
-    assert full in (root / "docs/FIGURES.md").read_text(), "run python benchmarks/readme_figures.py --write"
+    assert full in (root / "benchmarks/results/FIGURES.md").read_text(), "run python benchmarks/readme_figures.py --write"
     assert "| 1gbit | TopKQSGD(1%, 8) |" in full and "PowerSGD rank 1" in full and "| transformer |" in full
     assert "| TopKQSGD(1%, 8) |" in headline and "PowerSGD rank 1" in headline and "make study" in headline
 

@@ -25,7 +25,7 @@ def test_gpu_page_is_generated_from_its_json(tmp_path: Path) -> None:
     finally:
         os.chdir(cwd)
     assert page.read_text() == (ROOT / "docs" / "GPU.md").read_text(), \
-        "docs/GPU.md differs from its JSON: regenerate it with the command at its top"
+        "benchmarks/results/GPU.md differs from its JSON: regenerate it with the command at its top"
 
 
 def test_a_failed_check_is_recorded_and_the_rest_still_run(tmp_path: Path) -> None:

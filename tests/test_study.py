@@ -69,7 +69,7 @@ def test_every_configuration_has_its_page_and_a_renderer() -> None:
                                     "lightning"])
 def test_a_page_is_the_rendering_of_its_saved_results(config: str, tmp_path: Path) -> None:
     """The page's own command, with ``--report-only`` into another folder, writes the page as committed
-    (docs/STUDY.md names its date and minutes: its tables are tested above)."""
+    (benchmarks/results/STUDY.md names its date and minutes: its tables are tested above)."""
     page = ROOT / "docs" / configs.CONFIGS[config].page
     command = re.search(r"`(python benchmarks/study/study\.py[^`]*)`", page.read_text()).group(1)
     run = study.make_run(shlex.split(command)[2:] + ["--docs", str(tmp_path), "--report-only"])
@@ -197,7 +197,7 @@ def test_outside_check_trains_both_wrappers_and_tables_the_gaps(tmp_path: Path) 
 
 
 def test_wrapper_check_roads_agree() -> None:
-    """In docs/WRAPPER_CHECK.md's runs every compressed road (stock Horovod, hvd_gradcomp.DistributedOptimizer,
+    """In benchmarks/results/WRAPPER_CHECK.md's runs every compressed road (stock Horovod, hvd_gradcomp.DistributedOptimizer,
     DDP) ends within the uncompressed seed spread of the others, its replicas identical."""
     config = configs.CONFIGS["wrapper"]
     runs = pages.records(ROOT / config.out)
@@ -210,7 +210,7 @@ def test_wrapper_check_roads_agree() -> None:
 
 
 def test_powersgd_runs_pair_with_uncompressed_ddp() -> None:
-    """Every PowerSGD run of docs/POWERSGD.md has the DDP uncompressed run of its seed to be paired with."""
+    """Every PowerSGD run of benchmarks/results/POWERSGD.md has the DDP uncompressed run of its seed to be paired with."""
     config = configs.CONFIGS["powersgd"]
     runs = report.load(ROOT / config.out)
     assert {s for _, s in runs} == set(config.settings)
