@@ -36,7 +36,7 @@ test: setup lint slurm-up two-hosts-up
 # MPI, Slurm or a network namespace without its marker.
 UNIT_MARKERS := not multirank and not slurm and not two_hosts and not slow
 unit: setup
-	@$(PY) -m pytest -q -p tests.unit_guard -m "$(UNIT_MARKERS)" --doctest-modules tests hvd_gradcomp
+	@$(PY) -m pytest -q -p tests.unit_guard -m "$(UNIT_MARKERS)" --doctest-modules tests hvd_gradcomp benchmarks/tests
 
 lint: setup
 	@$(VENV)/bin/ruff check .

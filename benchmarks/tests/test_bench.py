@@ -93,7 +93,7 @@ def test_rank_env_drops_stray_settings() -> None:
 def test_plan_defaults_full_and_quick(tmp_path: Path) -> None:
     full = bplan.build_plan(False, None, None, None, None, None, 0, False, False, None, 300, "auto")
     assert full.rates == ["100mbit", "1gbit", "10gbit"] and len(full.speed) == 8 and len(full.convergence) == 7
-    assert full.params == 25e6 and full.docs_dir == bplan.ROOT / "docs"
+    assert full.params == 25e6 and full.docs_dir == bplan.ROOT / "benchmarks" / "results"
     quick = bplan.build_plan(True, "500mbit", None, 2, None, None, 0, False, True, None, 300, "auto")
     assert quick.rates == ["500mbit"] and quick.iters == 2 and quick.convergence == []
     assert quick.docs_dir == bplan.ROOT / "runs" / "bench-quick"
@@ -312,7 +312,7 @@ def test_readme_figures_are_generated_from_the_saved_results() -> None:
     benchmarks/readme_figures.py's rendering of the saved raw results (benchmarks/results/data/bench.json,
     benchmarks/results/ddp/data.json, benchmarks/results/data/study), not typed."""
     from benchmarks import readme_figures as rf
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert rf.PAGES == {"README.md": "headline", "benchmarks/results/FIGURES.md": "full"}
     headline, full = rf.render(root, "headline"), rf.render(root, "full")
     assert headline in (root / "README.md").read_text(), "run python benchmarks/readme_figures.py --write"
@@ -367,3 +367,11 @@ def test_speed_rows_are_timed_in_rounds_and_the_fastest_kept(tmp_path: Path,
         "- Step time in each round (ms): TopK 1% 300 / 220 / 260; Auto 250 / 310 / 240."
     assert "in 3 rounds" in markdown._rounds_clause(plan)
     assert bplan.build_plan(True, None, None, None, None, None, 0, False, False, None, 300, "auto").rounds == 1
+
+
+def test_the_benchmarks_warm_up_covers_autos_start():
+    """The benchmark times Auto's steady state: its warm-up covers exploring, deciding, verifying."""
+    import hvd_gradcomp as gc
+
+    flags = next(s for s in bplan.SPEED_SETTINGS if s.key == "auto").flags
+    assert int(flags[flags.index("--warmup") + 1]) >= gc.Auto(ratio=0.01, bits=8).start_steps

@@ -67,7 +67,7 @@ def test_lightning_road_is_the_ddp_road_through_the_trainer() -> None:
     momentum SGD, and the LSTM's clipping as ``gradient_clip_val`` against the compressor's ``clip=``."""
     jobs = [{"recipe": "nanogpt", "steps": 110, "seed": 1}, {"recipe": "cnn-bn", "steps": 12, "seed": 0},
             {"recipe": "lstm", "steps": 6, "seed": 0}]
-    per_rank = run_torchrun(ROOT / "tests" / "recipe_lightning_worker.py", jobs, timeout=360)
+    per_rank = run_torchrun(ROOT / "benchmarks" / "tests" / "recipe_lightning_worker.py", jobs, timeout=360)
     for rank in per_rank:
         for job, r in zip(jobs, rank):
             assert r["identical"] and r["evals_equal"] and r["sent_equal"], (job, r)

@@ -51,17 +51,17 @@ def test_horovod_and_ddp_workers_write_the_records_the_report_reads(tmp_path: Pa
 
 
 def test_every_configuration_has_its_page_and_a_renderer() -> None:
-    """Every configuration renders a page that exists under docs/ and keeps its results in the
+    """Every configuration renders a page that exists under benchmarks/results/ and keeps its results in the
     checkout; ``study.py --list`` names each with its page; ``--recipes`` is ``--config recipes``."""
     for name, c in configs.CONFIGS.items():
-        assert c.name == name and (ROOT / "docs" / c.page).is_file() and callable(c.render) and callable(c.jobs), c
+        assert c.name == name and (ROOT / "benchmarks" / "results" / c.page).is_file() and callable(c.render) and callable(c.jobs), c
         assert c.about and not Path(c.out).is_absolute() and set(c.default_tasks) <= set(c.tasks), c
         assert set(c.default_settings) <= set(c.settings), c
     res = subprocess.run(RUNNER + ["--list"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     listed = {line.split()[0]: line for line in res.stdout.splitlines()}
     assert list(listed) == list(configs.CONFIGS)
-    assert all(f"(docs/{c.page})" in listed[n] for n, c in configs.CONFIGS.items())
+    assert all(f"(benchmarks/results/{c.page})" in listed[n] for n, c in configs.CONFIGS.items())
     assert study.make_run(["--recipes"]).config.name == "recipes" and study.make_run([]).config.name == "study"
 
 
@@ -70,7 +70,7 @@ def test_every_configuration_has_its_page_and_a_renderer() -> None:
 def test_a_page_is_the_rendering_of_its_saved_results(config: str, tmp_path: Path) -> None:
     """The page's own command, with ``--report-only`` into another folder, writes the page as committed
     (benchmarks/results/STUDY.md names its date and minutes: its tables are tested above)."""
-    page = ROOT / "docs" / configs.CONFIGS[config].page
+    page = ROOT / "benchmarks" / "results" / configs.CONFIGS[config].page
     command = re.search(r"`(python benchmarks/study/study\.py[^`]*)`", page.read_text()).group(1)
     run = study.make_run(shlex.split(command)[2:] + ["--docs", str(tmp_path), "--report-only"])
     assert run.config.name == config and run.command == command
