@@ -11,13 +11,11 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.study import report
 from benchmarks.study.checks import freeze, outside, small_mlp, wrapper
-
-if TYPE_CHECKING:
-    from benchmarks.study.configs import Run
+from benchmarks.study.run import Run
 
 ROOT = Path(__file__).resolve().parents[2]
 Runs = Dict[Tuple[str, str], List[dict]]

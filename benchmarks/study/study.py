@@ -31,7 +31,8 @@ from typing import List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.study.configs import CONFIGS, Job, Refused, Run  # noqa: E402
+from benchmarks.study.configs import CONFIGS  # noqa: E402
+from benchmarks.study.run import Job, Refused, Run  # noqa: E402
 
 FLAGS = ("data", "cosine", "section")
 """Options a configuration reads only when it has them (:attr:`Config.options`): the others refuse them."""
@@ -74,7 +75,7 @@ def pick(given: Optional[str], known: Sequence[str], default: Sequence[str], wha
     (('a', 'c'), ('b',))
     >>> pick("a,z", ("a", "b"), (), "tasks", "x")
     Traceback (most recent call last):
-    benchmarks.study.configs.Refused: unknown tasks ['z'] of --config x; choose from ['a', 'b']
+    benchmarks.study.run.Refused: unknown tasks ['z'] of --config x; choose from ['a', 'b']
     """
     if given is None:
         return tuple(default or known)
