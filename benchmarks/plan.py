@@ -16,9 +16,9 @@ import click
 
 from hvd_gradcomp.launchers.command import KEEP_FREED_MEMORY
 from hvd_gradcomp.launchers.jobs import local_horovodrun
-from hvd_gradcomp.launchers.two_hosts import down_command, horovodrun_across, up_command
 
 from .netns import in_netns, netns_setup_commands, netns_teardown_command
+from .two_hosts import down_command, horovodrun_across, up_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

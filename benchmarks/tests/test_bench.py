@@ -15,7 +15,6 @@ from click.testing import CliRunner
 
 from benchmarks import cli, markdown, netns, runner, tables
 from benchmarks import plan as bplan
-from hvd_gradcomp.launchers import bench as bench_entry
 from hvd_gradcomp.launchers import jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -200,7 +199,7 @@ def test_report_written_with_plots(tmp_path: Path) -> None:
 def test_report_says_unthrottled(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     speed = {"1gbit": {**SPEED["1gbit"], "throttled": False}}
-    md = markdown.render_markdown(plan, runner.machine_description(), speed, None, "hvdgc-bench", 1.0, {})
+    md = markdown.render_markdown(plan, runner.machine_description(), speed, None, "python -m benchmarks", 1.0, {})
     assert "**Unthrottled**" in md and "### 1gbit requested, ran unthrottled" in md
 
 
@@ -212,15 +211,6 @@ def test_no_figure_on_the_page_is_typed_by_hand(tmp_path: Path) -> None:
         assert stale not in md
     conditions = md.split("## Conditions")[1].split("## ")[0]
     assert "micro-batch 32" in conditions and "SGD lr 0.05 momentum 0.9" in conditions   # from the runs' JSON
-
-
-def test_installed_bench_command_says_to_use_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    assert bench_entry.find_checkout(tmp_path) is None
-    with pytest.raises(SystemExit) as exc:
-        bench_entry.main(["--quick"])
-    assert "make bench" in str(exc.value) and "checkout" in str(exc.value)
-    assert bench_entry.find_checkout(bplan.ROOT / "docs") == bplan.ROOT
 
 
 def test_stacked_step_time_parts_and_auto_targets() -> None:
