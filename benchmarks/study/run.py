@@ -1,8 +1,8 @@
 """What the study's runner runs, as data: a configuration (:class:`Config`), one invocation of it
 (:class:`Run`), the 2-rank jobs it plans (:class:`Job`) and the refusal of an invocation it cannot run
-(:class:`Refused`). :mod:`.configs` lists the configurations; the renderers they name
-(:mod:`.pages`, :mod:`.report`, :mod:`.recipe_report`) read a :class:`Run`: both import this module,
-so neither imports the other.
+(:class:`Refused`). :mod:`.configs` lists the configurations and the renderers each names; the
+renderers of :mod:`.pages` read a :class:`Run`. Both import this module, so neither imports the
+other.
 """
 from __future__ import annotations
 
