@@ -36,7 +36,7 @@ test: setup lint slurm-up two-hosts-up
 # MPI, Slurm or a network namespace without its marker.
 UNIT_MARKERS := not multirank and not slurm and not two_hosts and not slow
 unit: setup
-	@$(PY) -m pytest -q -p tests.unit_guard -m "$(UNIT_MARKERS)" --doctest-modules tests hvd_gradcomp
+	@$(PY) -m pytest -q -p tests.unit_guard -m "$(UNIT_MARKERS)" --doctest-modules tests hvd_gradcomp benchmarks/tests
 
 lint: setup
 	@$(VENV)/bin/ruff check .
@@ -44,7 +44,7 @@ lint: setup
 bench: setup
 	@$(PY) -m benchmarks
 
-# Compressed vs uncompressed training, 6 tasks x 3 seeds x 8+ settings on 2 ranks -> docs/STUDY.md
+# Compressed vs uncompressed training, 6 tasks x 3 seeds x 8+ settings on 2 ranks -> benchmarks/results/STUDY.md
 study: setup
 	@$(PY) benchmarks/study/study.py
 

@@ -16,7 +16,7 @@ with error feedback (DDP rebuilds its buckets after the first iteration) and the
 iterations are not timed, so every timed step is compressed, as in training after its
 warm-up; ``min_compression_rate`` keeps torch's default. Under Gloo, PowerSGD gets one bucket
 (see ``ONE_BUCKET_MB``); with NCCL every setting uses ``--bucket-cap-mb``. Run it on a rate-limited link as
-``hvdgc-bench`` does (docs/BENCHMARKS.md) for the 1 Gbit/s rows.
+``python -m benchmarks`` does (benchmarks/results/BENCHMARKS.md) for the 1 Gbit/s rows.
 """
 # No `from __future__ import annotations`: DDP checks a hook's annotations as real objects.
 

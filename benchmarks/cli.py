@@ -11,9 +11,9 @@
    each compressor with error feedback, and TopKQSGD without; final loss and accuracy.
 3. DDP (:mod:`benchmarks.ddp`, ``--skip-ddp`` leaves it out, ``--only-ddp`` runs only it): the same
    speed rows under ``torchrun`` for DDP uncompressed, torch's fp16 and PowerSGD hooks and our hook,
-   and a several-seed convergence comparison on the real-data example; its own page, ``docs/ddp/``.
+   and a several-seed convergence comparison on the real-data example; its own page, ``benchmarks/results/ddp/``.
 
-Writes ``docs/BENCHMARKS.md``, ``docs/img/*.png`` and ``docs/data/bench.json``; raw per-run
+Writes ``benchmarks/results/BENCHMARKS.md``, ``benchmarks/results/img/*.png`` and ``benchmarks/results/data/bench.json``; raw per-run
 files go under ``runs/bench/``. Without the rights to create a namespace (root or
 CAP_NET_ADMIN, and ``ip``/``tc`` installed) it says so and runs unthrottled.
 
@@ -24,10 +24,10 @@ Examples::
     python -m benchmarks --rates 1gbit --skip-convergence
     python -m benchmarks --two-hosts --skip-convergence   # speed rows across the two-host link
     python -m benchmarks --dry-run              # print the commands, run nothing
-    python -m benchmarks --only-ddp --rates 1gbit       # only the DDP rows and convergence (docs/ddp/)
+    python -m benchmarks --only-ddp --rates 1gbit       # only the DDP rows and convergence (benchmarks/results/ddp/)
     python -m benchmarks --only-ddp --skip-speed        # only the DDP convergence comparison (~12 min)
     python -m benchmarks --only-ddp --skip-convergence --rates 1gbit --ddp-settings powersgd-4,gc-powersgd-4
-                                                # two DDP rows, merged into the saved ones (docs/ddp/)
+                                                # two DDP rows, merged into the saved ones (benchmarks/results/ddp/)
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def _positive(ctx: Any, param: Any, value: Any) -> Any:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--skip-speed", is_flag=True, help="only the convergence comparison")
 @click.option("--skip-convergence", is_flag=True, help="only the step-time comparison")
-@click.option("--docs-dir", default=None, help="where BENCHMARKS.md, img/ and data/ go [default: docs]")
+@click.option("--docs-dir", default=None, help="where BENCHMARKS.md, img/ and data/ go [default: benchmarks/results]")
 @click.option("--job-timeout", type=float, default=420, show_default=True, callback=_positive,
               help="seconds before one 2-rank job is killed")
 @click.option("--compile", "compile_mode", type=click.Choice(["auto", "0", "1"]), default="auto", show_default=True,

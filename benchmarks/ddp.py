@@ -48,7 +48,7 @@ TARGET_DDP_SPEEDUP = 3.0            # TopKQSGD(1%, 8) step time vs DDP uncompres
 TARGET_DDP_VS_POWERSGD = 1.0        # ... vs PowerSGD at its documented default (rank 1): more than this (faster)
 TARGET_DDP_LOSS_GAP = TARGET_LOSS_GAP  # TopKQSGD(1%, 8) mean paired held-out loss gap: within this
 POWERSGD_DEFAULT = "powersgd-1"     # PowerSGDState's matrix_approximation_rank defaults to 1
-SETTLED = 0.02  # uncompressed held-out loss moving less than this over the last quarter: settled (as docs/STUDY.md)
+SETTLED = 0.02  # uncompressed held-out loss moving less than this over the last quarter: settled (as benchmarks/results/STUDY.md)
 
 SPEED_SETTINGS = (
     Setting("ddp", "DDP, uncompressed", ()),
@@ -480,7 +480,7 @@ def render_page(data: Dict[str, Any]) -> str:
     out = ["# DDP: hvd-gradcomp's hook against torch's hooks", "",
            "Every number on this page comes from the command named in its section (`python -m benchmarks "
            "--only-ddp`, part of `make bench`); raw figures in `data.json` beside this page. See "
-           "[../DDP.md](../DDP.md) for the hook itself.", ""]
+           "[docs/DDP.md](../../../docs/DDP.md) for the hook itself.", ""]
     if data.get("speed"):
         out += _speed_section(data["speed"])
     if data.get("convergence"):

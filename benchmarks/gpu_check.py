@@ -22,7 +22,7 @@ Usage::
 
     python benchmarks/gpu_check.py --out runs/gpu            # on a machine with a GPU
     python benchmarks/gpu_check.py --out runs/gpu --device cpu   # the same checks on CPU
-    python benchmarks/gpu_check.py --render runs/gpu/gpu_check.json --page docs/GPU.md
+    python benchmarks/gpu_check.py --render runs/gpu/gpu_check.json --page benchmarks/results/GPU.md
 
 Every check is recorded with ``ok`` and its figures; a check that raises is recorded with
 its error and the others still run.
@@ -423,7 +423,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--only", help="run only the checks whose name contains this (e.g. DDP)")
     ap.add_argument("--render", type=Path, nargs="+",
                     help="gpu_check.json files to render as a page: a full run, then any later partial reruns")
-    ap.add_argument("--page", type=Path, default=ROOT / "docs" / "GPU.md")
+    ap.add_argument("--page", type=Path, default=ROOT / "benchmarks" / "results" / "GPU.md")
     args = ap.parse_args(argv)
     if args.render:
         from benchmarks.gpu_page import render

@@ -1,4 +1,4 @@
-"""docs/BENCHMARKS.md from a run's raw figures: every number on the page comes from the run's data."""
+"""benchmarks/results/BENCHMARKS.md from a run's raw figures: every number on the page comes from the run's data."""
 from __future__ import annotations
 
 import datetime
@@ -163,7 +163,7 @@ def _policy_line(conv: Optional[Dict[str, Any]]) -> str:
         return "- Error feedback: no compressed convergence row ran."
     return ("- Error feedback of the compressed rows, as the library chose it from the wrapped SGD "
             "(`feedback=\"auto\"`, nothing set by hand; `none` where error feedback is switched off or "
-            "QSGD below 8 bits, see [FEEDBACK.md](FEEDBACK.md)): " + "; ".join(said) + ".")
+            "QSGD below 8 bits, see [FEEDBACK.md](../../docs/FEEDBACK.md)): " + "; ".join(said) + ".")
 
 
 def _width(speed: Dict[str, Any]) -> str:

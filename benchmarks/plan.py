@@ -16,9 +16,9 @@ import click
 
 from hvd_gradcomp.launchers.command import KEEP_FREED_MEMORY
 from hvd_gradcomp.launchers.jobs import local_horovodrun
-from hvd_gradcomp.launchers.two_hosts import down_command, horovodrun_across, up_command
 
 from .netns import in_netns, netns_setup_commands, netns_teardown_command
+from .two_hosts import down_command, horovodrun_across, up_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -212,7 +212,7 @@ def build_plan(quick: bool, rates: Optional[str], params: Optional[float], iters
     """
     speed = [] if skip_speed else [s for s in SPEED_SETTINGS if not quick or s.key in QUICK_SPEED]
     conv = [] if skip_convergence else [s for s in CONVERGENCE_SETTINGS if not quick or s.key in QUICK_CONVERGENCE]
-    docs = Path(docs_dir) if docs_dir else (ROOT / "runs" / "bench-quick" if quick else ROOT / "docs")
+    docs = Path(docs_dir) if docs_dir else (ROOT / "runs" / "bench-quick" if quick else ROOT / "benchmarks" / "results")
     return Plan(rates=parse_rates(rates or ("1gbit" if quick else DEFAULT_RATES)), speed=speed, convergence=conv,
                 params=params or (5e6 if quick else 25e6), warmup=warmup if warmup is not None else (1 if quick else 3),
                 iters=iters or (3 if quick else 10), batch_size=4, steps=steps or (40 if quick else 400), seed=seed,

@@ -1,16 +1,16 @@
-"""The README's headline figures and docs/FIGURES.md's tables, generated from the saved results of
+"""The README's headline figures and benchmarks/results/FIGURES.md's tables, generated from the saved results of
 the latest runs (never typed).
 
 Reads the raw figures the benchmark and the study wrote:
 
-* Horovod step time at 1 and 10 Gbit/s: ``docs/data/bench.json`` (``python -m benchmarks --skip-ddp``);
-* DDP against PowerSGD at 1 Gbit/s: ``docs/ddp/data.json`` (``python -m benchmarks --only-ddp``);
-* convergence targets: ``docs/data/study/`` (``make study``);
-* recipes as users write them, bytes over the whole run and in its second half: ``docs/data/recipes/``
+* Horovod step time at 1 and 10 Gbit/s: ``benchmarks/results/data/bench.json`` (``python -m benchmarks --skip-ddp``);
+* DDP against PowerSGD at 1 Gbit/s: ``benchmarks/results/ddp/data.json`` (``python -m benchmarks --only-ddp``);
+* convergence targets: ``benchmarks/results/data/study/`` (``make study``);
+* recipes as users write them, bytes over the whole run and in its second half: ``benchmarks/results/data/recipes/``
   (``python benchmarks/study/study.py --recipes``);
 
 and rewrites the block between ``<!-- readme_figures: begin -->`` and ``<!-- readme_figures: end -->``
-in each file of :data:`PAGES`: README.md gets one compact headline table, docs/FIGURES.md every table.
+in each file of :data:`PAGES`: README.md gets one compact headline table, benchmarks/results/FIGURES.md every table.
 
     python benchmarks/readme_figures.py --write      # after a benchmark or study run
     python benchmarks/readme_figures.py --check      # exit 1 if a block is out of date (tests run it)
@@ -36,7 +36,7 @@ DDP_ROWS = ("ddp", "fp16", "powersgd-1", "powersgd-4", "gc-powersgd-4", "topkqsg
 
 
 # The file each block is written to, and how much of the figures it gets.
-PAGES = {"README.md": "headline", "docs/FIGURES.md": "full"}
+PAGES = {"README.md": "headline", "benchmarks/results/FIGURES.md": "full"}
 
 
 def _load(path: Path) -> Optional[Dict[str, Any]]:
@@ -52,7 +52,7 @@ def horovod_section(bench: Dict[str, Any]) -> List[str]:
     fastest, each = (f", each row its fastest of {rounds} rounds timed in turn", ", with every round's time") \
         if rounds > 1 else ("", "")
     lines = [f"Horovod, 2 ranks{bound}, 25M parameters{fastest}, from `{bench['command']}` "
-             f"([docs/BENCHMARKS.md](docs/BENCHMARKS.md){each}):", "",
+             f"([benchmarks/results/BENCHMARKS.md](benchmarks/results/BENCHMARKS.md){each}):", "",
              "| rate | setting | step time | in synchronize() (of it, waiting for the last rank) | MB per step per rank "
              "| vs uncompressed |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -91,7 +91,7 @@ def ddp_section(data: Dict[str, Any]) -> List[str]:
         source = f"`{speed.get('command', 'python -m benchmarks --only-ddp')}`" + "".join(
             f"; {', '.join(rows)} from `{cmd}`" for cmd, rows in later.items())
     lines = [f"DDP at 1 Gbit/s, same model, from {source} "
-             "([docs/ddp/BENCHMARKS.md](docs/ddp/BENCHMARKS.md)):", "",
+             "([benchmarks/results/ddp/BENCHMARKS.md](benchmarks/results/ddp/BENCHMARKS.md)):", "",
              "| setting | step time | MB per step per rank | vs DDP uncompressed | vs PowerSGD rank 1 | "
              "vs PowerSGD rank 4 |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -118,7 +118,7 @@ def study_section(out: Path) -> List[str]:
             "Targets missed (*met?* no): " + ", ".join(missed) + "; each row's gaps say which and by how much, "
             "next to its uncompressed seed spread.")
     return [f"Convergence, {count} seeds (beside each gap), 2 ranks, from `make study` "
-            "([docs/STUDY.md](docs/STUDY.md)):", ""] + body + [said, ""]
+            "([benchmarks/results/STUDY.md](benchmarks/results/STUDY.md)):", ""] + body + [said, ""]
 
 
 RATE_TEXT = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s"}
@@ -132,7 +132,7 @@ def headline_section(bench: Optional[Dict[str, Any]], ddp: Optional[Dict[str, An
     if bench:
         rates = [r for r in ("1gbit", "10gbit") if bench["speed"].get(r, {}).get("results")]
         lines += [f"Horovod, 2 ranks, 25M parameters, a rate-limited link, from `{bench['command']}` "
-                  "([docs/FIGURES.md](docs/FIGURES.md) has every row and setting):", "",
+                  "([benchmarks/results/FIGURES.md](benchmarks/results/FIGURES.md) has every row and setting):", "",
                   "| setting | " + " | ".join(f"step time at {RATE_TEXT[r]} (speed-up)" for r in rates)
                   + f" | MB per step per rank at {RATE_TEXT[rates[0]]} |",
                   "| --- | " + " | ".join("---:" for _ in rates) + " | ---: |"]
@@ -163,10 +163,10 @@ def headline_section(bench: Optional[Dict[str, Any]], ddp: Optional[Dict[str, An
         rows = [row for row in report.targets(tasks, runs) if row.startswith("| ") and row.endswith(("| yes |", "| no |"))]
         met = sum(row.endswith("| yes |") for row in rows)
         lines += [f"Convergence, from `make study` ({len(tasks)} tasks, {count} seeds each, "
-                  "[docs/STUDY.md](docs/STUDY.md)): TopKQSGD(1%, 8) with its default feedback ended between "
+                  "[benchmarks/results/STUDY.md](benchmarks/results/STUDY.md)): TopKQSGD(1%, 8) with its default feedback ended between "
                   f"{min(g for g, _ in gaps):+.2f}% and {max(g for g, _ in gaps):+.2f}% from uncompressed "
                   f"training's held-out loss (negative: below it; each task's gap beside its seed spread in "
-                  f"docs/FIGURES.md), sending {min(ratios):.0f}x to {max(ratios):.0f}x fewer bytes than float32 in "
+                  f"benchmarks/results/FIGURES.md), sending {min(ratios):.0f}x to {max(ratios):.0f}x fewer bytes than float32 in "
                   f"the second half of each run (the steady state); {met} of {len(rows)} tasks meet the study's "
                   "targets.", ""]
     lines += recipes_sentence(recipes_dir)
@@ -186,8 +186,8 @@ def recipes_sentence(out: Path) -> List[str]:
     count = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
     names = sorted({r["recipe"] for r in rows})
     return [f"Recipes as users copy them from well-known training scripts ({len(names)} recipes x 3 compressed "
-            f"roads, {count} seeds, [docs/RECIPES.md](docs/RECIPES.md)): {within} of {len(rows)} end within 3% of "
-            f"uncompressed training or its seed spread, or below it ({better} of them; docs/RECIPES.md measures why), {diverged} "
+            f"roads, {count} seeds, [benchmarks/results/RECIPES.md](benchmarks/results/RECIPES.md)): {within} of {len(rows)} end within 3% of "
+            f"uncompressed training or its seed spread, or below it ({better} of them; benchmarks/results/RECIPES.md measures why), {diverged} "
             f"diverged. TopKQSGD(1%, 8) saved {_span(rows, 'whole', ('gc', 'ddp'))} of the bytes over the whole "
             f"run on `hvd_gradcomp.DistributedOptimizer` and the DDP hook, {_span(rows, 'whole', ('stock',))} on "
             "stock Horovod (AdamW's dense warm-up included: float16 on the first two, float32 on stock), and "
@@ -200,27 +200,27 @@ def _span(rows: List[Dict[str, Any]], key: str, roads: tuple, digits: int = 1) -
     return f"{min(xs):.{digits}f}x to {max(xs):.{digits}f}x" if xs else "-"
 
 
-def _relative_to_docs(lines: List[str]) -> List[str]:
-    """The full tables' links, as seen from docs/FIGURES.md."""
-    return [ln.replace("[docs/", "[").replace("](docs/", "](") for ln in lines]
+def _relative_to_results(lines: List[str]) -> List[str]:
+    """The full tables' links, as seen from benchmarks/results/FIGURES.md."""
+    return [ln.replace("[benchmarks/results/", "[").replace("](benchmarks/results/", "](") for ln in lines]
 
 
 def render(root: Path = ROOT, kind: str = "full") -> str:
-    """The block for a page of :data:`PAGES`: ``kind`` "headline" (README) or "full" (docs/FIGURES.md)."""
+    """The block for a page of :data:`PAGES`: ``kind`` "headline" (README) or "full" (benchmarks/results/FIGURES.md)."""
     lines = [BEGIN, "<!-- generated by `python benchmarks/readme_figures.py --write`; do not edit by hand -->", ""]
-    bench = _load(root / "docs/data/bench.json")
-    ddp = _load(root / "docs/ddp/data.json")
+    bench = _load(root / "benchmarks/results/data/bench.json")
+    ddp = _load(root / "benchmarks/results/ddp/data.json")
     if kind == "headline":
-        lines += headline_section(bench, ddp, root / "docs/data/study", root / "docs/data/recipes")
+        lines += headline_section(bench, ddp, root / "benchmarks/results/data/study", root / "benchmarks/results/data/recipes")
     else:
         body: List[str] = []
         if bench:
             body += horovod_section(bench)
         if ddp:
             body += ddp_section(ddp)
-        body += study_section(root / "docs/data/study")
-        body += recipes_sentence(root / "docs/data/recipes")
-        lines += _relative_to_docs(body)
+        body += study_section(root / "benchmarks/results/data/study")
+        body += recipes_sentence(root / "benchmarks/results/data/recipes")
+        lines += _relative_to_results(body)
     return "\n".join(lines).rstrip() + "\n" + END
 
 
@@ -239,7 +239,7 @@ def replace(text: str, block: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="rewrite the blocks of README.md and docs/FIGURES.md")
+    mode.add_argument("--write", action="store_true", help="rewrite the blocks of README.md and benchmarks/results/FIGURES.md")
     mode.add_argument("--check", action="store_true", help="exit 1 when a block is out of date")
     args = ap.parse_args()
     stale = []

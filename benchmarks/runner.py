@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 from hvd_gradcomp.launchers.jobs import rank_env, run_job, tail
-from hvd_gradcomp.launchers.two_hosts import horovodrun_across, two_hosts
 
 from .netns import in_netns, rate_limited_netns
 from .plan import (BIND_CORES, CPU_ALLOCATOR, ROOT, Plan, Setting, fastest, horovodrun, repeats, speed_path,
                    speed_program, train_program)
+from .two_hosts import horovodrun_across, two_hosts
 
 
 class JobFailed(RuntimeError):

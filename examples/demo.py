@@ -24,7 +24,7 @@ from hvd_gradcomp.launchers.jobs import BIN, local_horovodrun, rank_env, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = (
-    # Momentum correction (DGC) as in hvdgc-bench's TopK rows: momentum applied before TopK, on each rank.
+    # Momentum correction (DGC) as in the benchmark's TopK rows: momentum applied before TopK, on each rank.
     ("TopKQSGD(1%, 8) + EF", "demo-topkqsgd", ["--compression", "topk-qsgd", "--ratio", "0.01", "--bits", "8",
                                                 "--error-feedback", "--momentum-correction",
                                                 "--no-momentum-masking"]),
@@ -83,7 +83,7 @@ def closing_lines(compressed: Dict[str, Any], plain: Dict[str, Any]) -> List[str
         f"effective batch {compressed['effective_batch']}.",
         f"Throughput here: {compressed['samples_per_s']:,.0f} vs {plain['samples_per_s']:,.0f} samples/s. Both ranks "
         "share one machine's loopback, so the network costs nothing here and the compressor's CPU time shows; "
-        "see docs/BENCHMARKS.md for a rate-limited link.",
+        "see benchmarks/results/BENCHMARKS.md for a rate-limited link.",
     ]
 
 

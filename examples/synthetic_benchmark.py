@@ -4,7 +4,7 @@ A stack of square Linear layers sized by ``--params`` (25M by default) trains on
 random batch: warm-up iterations, then timed iterations of ``--batches-per-iter`` steps.
 Prints samples/s as mean +- 1.96 sigma per rank and in total, the time each step spends
 inside ``synchronize()`` (exposed communication and decoding) and the bytes each rank hands
-to Horovod per step. ``--json OUT`` writes the figures (rank 0) for ``hvdgc-bench``.
+to Horovod per step. ``--json OUT`` writes the figures (rank 0) for the benchmark (``python -m benchmarks``).
 
 Example::
 

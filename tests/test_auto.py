@@ -284,14 +284,6 @@ def test_warm_up_steps_are_not_measured():
     assert bare._setup.schedule == ("sparse", "qsgd", "fp16", "dense") and all(bare._setup.measured)
 
 
-def test_the_benchmarks_warm_up_covers_autos_start():
-    """The benchmark times Auto's steady state: its warm-up covers exploring, deciding, verifying."""
-    from benchmarks.plan import SPEED_SETTINGS
-
-    flags = next(s for s in SPEED_SETTINGS if s.key == "auto").flags
-    assert int(flags[flags.index("--warmup") + 1]) >= gc.Auto(ratio=0.01, bits=8).start_steps
-
-
 def _probe_at(bytes_per_s: float):
     """What Auto's probe measures on a link of ``bytes_per_s`` and 0.5 ms latency (2 ranks)."""
     mb = (1 << 20) / bytes_per_s

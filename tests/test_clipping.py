@@ -4,7 +4,7 @@ and the DDP hook; stock ``hvd.DistributedOptimizer``, which compresses each tens
 arrives, refuses it with the fix (tests/workers/clipping.py is the rank side).
 
 Before (40933ca) ``clip=`` bounded each tensor alone and skipped the tensors too small to compress:
-a 2-layer LSTM with SGD lr 20 and ``clip=0.25`` diverged through its biases (docs/RECIPES.md).
+a 2-layer LSTM with SGD lr 20 and ``clip=0.25`` diverged through its biases (benchmarks/results/RECIPES.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The documentation holds together: the README is a short front door, docs/README.md indexes every
-page under docs/, every relative link (and its #anchor) leads somewhere, and the guides carry no
-change history. Reads files only: no processes, no torch."""
+page under docs/ and every report the benchmarks wrote under benchmarks/results/, every relative
+link (and its #anchor) leads somewhere, and the guides carry no change history. Reads files only:
+no processes, no torch, no import of benchmarks/."""
 from __future__ import annotations
 
 import re
@@ -11,12 +12,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+REPORTS = ROOT / "benchmarks" / "results"   # the generated pages: benchmarks/' output, not docs/
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
 
 def _pages() -> List[Path]:
-    return sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
+    return sorted([ROOT / "README.md", *DOCS.rglob("*.md"), *REPORTS.rglob("*.md")])
 
 
 def _links(path: Path) -> List[str]:
@@ -54,7 +56,7 @@ def test_readme_is_a_short_front_door() -> None:
 def test_docs_index_links_every_page() -> None:
     index = DOCS / "README.md"
     linked = {(DOCS / target.split("#")[0]).resolve() for target in _links(index) if "://" not in target}
-    pages = {p.resolve() for p in DOCS.rglob("*.md")} - {index.resolve()}
+    pages = {p.resolve() for p in [*DOCS.rglob("*.md"), *REPORTS.rglob("*.md")]} - {index.resolve()}
     missing = sorted(str(p.relative_to(ROOT)) for p in pages - linked)
     assert not missing, f"docs/README.md does not link {missing}"
 
@@ -99,7 +101,7 @@ def test_guides_carry_no_change_history() -> None:
 
 def test_no_two_pages_share_a_title() -> None:
     titles: Dict[str, List[str]] = {}
-    for page in DOCS.rglob("*.md"):
+    for page in [*DOCS.rglob("*.md"), *REPORTS.rglob("*.md")]:
         first = page.read_text().splitlines()[:1]
         titles.setdefault(first[0] if first else "", []).append(str(page.relative_to(ROOT)))
     assert not {t: ps for t, ps in titles.items() if len(ps) > 1}

@@ -468,7 +468,7 @@ def test_under_a_schedule_every_unit_of_lr_times_gradient_arrives(name):
 
 def test_frozen_variance_says_when_to_freeze_later():
     """The start-up message (describe) tells a long run's user to freeze later: the run's length is
-    not known to the library (docs/STUDY_RUN_LENGTH.md); and says that the frozen v follows the
+    not known to the library (benchmarks/results/STUDY_RUN_LENGTH.md); and says that the frozen v follows the
     gradients' scale where it shrinks (where it trailed uncompressed training before, issue 9)."""
     from hvd_gradcomp import FrozenVariance
     said = FrozenVariance(warmup=50).describe()

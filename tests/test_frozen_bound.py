@@ -4,7 +4,7 @@
 Before (40933ca) a coordinate without gradient during the dense warm-up (an embedding row of a rare
 token) had the floor for its frozen ``denom``, and its first large gradient moved it hundreds of
 times the rate: the mechanism behind a tied-embedding transformer diverging after the freeze
-(docs/RECIPES.md, ``tied-2e-3``).
+(benchmarks/results/RECIPES.md, ``tied-2e-3``).
 """
 from __future__ import annotations
 

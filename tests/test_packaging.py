@@ -1,5 +1,8 @@
 """Packaging: pyproject.toml is the one list of dependencies, Horovod is an extra that only the
 Horovod roads ask for, and ``pip install`` puts nothing but ``hvd_gradcomp`` in site-packages.
+The wheel is the library, ``hvdgc-launch`` and its Slurm scripts: the benchmarks (``benchmarks/``,
+``python -m benchmarks``) and the test beds run from a checkout, and the library's tests (``tests/``)
+import none of them.
 
 The slow test installs the working tree into a new virtual environment that has torch and
 nothing else (``scripts/check_install.sh``) and trains 2 DDP ranks there.
@@ -9,8 +12,10 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -64,6 +69,41 @@ def test_entry_points_and_package_data_point_into_the_package() -> None:
     pattern = project["tool"]["setuptools"]["package-data"]["hvd_gradcomp.launchers"][0]
     assert sorted((PACKAGE / "launchers").glob(pattern)), pattern
     assert not (ROOT / "launchers").exists() and not (ROOT / "setup.cfg").exists()
+
+
+def test_the_wheel_is_the_library_the_launcher_and_its_slurm_scripts(tmp_path: Path) -> None:
+    """Built (``pip wheel --no-build-isolation``: no download) from a copy of what it is made of, the
+    wheel holds ``hvd_gradcomp`` and its metadata, one console script (``hvdgc-launch``) and the
+    Slurm scripts beside the launcher; nothing of ``benchmarks/``, ``tests/`` or ``scripts/``."""
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    shutil.copytree(PACKAGE, src / "hvd_gradcomp", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (wheel,) = (tmp_path / "dist").glob("hvd_gradcomp-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/RECORD"))
+    assert {n.split("/")[0] for n in names} == {"hvd_gradcomp", info}, names
+    sources = sorted(p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py"))
+    assert sorted(n for n in names if n.endswith(".py")) == sources
+    assert sorted(n for n in names if n.endswith(".sbatch")) == sorted(
+        p.relative_to(ROOT).as_posix() for p in (PACKAGE / "launchers" / "slurm").glob("*.sbatch")) != []
+    entry_points = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
+    assert entry_points.split() == ["[console_scripts]", "hvdgc-launch", "=", "hvd_gradcomp.launchers.cli:main"]
+
+
+def test_neither_the_library_nor_its_tests_import_the_benchmarks() -> None:
+    """benchmarks/ is a product of its own: it imports the library, never the reverse; what the
+    library's tests share with it lives in the library or in tests/."""
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not any(n.split(".")[0] == "benchmarks" for n in names), \
+                f"{path.relative_to(ROOT)} imports {names}"
 
 
 def test_the_library_imports_no_launcher() -> None:

@@ -3,7 +3,7 @@ runner, ``python benchmarks/study/study.py --config NAME`` (``--list`` names the
 
 A configuration (:class:`Config`) names what it trains (the study's tasks, the recipes, or a check's
 models and optimizers), the settings and roads it can run, its default seeds and steps, where its
-results are kept and the page it writes under docs/. Its ``jobs`` plan the 2-rank jobs whose results
+results are kept and the page it writes under benchmarks/results/. Its ``jobs`` plan the 2-rank jobs whose results
 are not there yet (an interrupted run resumes); its ``render`` makes the page from the results
 (``--report-only`` does only that). Training lives in the workers: ``worker.py`` and
 ``ddp_worker.py`` (the study's tasks, :mod:`.tasks`), ``recipe_worker.py`` (:mod:`.recipes`) and
@@ -17,76 +17,19 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from benchmarks.study import ddp_worker, pages, recipe_report, recipes, report
 from benchmarks.study.checks import freeze, outside, small_mlp, wrapper
 from benchmarks.study.recipe_worker import file_name as result_name
 from benchmarks.study.recipe_worker import setting_value
+from benchmarks.study.run import Config, Job, Refused, Run
 from benchmarks.study.tasks import TASKS
 from benchmarks.study.worker import DEFAULT_SETTINGS, SETTINGS
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Refused(Exception):
-    """An invocation a configuration cannot run; the message names the problem and the choices."""
-
-
-class Job(NamedTuple):
-    """One 2-rank job: what it trains (printed as it starts) and its command."""
-
-    what: str
-    argv: List[str]
-
-
-@dataclass(frozen=True)
-class Config:
-    """One investigation. ``tasks``, ``settings``, ``roads``: what ``--tasks``, ``--settings`` and
-    ``--roads`` pick from (none: the option is refused); the defaults: all of them unless given.
-    ``steps``: the default of ``--steps`` (0: no ``--steps``, each task trains for its own);
-    ``options``: what its ``jobs`` and ``render`` read beside those (small-mlp's take
-    ``--data``, ``--cosine``, ``--section``)."""
-
-    name: str
-    about: str                                  # one line, for --list
-    page: str                                   # under docs/
-    out: str                                    # its results, relative to the checkout: a folder or a file
-    jobs: Callable[[Run], List[Job]]
-    render: Callable[[Run], str]
-    tasks: Tuple[str, ...] = ()
-    default_tasks: Tuple[str, ...] = ()
-    settings: Tuple[str, ...] = ()
-    default_settings: Tuple[str, ...] = ()
-    roads: Tuple[str, ...] = ()
-    seeds: Tuple[int, ...] = (0, 1, 2)
-    steps: int = 0
-    options: Tuple[Tuple[str, Any], ...] = ()
-    timeout: int = 1800                         # seconds per 2-rank job
-
-
-@dataclass(frozen=True)
-class Run:
-    """One invocation of a configuration: what it trains, where its results and page go, and the
-    command the page names."""
-
-    config: Config
-    tasks: Tuple[str, ...]
-    settings: Tuple[str, ...]
-    roads: Tuple[str, ...]
-    seeds: Tuple[int, ...]
-    steps: int
-    out: Path
-    docs: Path
-    command: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-    started: float = field(default_factory=time.time)
-
-    @property
-    def page(self) -> Path:
-        return self.docs / self.config.page
 
 
 def two_ranks(launcher: str, argv: Sequence[str]) -> List[str]:
@@ -110,7 +53,7 @@ def two_ranks(launcher: str, argv: Sequence[str]) -> List[str]:
 # Extra rows: 4-bit QSGD with its default (no error feedback); for Adam and AdamW the previous
 # default recipe ("update"), so the gain of the frozen second moment is visible, FrozenVariance's
 # defaults before they dropped Adam's momentum and the sparsity warm-up after the freeze ("prev",
-# docs/FREEZE_CHECK.md), and with the 100-step sparsity warm-up back ("nomom") or Adam's momentum
+# benchmarks/results/FREEZE_CHECK.md), and with the 100-step sparsity warm-up back ("nomom") or Adam's momentum
 # kept by every tensor as well ("mom", at a constant rate); for momentum SGD momentum correction
 # without its sparsity warm-up, and at 0.1% with the 172 steps it had before it lasted
 # sqrt(1%/ratio) times longer, and at a constant rate (cnn-sgd-const, char-mlp-const) classic error
@@ -201,7 +144,7 @@ def study_jobs(run: Run) -> List[Job]:
 
 
 def render_study(run: Run) -> str:
-    """docs/STUDY.md (and its plots under ``run.docs``)."""
+    """benchmarks/results/STUDY.md (and its plots under ``run.docs``)."""
     return report.render(run.out, run.docs, run.command, (time.time() - run.started) / 60)
 
 
@@ -245,7 +188,7 @@ RECIPE_VARIANTS = {"lstm": [("gc", ("--setting", "clip=0.25")), ("ddp", ("--sett
 ``clip=``, the recipe's threshold, no clipping by hand), where the recipe clips; and uncompressed
 training with a smaller step (the LSTM clipped at 0.1) or a longer one (AdamW and the CNN at twice the peak
 rate), which tells whether a compressed road ending below uncompressed took a smaller or a longer
-effective step than the recipe's (docs/RECIPES.md); and the nanoGPT and tied-embedding recipes at
+effective step than the recipe's (benchmarks/results/RECIPES.md); and the nanoGPT and tied-embedding recipes at
 8e-3, where uncompressed training still learns and the frozen second moment blew up before its step
 was bounded by Adam's (hvd_gradcomp.feedback.frozen.FrozenVariance._step_bound); and Adafactor's recipe
 on the DDP hook with classic error feedback, what the hook ran for it before it ran ``feedback="update"``
@@ -291,12 +234,12 @@ def recipe_jobs(run: Run) -> List[Job]:
 
 
 def render_recipes(run: Run) -> str:
-    """docs/RECIPES.md, which recipe_report.write writes itself (under ``run.docs``)."""
+    """benchmarks/results/RECIPES.md, which recipe_report.write writes itself (under ``run.docs``)."""
     return recipe_report.write(run.out, run.docs, run.command).read_text()
 
 
 def render_adafactor(run: Run) -> str:
-    """docs/ADAFACTOR.md: the recipe study's page, of the Adafactor recipe alone."""
+    """benchmarks/results/ADAFACTOR.md: the recipe study's page, of the Adafactor recipe alone."""
     return recipe_report.write(run.out, run.docs, run.command, page=run.config.page,
                                title="Adafactor: a recipe on every road").read_text()
 
@@ -311,7 +254,7 @@ def lightning_jobs(run: Run) -> List[Job]:
 
 
 def render_lightning(run: Run) -> str:
-    """docs/LIGHTNING_CHECK.md: the Lightning runs beside the recipe study's saved rows (``--out`` of ``recipes``)."""
+    """benchmarks/results/LIGHTNING_CHECK.md: the Lightning runs beside the recipe study's saved rows (``--out`` of ``recipes``)."""
     return recipe_report.lightning_check(run.out, ROOT / run.options["saved"], run.command, run.tasks, run.seeds)
 
 
@@ -373,23 +316,23 @@ CONFIGS: Dict[str, Config] = {c.name: c for c in (
            "training (make study)", "STUDY.md", "runs/study", study_jobs, render_study,
            tasks=ALL_TASKS, settings=tuple(SETTINGS)),
     Config("recipes", "recipes as users copy them from well-known training scripts, on every road (--recipes)",
-           "RECIPES.md", "docs/data/recipes", recipe_jobs, render_recipes, tasks=recipes.PAGE_RECIPES),
+           "RECIPES.md", "benchmarks/results/data/recipes", recipe_jobs, render_recipes, tasks=recipes.PAGE_RECIPES),
     Config("run-length", "the study's gaps over 3 times the steps, beside those of the study's runs",
-           "STUDY_RUN_LENGTH.md", "docs/data/study-long", run_length_jobs, pages.run_length,
+           "STUDY_RUN_LENGTH.md", "benchmarks/results/data/study-long", run_length_jobs, pages.run_length,
            tasks=tuple(RUN_LENGTH_SETTINGS), settings=tuple(dict.fromkeys(
                ("none",) + tuple(s for v in RUN_LENGTH_SETTINGS.values() for s in v))),
-           seeds=(0, 1), options=(("scale", 3), ("study", "docs/data/study"))),
+           seeds=(0, 1), options=(("scale", 3), ("study", "benchmarks/results/data/study"))),
     Config("powersgd", "PowerSGD rank 4, hvd-gradcomp's against torch's hook, on the study's tasks under DDP",
-           "POWERSGD.md", "docs/data/powersgd_check", powersgd_jobs, pages.powersgd,
+           "POWERSGD.md", "benchmarks/results/data/powersgd_check", powersgd_jobs, pages.powersgd,
            tasks=("transformer", "cnn-sgd", "cnn-adam", "teacher-mlp", "transformer-const", "cnn-adam-const",
                   "cnn-sgd-const"),   # not char-mlp: the DDP worker takes no gradient accumulation
            default_tasks=("transformer", "cnn-sgd", "cnn-adam", "teacher-mlp"),
            settings=("none", "psgd4", ddp_worker.TORCH_POWERSGD)),
     Config("wrapper", "one compressor through stock Horovod, hvd_gradcomp.DistributedOptimizer and DDP, each "
-           "driven as a user drives it", "WRAPPER_CHECK.md", "docs/data/wrapper_check", wrapper_jobs,
+           "driven as a user drives it", "WRAPPER_CHECK.md", "benchmarks/results/data/wrapper_check", wrapper_jobs,
            pages.wrapper_check, roads=tuple(wrapper.ROADS)),
     Config("outside", "the README's TopKQSGD(1%, 8) on a task nothing was tuned on, through both wrappers",
-           "OUTSIDE_CHECK.md", "docs/data/outside_check.jsonl", outside_jobs, pages.outside_check,
+           "OUTSIDE_CHECK.md", "benchmarks/results/data/outside_check.jsonl", outside_jobs, pages.outside_check,
            tasks=("adamw", "adam"), settings=tuple(outside.SETTINGS),
            default_settings=("none", "tq1", "tq1-vfrozen", "tq1-prev", "tq1-prev-at100"), roads=("gc", "hvd"),
            steps=1200),
@@ -404,11 +347,11 @@ CONFIGS: Dict[str, Config] = {c.name: c for c in (
             default_settings=tuple(freeze.SETTINGS), options=(("ratio", 0.001),)),
     Config("adafactor", "issue 61's recipe: a nanoGPT char transformer with torch.optim.Adafactor(lr=1e-2), "
            "clipped at 1.0, on every road (the DDP hook also with its former classic error feedback)",
-           "ADAFACTOR.md", "docs/data/adafactor", recipe_jobs, render_adafactor, tasks=("adafactor",),
+           "ADAFACTOR.md", "benchmarks/results/data/adafactor", recipe_jobs, render_adafactor, tasks=("adafactor",),
            seeds=(0, 1)),
     Config("lightning", "recipes through Lightning's Trainer with GradCompStrategy (an AdamW and a momentum-SGD "
            "recipe by default), beside the recipe study's saved uncompressed and DDP-hook rows",
-           "LIGHTNING_CHECK.md", "docs/data/lightning", lightning_jobs, render_lightning, tasks=recipes.PAGE_RECIPES,
+           "LIGHTNING_CHECK.md", "benchmarks/results/data/lightning", lightning_jobs, render_lightning, tasks=recipes.PAGE_RECIPES,
            default_tasks=("nanogpt", "cnn-bn"), roads=recipes.TORCHRUN_ROADS, seeds=(0, 1),
-           options=(("saved", "docs/data/recipes"),)),
+           options=(("saved", "benchmarks/results/data/recipes"),)),
 )}

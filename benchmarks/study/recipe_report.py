@@ -1,5 +1,5 @@
-"""docs/RECIPES.md from the recipe study's JSON results (``study.py --recipes``; generated, never typed),
-and docs/LIGHTNING_CHECK.md (:func:`lightning_check`: the ``lightning`` road beside the saved rows).
+"""benchmarks/results/RECIPES.md from the recipe study's JSON results (``study.py --recipes``; generated, never typed),
+and benchmarks/results/LIGHTNING_CHECK.md (:func:`lightning_check`: the ``lightning`` road beside the saved rows).
 
 Every recipe gets one row per road: held-out loss (mean over seeds, and each seed), the gap to
 uncompressed training beside the uncompressed seed spread, the target (3% or that spread,
@@ -193,7 +193,7 @@ def explain(recipe: str, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
 
 
 def before_section(before: Path, runs: Dict[Tuple[str, str], List[dict]]) -> List[str]:
-    """The runs of the code before the fixes (``docs/data/recipes_before``: the same worker on a
+    """The runs of the code before the fixes (``benchmarks/results/data/recipes_before``: the same worker on a
     checkout of that commit) beside the same runs now."""
     old = load(before) if before.is_dir() else {}
     if not old:
@@ -203,7 +203,7 @@ def before_section(before: Path, runs: Dict[Tuple[str, str], List[dict]]) -> Lis
              "on the code before `FrozenVariance` bounded each gradient's step by Adam's (`1/sqrt(1 - b2)` "
              "times the rate), e.g. `git worktree add /tmp/old 40933ca`, then from there "
              "`horovodrun -np 2 -H localhost:2 --gloo python benchmarks/study/recipe_worker.py --recipe "
-             "tied-2e-3 --peak 0.008 --roads none,gc --seed 0 --out docs/data/recipes_before`. Seed 0:", "",
+             "tied-2e-3 --peak 0.008 --roads none,gc --seed 0 --out benchmarks/results/data/recipes_before`. Seed 0:", "",
              "| recipe | road | code | held-out loss then | diverged then | held-out loss now (seed 0) |",
              "| --- | --- | --- | ---: | --- | ---: |"]
     for (rec, row), rs in sorted(old.items()):
@@ -222,8 +222,8 @@ def _distance(rs: List[dict]) -> str:
 
 def write(out: Path, docs: Path, command: str, page: str = "RECIPES.md",
           title: str = "Recipes as users write them") -> Path:
-    """Write docs/RECIPES.md (or ``page``, under the heading ``title``: a configuration of its own, e.g.
-    docs/ADAFACTOR.md) from the results under ``out``; returns its path."""
+    """Write benchmarks/results/RECIPES.md (or ``page``, under the heading ``title``: a configuration of its own, e.g.
+    benchmarks/results/ADAFACTOR.md) from the results under ``out``; returns its path."""
     runs = load(out)
     recipes = [r for r in RECIPES if any(rec == r for rec, _ in runs)]
     text = [f"# {title}",
@@ -272,14 +272,14 @@ def _loss(x: float) -> str:
 
 LIGHTNING_ROWS = (("none", False, "uncompressed (saved)"), ("ddp", False, "DDP hook (saved)"),
                   ("ddp", True, "DDP hook (this code)"), ("lightning", True, "Lightning"))
-"""The rows of docs/LIGHTNING_CHECK.md's run table: (road, whether run with the Lightning runs, label)."""
+"""The rows of benchmarks/results/LIGHTNING_CHECK.md's run table: (road, whether run with the Lightning runs, label)."""
 
 
 def lightning_check(out: Path, saved: Path, command: str, names: Sequence[str], seeds: Sequence[int]) -> str:
-    """docs/LIGHTNING_CHECK.md: each recipe and seed through Lightning's ``Trainer`` with ``GradCompStrategy``
+    """benchmarks/results/LIGHTNING_CHECK.md: each recipe and seed through Lightning's ``Trainer`` with ``GradCompStrategy``
     (runs under ``out``) beside the recipe study's saved uncompressed and DDP-hook rows of the same seed
     (``saved``) and the DDP hook rerun on the code of the Lightning runs (``out``), every gap beside the
-    uncompressed seed spread of docs/RECIPES.md."""
+    uncompressed seed spread of benchmarks/results/RECIPES.md."""
     now, before = load(out), load(saved)
 
     def loss(runs: Dict[Tuple[str, str], List[dict]], recipe: str, road: str, seed: int) -> float:
@@ -290,7 +290,7 @@ def lightning_check(out: Path, saved: Path, command: str, names: Sequence[str], 
             f"`{command}` (results under `{out.name}/`, beside the recipe study's `{saved.name}/`); never typed.",
             "",
             "Each recipe of [RECIPES.md](RECIPES.md) trained through Lightning as its integration page shows it "
-            "([INTEGRATIONS.md](INTEGRATIONS.md)): `Trainer(accelerator=\"cpu\", devices=2, "
+            "([INTEGRATIONS.md](../../docs/INTEGRATIONS.md)): `Trainer(accelerator=\"cpu\", devices=2, "
             "strategy=GradCompStrategy(compression=gc.TopKQSGD(ratio=0.01, bits=8, seed=1000 * seed + rank)), "
             "max_steps=...)` under torchrun, 2 ranks (Gloo). The `LightningModule` holds the recipe's model "
             "(`self.net`) and returns the recipe's optimizer with its parameter groups from "

@@ -154,7 +154,7 @@ def run(recipe: recipes.Recipe, road: str, seed: int, comm: Comm, extra: Dict[st
     (fit_lightning if road == "lightning" else fit_as_user)(recipe, road, built, comp, comm, hand_clip, evals, sent)
     wall = time.perf_counter() - t0
     # how far training moved the weights: a compressed road ending far below uncompressed training
-    # with a longer distance took longer steps (docs/RECIPES.md)
+    # with a longer distance took longer steps (benchmarks/results/RECIPES.md)
     distance = float((torch.cat([p.detach().reshape(-1) for p in net.parameters()]) - start).norm())
     return {"recipe": recipe.name, "road": road, "seed": seed, "steps": recipe.steps, "extra": extra,
             "parameters": sum(p.numel() for p in net.parameters()), "identical": comm.identical(net),

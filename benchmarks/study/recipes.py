@@ -1,6 +1,6 @@
 """Recipes as users copy them from well-known training scripts: model, parameter groups,
 optimizer, schedule and clipping written the way those scripts write them (not the way this
-library's own tasks do), for the study's recipe part (``study.py --recipes``, docs/RECIPES.md).
+library's own tasks do), for the study's recipe part (``study.py --recipes``, benchmarks/results/RECIPES.md).
 
 * ``nanogpt``: nanoGPT's char model (2 pre-LayerNorm blocks, width 128, context 64, head without
   bias, N(0, 0.02) init), AdamW lr 2e-3 betas (0.9, 0.99), weight decay 0.1 on tensors with
@@ -15,7 +15,7 @@ library's own tasks do), for the study's recipe part (``study.py --recipes``, do
 * ``adafactor``: issue 61's recipe, the ``nanogpt`` model (437,760 parameters) with
   ``torch.optim.Adafactor(lr=1e-2)`` (one group, no weight decay) and the tied recipes' schedule
   and clipping: 50-step warm-up then cosine to 10% at step 400, clipped at 1.0 by hand. Not on
-  docs/RECIPES.md: a configuration of its own, ``study.py --config adafactor`` (docs/ADAFACTOR.md).
+  benchmarks/results/RECIPES.md: a configuration of its own, ``study.py --config adafactor`` (benchmarks/results/ADAFACTOR.md).
 
 Each recipe is driven the way a user drives it on each road (:data:`ROADS`):
 ``zero_grad()``, ``backward()``, clipping where the recipe clips (Horovod:
@@ -52,7 +52,7 @@ ROADS = {"none": "uncompressed `hvd.DistributedOptimizer`",
          "ddp": "DDP hook, `hvd_gradcomp.ddp.register(compression=TopKQSGD, optimizer=opt)`",
          "lightning": "Lightning, `Trainer(strategy=GradCompStrategy(compression=TopKQSGD))`"}
 """The roads a recipe runs on: the uncompressed reference and the three compressed roads of every recipe
-(docs/RECIPES.md), each ``TopKQSGD(ratio=0.01, bits=8, seed=...)`` with every other setting left at its
+(benchmarks/results/RECIPES.md), each ``TopKQSGD(ratio=0.01, bits=8, seed=...)`` with every other setting left at its
 default; and the DDP hook through Lightning's ``Trainer`` (``study.py --config lightning``)."""
 HOROVOD_ROADS = ("none", "stock", "gc")
 TORCHRUN_ROADS = ("ddp", "lightning")
@@ -105,7 +105,7 @@ RECIPES: Dict[str, Recipe] = {r.name: r for r in (
            "nanoGPT char transformer, 2 blocks, torch.optim.Adafactor lr 1e-2, 400 steps, clipped at 1.0"),
 )}
 PAGE_RECIPES = ("nanogpt", "tied-1e-3", "tied-2e-3", "lstm", "bert-ft", "cnn-bn")
-"""The recipes of docs/RECIPES.md (``study.py --recipes``); the others have a configuration and page of their own."""
+"""The recipes of benchmarks/results/RECIPES.md (``study.py --recipes``); the others have a configuration and page of their own."""
 
 
 def _gpt_init(model: nn.Module) -> None:

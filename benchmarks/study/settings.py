@@ -1,5 +1,5 @@
 """The study's compression settings, shared by its two workers (``worker.py``: Horovod;
-``ddp_worker.py``: DDP): each is a key of the JSON results and a row of docs/STUDY.md.
+``ddp_worker.py``: DDP): each is a key of the JSON results and a row of benchmarks/results/STUDY.md.
 
 Horovod-free, so the DDP worker can import it: ``worker.py`` adds the one setting that needs
 Horovod (``fp16``, Horovod's own compression).
@@ -28,7 +28,7 @@ def fixed_rate_topkqsgd(optimizer: Any) -> Any:
 def previous_default(ratio: float) -> Any:
     """TopKQSGD(ratio, 8) with ``FrozenVariance``'s defaults before they changed (Adam's momentum kept
     while the learning rate changes, a 100-step sparsity warm-up after the freeze; see
-    docs/FREEZE_CHECK.md), so the study shows what the change did. Under a schedule ``v`` was then
+    benchmarks/results/FREEZE_CHECK.md), so the study shows what the change did. Under a schedule ``v`` was then
     frozen for good (``follow_scale=None``); at a constant rate it followed the gradients' scale both
     ways, averaged as Adam averages, which no option does now: those tasks' rows are older runs."""
     return gc.TopKQSGD(ratio=ratio, bits=8, feedback=gc.FrozenVariance(momentum=None, sparsity_warmup=100,
@@ -66,7 +66,7 @@ SETTINGS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
     # The residual kept at the rate it was computed (before it followed the learning rate)
     "tq1-fixedlr": ("TopKQSGD(1%, 8), residual not following the rate", fixed_rate_topkqsgd),
     # Adam and AdamW: FrozenVariance's default before it dropped Adam's momentum and its sparsity
-    # warm-up (docs/FREEZE_CHECK.md); Adam's first moment kept by every tensor; the default with the
+    # warm-up (benchmarks/results/FREEZE_CHECK.md); Adam's first moment kept by every tensor; the default with the
     # sparsity warm-up back. All with the 100-step sparsity warm-up they ran with.
     "tq1-prev": ("TopKQSGD(1%, 8), previous default", lambda opt: previous_default(0.01)),
     "tq01-prev": ("TopKQSGD(0.1%, 8), previous default", lambda opt: previous_default(0.001)),

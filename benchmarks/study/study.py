@@ -2,7 +2,7 @@
 of the configurations of :mod:`benchmarks.study.configs` (the convergence study, the recipe study and
 every past investigation: what each trains, its settings, roads and seeds, its results and its
 page) and writes its page. With no ``--config`` it is the convergence study (``make study``),
-docs/STUDY.md.
+benchmarks/results/STUDY.md.
 
 Every job trains on 2 ranks of this machine (Gloo). Results are kept (one JSON per run under
 ``--out``, or a JSON-lines file), so an interrupted run resumes where it stopped, and
@@ -31,7 +31,8 @@ from typing import List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.study.configs import CONFIGS, Job, Refused, Run  # noqa: E402
+from benchmarks.study.configs import CONFIGS  # noqa: E402
+from benchmarks.study.run import Job, Refused, Run  # noqa: E402
 
 FLAGS = ("data", "cosine", "section")
 """Options a configuration reads only when it has them (:attr:`Config.options`): the others refuse them."""
@@ -54,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", type=seed_list, help="comma-separated (default: the configuration's)")
     ap.add_argument("--steps", type=int, help="steps of every run, for the checks (default: the configuration's)")
     ap.add_argument("--out", help="where the results are kept (default: the configuration's)")
-    ap.add_argument("--docs", default=str(ROOT / "docs"), help="where the page is written")
+    ap.add_argument("--docs", default=str(ROOT / "benchmarks" / "results"), help="where the page is written")
     ap.add_argument("--timeout", type=int, help="seconds per 2-rank job (default: the configuration's)")
     ap.add_argument("--report-only", action="store_true", help="write the page from the results kept; train nothing")
     ap.add_argument("--data", choices=("teacher", "digits"),
@@ -74,7 +75,7 @@ def pick(given: Optional[str], known: Sequence[str], default: Sequence[str], wha
     (('a', 'c'), ('b',))
     >>> pick("a,z", ("a", "b"), (), "tasks", "x")
     Traceback (most recent call last):
-    benchmarks.study.configs.Refused: unknown tasks ['z'] of --config x; choose from ['a', 'b']
+    benchmarks.study.run.Refused: unknown tasks ['z'] of --config x; choose from ['a', 'b']
     """
     if given is None:
         return tuple(default or known)
@@ -125,7 +126,7 @@ def make_run(argv: Sequence[str]) -> Run:
 
 def listing() -> str:
     """One line per configuration: its name, what it does, its page."""
-    return "\n".join(f"{c.name:<11} {c.about} (docs/{c.page})" for c in CONFIGS.values())
+    return "\n".join(f"{c.name:<11} {c.about} (benchmarks/results/{c.page})" for c in CONFIGS.values())
 
 
 def run_job(job: Job, timeout: int) -> bool:

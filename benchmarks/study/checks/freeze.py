@@ -1,5 +1,5 @@
-"""The freeze check (``study.py --config freeze``, docs/FREEZE_CHECK.md; ``--config freeze-01`` at
-ratio 0.1%, docs/FREEZE_CHECK_01.md): Adam and AdamW on a model with the quirks real ones have,
+"""The freeze check (``study.py --config freeze``, benchmarks/results/FREEZE_CHECK.md; ``--config freeze-01`` at
+ratio 0.1%, benchmarks/results/FREEZE_CHECK_01.md): Adam and AdamW on a model with the quirks real ones have,
 around the moment ``feedback="frozen"`` freezes Adam's second moment (step 100). An outside user's
 script, found to jump after the freeze with FrozenVariance's defaults of the time (Adam's momentum
 kept while the rate changes, a sparsity warm-up after the freeze), which then changed.

@@ -1,4 +1,4 @@
-"""The outside check (``study.py --config outside``, docs/OUTSIDE_CHECK.md): a check as an outside
+"""The outside check (``study.py --config outside``, benchmarks/results/OUTSIDE_CHECK.md): a check as an outside
 user would run one, on a task none of the library's defaults were chosen on, written only with the
 README's API, both optimizer wrappers (``--roads gc,hvd``), AdamW and Adam (``--tasks``); each run
 is one ``hvdgc-launch -np 2 --gloo`` job.
@@ -43,7 +43,7 @@ SETTINGS_TEXT = (
     "``tq1-vfrozen``: ``v`` frozen for good, not following shrinking gradients "
     "(``FrozenVariance(follow_scale=None)``, the default before it did, here under OneCycleLR); ``-prev``: "
     "``FrozenVariance``'s defaults before it dropped Adam's momentum and the sparsity warm-up after the "
-    "freeze, ``momentum=None, sparsity_warmup=100``, see docs/FREEZE_CHECK.md: the runs of ``tq1`` and "
+    "freeze, ``momentum=None, sparsity_warmup=100``, see benchmarks/results/FREEZE_CHECK.md: the runs of ``tq1`` and "
     "``tq1-at100`` from before that change).")
 """What :data:`SETTINGS` run, as the page says it."""
 

@@ -1,4 +1,4 @@
-"""The small-MLP check (``study.py --config small-mlp``, docs/SMALL_MLP_CHECK.md): a quick check as an
+"""The small-MLP check (``study.py --config small-mlp``, benchmarks/results/SMALL_MLP_CHECK.md): a quick check as an
 outside user would write it. A small MLP (64- and 48-wide layers, so every compressed tensor is near
 ``min_k``) classifies by a random linear teacher, the README's two lines with each optimizer of
 ``--tasks`` (:data:`OPTIMIZERS`), a constant learning rate (``--cosine``: decayed to zero over the

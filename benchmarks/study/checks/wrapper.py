@@ -1,4 +1,4 @@
-"""The wrapper check (``study.py --config wrapper``, docs/WRAPPER_CHECK.md): the same compressor
+"""The wrapper check (``study.py --config wrapper``, benchmarks/results/WRAPPER_CHECK.md): the same compressor
 through every road, each driven the way the README shows a user would. A 2-layer character
 transformer (437,760 parameters) trained with AdamW for :data:`STEPS` steps, the rate set each step
 through ``param_groups[i]["lr"]`` (:data:`SCHEDULE`), a plain ``zero_grad()`` / ``backward()`` /

@@ -1,4 +1,5 @@
-"""The two test hosts of ``scripts/two_hosts.sh`` seen from Python: run a 2-rank job across them.
+"""The two test hosts of ``scripts/two_hosts.sh`` seen from the benchmark (``python -m benchmarks
+--two-hosts``): run a 2-rank job across them. A test bed, so it lives here and not in the package.
 
 Host ``hvdgc-a`` and host ``hvdgc-b`` are network namespaces joined by a veth pair (``hvdgc0``
 on both) that ``tc tbf`` limits to a rate per direction. :func:`two_hosts` brings them up at a
@@ -16,9 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, List, Sequence
 
-from .command import LaunchSpec, build_command
+from hvd_gradcomp.launchers.command import LaunchSpec, build_command
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "two_hosts.sh"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "two_hosts.sh"
 HOSTS = ("hvdgc-a", "hvdgc-b")
 INTERFACE = "hvdgc0"
 

@@ -1,5 +1,5 @@
 """The recipe study (``study.py --recipes``): its worker drives each road as a user does and writes the
-records recipe_report.py reads; the page docs/RECIPES.md is the rendering of the saved runs. Its
+records recipe_report.py reads; the page benchmarks/results/RECIPES.md is the rendering of the saved runs. Its
 ``lightning`` road (``study.py --config lightning``) is its ``ddp`` road through Lightning's ``Trainer``."""
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ def test_worker_drives_every_road_and_writes_what_the_report_reads(tmp_path: Pat
 
 
 def test_recipes_page_is_the_rendering_of_its_saved_runs(tmp_path: Path) -> None:
-    """docs/RECIPES.md comes from docs/data/recipes (``study.py --recipes --report-only`` rewrites it)."""
-    saved = ROOT / "docs/data/recipes"
-    page = (ROOT / "docs/RECIPES.md").read_text()
+    """benchmarks/results/RECIPES.md comes from benchmarks/results/data/recipes (``study.py --recipes --report-only`` rewrites it)."""
+    saved = ROOT / "benchmarks/results/data/recipes"
+    page = (ROOT / "benchmarks/results/RECIPES.md").read_text()
     command = page.split("from the runs of `", 1)[1].split("`", 1)[0]
     recipe_report.write(saved, tmp_path, command)
     assert (tmp_path / "RECIPES.md").read_text() == page
@@ -67,7 +67,7 @@ def test_lightning_road_is_the_ddp_road_through_the_trainer() -> None:
     momentum SGD, and the LSTM's clipping as ``gradient_clip_val`` against the compressor's ``clip=``."""
     jobs = [{"recipe": "nanogpt", "steps": 110, "seed": 1}, {"recipe": "cnn-bn", "steps": 12, "seed": 0},
             {"recipe": "lstm", "steps": 6, "seed": 0}]
-    per_rank = run_torchrun(ROOT / "tests" / "recipe_lightning_worker.py", jobs, timeout=360)
+    per_rank = run_torchrun(ROOT / "benchmarks" / "tests" / "recipe_lightning_worker.py", jobs, timeout=360)
     for rank in per_rank:
         for job, r in zip(jobs, rank):
             assert r["identical"] and r["evals_equal"] and r["sent_equal"], (job, r)

@@ -9,8 +9,9 @@ import torch
 from benchmarks import gpu_check
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parent.parent
-RUNS = [ROOT / "docs" / "data" / "gpu" / "full.json", ROOT / "docs" / "data" / "gpu" / "rerun-ddp-fix.json"]
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = [RESULTS / "data" / "gpu" / "full.json", RESULTS / "data" / "gpu" / "rerun-ddp-fix.json"]
 
 
 def test_gpu_page_is_generated_from_its_json(tmp_path: Path) -> None:
@@ -24,8 +25,8 @@ def test_gpu_page_is_generated_from_its_json(tmp_path: Path) -> None:
         assert gpu_check.main(args) == 0
     finally:
         os.chdir(cwd)
-    assert page.read_text() == (ROOT / "docs" / "GPU.md").read_text(), \
-        "docs/GPU.md differs from its JSON: regenerate it with the command at its top"
+    assert page.read_text() == (RESULTS / "GPU.md").read_text(), \
+        "benchmarks/results/GPU.md differs from its JSON: regenerate it with the command at its top"
 
 
 def test_a_failed_check_is_recorded_and_the_rest_still_run(tmp_path: Path) -> None:

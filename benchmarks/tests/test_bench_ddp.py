@@ -1,12 +1,13 @@
 """The DDP half of the benchmark (benchmarks/ddp.py): plan, command lines, tables, targets and page.
 
-Its jobs are 2-rank torchrun runs (minutes); the scripts they run are tested for real in
-test_ddp.py (bench_ddp.py --quick, train_ddp.py through hvdgc-launch). Here the pure pieces,
-with exact values.
+Its jobs are 2-rank torchrun runs (minutes); the scripts they run are tested for real: bench_ddp.py
+--quick at the end of this file, train_ddp.py through hvdgc-launch in tests/test_ddp.py. Here the
+pure pieces, with exact values.
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from click.testing import CliRunner
 from benchmarks import cli
 from benchmarks import ddp as bddp
 from benchmarks import plan as bplan
+from tests.harness import ROOT, launch, rank_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,3 +205,22 @@ def test_timed_out_job_leaves_no_worker_of_its_own_session(tmp_path: Path) -> No
     time.sleep(0.2)
     with pytest.raises(ProcessLookupError):
         os.kill(worker, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_speed_benchmark_quick(tmp_path):
+    """A smoke test of benchmarks/bench_ddp.py (timings on this machine mean nothing; bytes do)."""
+    out = tmp_path / "ddp.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(ROOT / "benchmarks" / "bench_ddp.py"), "--quick", "--json", str(out)]
+    res = launch(argv, 240, rank_env())
+    assert res.returncode == 0, res.stdout
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["ddp", "fp16", "powersgd-1", "powersgd-4", "gc-powersgd-4", "topkqsgd", "qsgd8"]
+    assert rows["ddp"]["ratio"] == 1.0 and rows["fp16"]["ratio"] == 2.0
+    assert rows["powersgd-1"]["ratio"] > rows["powersgd-4"]["ratio"] > 2
+    # ours at rank 4 sends the same factors as torch's hook, give or take the small tensors' split
+    assert rows["gc-powersgd-4"]["ratio"] == pytest.approx(rows["powersgd-4"]["ratio"], rel=0.1)
+    assert rows["topkqsgd"]["ratio"] > 50 and 3.5 < rows["qsgd8"]["ratio"] < 4.1
+    assert all(r["step_s"] > 0 and 0 <= r["comm_share"] < 1 for r in rows.values())

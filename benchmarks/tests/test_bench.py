@@ -15,7 +15,6 @@ from click.testing import CliRunner
 
 from benchmarks import cli, markdown, netns, runner, tables
 from benchmarks import plan as bplan
-from hvd_gradcomp.launchers import bench as bench_entry
 from hvd_gradcomp.launchers import jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +92,7 @@ def test_rank_env_drops_stray_settings() -> None:
 def test_plan_defaults_full_and_quick(tmp_path: Path) -> None:
     full = bplan.build_plan(False, None, None, None, None, None, 0, False, False, None, 300, "auto")
     assert full.rates == ["100mbit", "1gbit", "10gbit"] and len(full.speed) == 8 and len(full.convergence) == 7
-    assert full.params == 25e6 and full.docs_dir == bplan.ROOT / "docs"
+    assert full.params == 25e6 and full.docs_dir == bplan.ROOT / "benchmarks" / "results"
     quick = bplan.build_plan(True, "500mbit", None, 2, None, None, 0, False, True, None, 300, "auto")
     assert quick.rates == ["500mbit"] and quick.iters == 2 and quick.convergence == []
     assert quick.docs_dir == bplan.ROOT / "runs" / "bench-quick"
@@ -200,7 +199,7 @@ def test_report_written_with_plots(tmp_path: Path) -> None:
 def test_report_says_unthrottled(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     speed = {"1gbit": {**SPEED["1gbit"], "throttled": False}}
-    md = markdown.render_markdown(plan, runner.machine_description(), speed, None, "hvdgc-bench", 1.0, {})
+    md = markdown.render_markdown(plan, runner.machine_description(), speed, None, "python -m benchmarks", 1.0, {})
     assert "**Unthrottled**" in md and "### 1gbit requested, ran unthrottled" in md
 
 
@@ -212,15 +211,6 @@ def test_no_figure_on_the_page_is_typed_by_hand(tmp_path: Path) -> None:
         assert stale not in md
     conditions = md.split("## Conditions")[1].split("## ")[0]
     assert "micro-batch 32" in conditions and "SGD lr 0.05 momentum 0.9" in conditions   # from the runs' JSON
-
-
-def test_installed_bench_command_says_to_use_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    assert bench_entry.find_checkout(tmp_path) is None
-    with pytest.raises(SystemExit) as exc:
-        bench_entry.main(["--quick"])
-    assert "make bench" in str(exc.value) and "checkout" in str(exc.value)
-    assert bench_entry.find_checkout(bplan.ROOT / "docs") == bplan.ROOT
 
 
 def test_stacked_step_time_parts_and_auto_targets() -> None:
@@ -277,7 +267,7 @@ def test_convergence_rows_show_the_feedback_policy_the_run_used() -> None:
 
 @pytest.mark.slow
 def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
-    """docs/FIGURES.md and docs/AUTO.md carry bench_bytes_per_rank.py's tables between its markers
+    """benchmarks/results/FIGURES.md and docs/AUTO.md carry bench_bytes_per_rank.py's tables between its markers
     (``--write-docs``), and the modelled part is what the code models today."""
     from benchmarks import bench_bytes_per_rank as bpr
 
@@ -290,13 +280,13 @@ def test_bytes_per_rank_tables_in_the_docs_are_generated_and_current() -> None:
     assert bpr.model_tables(tensors) in blocks["docs/AUTO.md"]
     assert "Measured bytes per rank per step" in blocks["docs/AUTO.md"]
     cross = bpr.crossovers(tensors)["TopKQSGD(1%, 8)"]
-    assert f"fp16 allreduce from {cross['fp16']} ranks on" in blocks["docs/FIGURES.md"]
-    assert "| sparse | TopKQSGD(1%, 8) |" in blocks["docs/FIGURES.md"]
+    assert f"fp16 allreduce from {cross['fp16']} ranks on" in blocks["benchmarks/results/FIGURES.md"]
+    assert "| sparse | TopKQSGD(1%, 8) |" in blocks["benchmarks/results/FIGURES.md"]
 
 
 def test_accumulation_memory_table_is_generated_from_the_saved_run() -> None:
-    """docs/FIGURES.md's accumulation table is bench_accumulation_memory.py's rendering of
-    docs/data/accumulation_memory.json (``--write-docs``; ``--render`` rewrites it), not typed."""
+    """benchmarks/results/FIGURES.md's accumulation table is bench_accumulation_memory.py's rendering of
+    benchmarks/results/data/accumulation_memory.json (``--write-docs``; ``--render`` rewrites it), not typed."""
     import json
     from benchmarks import bench_accumulation_memory as bam
     data = json.loads(bam.DATA.read_text())
@@ -308,15 +298,15 @@ def test_accumulation_memory_table_is_generated_from_the_saved_run() -> None:
 
 
 def test_readme_figures_are_generated_from_the_saved_results() -> None:
-    """The README's headline table and docs/FIGURES.md's speed and convergence tables are
-    benchmarks/readme_figures.py's rendering of the saved raw results (docs/data/bench.json,
-    docs/ddp/data.json, docs/data/study), not typed."""
+    """The README's headline table and benchmarks/results/FIGURES.md's speed and convergence tables are
+    benchmarks/readme_figures.py's rendering of the saved raw results (benchmarks/results/data/bench.json,
+    benchmarks/results/ddp/data.json, benchmarks/results/data/study), not typed."""
     from benchmarks import readme_figures as rf
-    root = Path(__file__).resolve().parents[1]
-    assert rf.PAGES == {"README.md": "headline", "docs/FIGURES.md": "full"}
+    root = Path(__file__).resolve().parents[2]
+    assert rf.PAGES == {"README.md": "headline", "benchmarks/results/FIGURES.md": "full"}
     headline, full = rf.render(root, "headline"), rf.render(root, "full")
     assert headline in (root / "README.md").read_text(), "run python benchmarks/readme_figures.py --write"
-    assert full in (root / "docs/FIGURES.md").read_text(), "run python benchmarks/readme_figures.py --write"
+    assert full in (root / "benchmarks/results/FIGURES.md").read_text(), "run python benchmarks/readme_figures.py --write"
     assert "| 1gbit | TopKQSGD(1%, 8) |" in full and "PowerSGD rank 1" in full and "| transformer |" in full
     assert "| TopKQSGD(1%, 8) |" in headline and "PowerSGD rank 1" in headline and "make study" in headline
 
@@ -367,3 +357,11 @@ def test_speed_rows_are_timed_in_rounds_and_the_fastest_kept(tmp_path: Path,
         "- Step time in each round (ms): TopK 1% 300 / 220 / 260; Auto 250 / 310 / 240."
     assert "in 3 rounds" in markdown._rounds_clause(plan)
     assert bplan.build_plan(True, None, None, None, None, None, 0, False, False, None, 300, "auto").rounds == 1
+
+
+def test_the_benchmarks_warm_up_covers_autos_start():
+    """The benchmark times Auto's steady state: its warm-up covers exploring, deciding, verifying."""
+    import hvd_gradcomp as gc
+
+    flags = next(s for s in bplan.SPEED_SETTINGS if s.key == "auto").flags
+    assert int(flags[flags.index("--warmup") + 1]) >= gc.Auto(ratio=0.01, bits=8).start_steps

@@ -51,17 +51,17 @@ def test_horovod_and_ddp_workers_write_the_records_the_report_reads(tmp_path: Pa
 
 
 def test_every_configuration_has_its_page_and_a_renderer() -> None:
-    """Every configuration renders a page that exists under docs/ and keeps its results in the
+    """Every configuration renders a page that exists under benchmarks/results/ and keeps its results in the
     checkout; ``study.py --list`` names each with its page; ``--recipes`` is ``--config recipes``."""
     for name, c in configs.CONFIGS.items():
-        assert c.name == name and (ROOT / "docs" / c.page).is_file() and callable(c.render) and callable(c.jobs), c
+        assert c.name == name and (ROOT / "benchmarks" / "results" / c.page).is_file() and callable(c.render) and callable(c.jobs), c
         assert c.about and not Path(c.out).is_absolute() and set(c.default_tasks) <= set(c.tasks), c
         assert set(c.default_settings) <= set(c.settings), c
     res = subprocess.run(RUNNER + ["--list"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     listed = {line.split()[0]: line for line in res.stdout.splitlines()}
     assert list(listed) == list(configs.CONFIGS)
-    assert all(f"(docs/{c.page})" in listed[n] for n, c in configs.CONFIGS.items())
+    assert all(f"(benchmarks/results/{c.page})" in listed[n] for n, c in configs.CONFIGS.items())
     assert study.make_run(["--recipes"]).config.name == "recipes" and study.make_run([]).config.name == "study"
 
 
@@ -69,8 +69,8 @@ def test_every_configuration_has_its_page_and_a_renderer() -> None:
                                     "lightning"])
 def test_a_page_is_the_rendering_of_its_saved_results(config: str, tmp_path: Path) -> None:
     """The page's own command, with ``--report-only`` into another folder, writes the page as committed
-    (docs/STUDY.md names its date and minutes: its tables are tested above)."""
-    page = ROOT / "docs" / configs.CONFIGS[config].page
+    (benchmarks/results/STUDY.md names its date and minutes: its tables are tested above)."""
+    page = ROOT / "benchmarks" / "results" / configs.CONFIGS[config].page
     command = re.search(r"`(python benchmarks/study/study\.py[^`]*)`", page.read_text()).group(1)
     run = study.make_run(shlex.split(command)[2:] + ["--docs", str(tmp_path), "--report-only"])
     assert run.config.name == config and run.command == command
@@ -197,7 +197,7 @@ def test_outside_check_trains_both_wrappers_and_tables_the_gaps(tmp_path: Path) 
 
 
 def test_wrapper_check_roads_agree() -> None:
-    """In docs/WRAPPER_CHECK.md's runs every compressed road (stock Horovod, hvd_gradcomp.DistributedOptimizer,
+    """In benchmarks/results/WRAPPER_CHECK.md's runs every compressed road (stock Horovod, hvd_gradcomp.DistributedOptimizer,
     DDP) ends within the uncompressed seed spread of the others, its replicas identical."""
     config = configs.CONFIGS["wrapper"]
     runs = pages.records(ROOT / config.out)
@@ -210,7 +210,7 @@ def test_wrapper_check_roads_agree() -> None:
 
 
 def test_powersgd_runs_pair_with_uncompressed_ddp() -> None:
-    """Every PowerSGD run of docs/POWERSGD.md has the DDP uncompressed run of its seed to be paired with."""
+    """Every PowerSGD run of benchmarks/results/POWERSGD.md has the DDP uncompressed run of its seed to be paired with."""
     config = configs.CONFIGS["powersgd"]
     runs = report.load(ROOT / config.out)
     assert {s for _, s in runs} == set(config.settings)

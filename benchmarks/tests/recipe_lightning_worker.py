@@ -1,5 +1,5 @@
-"""Rank side of tests/test_recipe_study.py's check of the recipe worker's ``lightning`` road:
-``python -m torch.distributed.run --nproc-per-node 2 tests/recipe_lightning_worker.py JOBS OUTDIR``.
+"""Rank side of benchmarks/tests/test_recipe_study.py's check of the recipe worker's ``lightning`` road:
+``python -m torch.distributed.run --nproc-per-node 2 benchmarks/tests/recipe_lightning_worker.py JOBS OUTDIR``.
 
 Each job trains one recipe twice from the same seed: on the ``ddp`` road (:func:`fit_as_user`) with the
 model inside a module that names it ``net``, as the ``lightning`` road's ``LightningModule`` does (the
@@ -20,7 +20,7 @@ from typing import Any, Dict
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import hvd_gradcomp as gc  # noqa: E402
 from benchmarks.study import recipe_worker, recipes  # noqa: E402
 
