@@ -29,7 +29,7 @@ _LAZY = {
     "HorovodIntegrationError": "horovod",
     "GradientCompressor": "codecs.compressor", "SparsityWarmup": "codecs.compressor", "Encoded": "codecs.contract",
     "HorovodCompressor": "horovod",   # a codec of your own serves stock hvd.DistributedOptimizer with it
-    "ResidualStore": "feedback", "FrozenVariance": "feedback.frozen", "MomentumCorrection": "feedback.momentum",
+    "ResidualStore": "feedback.residuals", "FrozenVariance": "feedback.frozen", "MomentumCorrection": "feedback.momentum",
     "ByteStats": "stats",
     "WireFormatError": "wire",
     "DistributedOptimizer": "horovod.optimizer",

@@ -21,7 +21,8 @@ from hvd_gradcomp import _LAZY, config
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hvd_gradcomp"
 # What is sent and what is remembered: no Horovod, nothing from the layers above.
-CODEC_MODULES = {"settings", "stats", "codecs", "wire", "wire.kernels", "feedback", "feedback.momentum",
+CODEC_MODULES = {"settings", "stats", "codecs", "wire", "wire.kernels", "feedback", "feedback.residuals",
+                 "feedback.policy", "feedback.registry", "feedback.momentum",
                  "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
                  "codecs.compressor", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps",
                  "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
@@ -200,7 +201,7 @@ def test_every_hvdgc_variable_is_in_the_one_table() -> None:
 LAYERS = (
     ("settings", ("settings", "stats", "codecs")),
     ("wire", ("wire", "wire.kernels")),
-    ("feedback", ("feedback", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
+    ("feedback", ("feedback", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
                   "feedback.frozen_momentum")),
     ("codecs", ("codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.compressor",
                 "codecs.qsgd", "codecs.topk", "codecs.powersgd")),
