@@ -31,7 +31,7 @@ _LAZY = {
     "HorovodCompressor": "horovod",   # a codec of your own serves stock hvd.DistributedOptimizer with it
     "ResidualStore": "feedback.residuals", "FrozenVariance": "feedback.frozen", "MomentumCorrection": "feedback.momentum",
     "ByteStats": "stats",
-    "WireFormatError": "wire",
+    "WireFormatError": "wire.format",
     "DistributedOptimizer": "horovod.optimizer",
     "GradientAccumulator": "horovod.accumulate",
 }
