@@ -259,7 +259,7 @@ class Auto(RoadSchedule, RoadMeasure, AutoState):
     def bind(self, named_parameters: Any) -> "Auto":
         """Use these names for the gradients stock Horovod hands to compress() (as the
         compressors' ``bind``); without it the names come from Horovod's optimizer. Returns self."""
-        from ..horovod import name_map
+        from ..horovod.stock import name_map
 
         self._names = name_map(named_parameters)
         return self
@@ -267,11 +267,11 @@ class Auto(RoadSchedule, RoadMeasure, AutoState):
     def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
         """Inside stock ``hvd.DistributedOptimizer``: the tensor's road (see :mod:`hvd_gradcomp.horovod`).
         Anywhere else (e.g. hvd_gradcomp's fused small tensors) the tensor passes unchanged."""
-        from .. import horovod
+        from ..horovod.stock import find_horovod_call
 
         if not _compressible(tensor):
             return tensor, None
-        call = horovod.find_horovod_call(tensor, self._names)
+        call = find_horovod_call(tensor, self._names)
         if call is None:
             return tensor, None
         self._configure("stock", call.op, call.process_set)
