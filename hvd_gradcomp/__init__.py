@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it (see docs/ARCHITECTURE.md).
 _LAZY = {
-    "Auto": "auto",
+    "Auto": "auto.auto",
     "QSGD": "horovod.classes", "TopK": "horovod.classes", "TopKQSGD": "horovod.classes", "PowerSGD": "horovod.classes",
     "HorovodIntegrationError": "horovod.stock",
     "GradientCompressor": "codecs.compressor", "SparsityWarmup": "codecs.compressor", "Encoded": "codecs.contract",

@@ -211,7 +211,7 @@ LAYERS = (
     ("collectives", ("collectives", "collectives.reduce", "collectives.rounds", "collectives.transport",
                      "collectives.inflight", "collectives.exchange", "collectives.fused")),
     ("horovod", ("horovod", "horovod.stock", "horovod.classes")),
-    ("auto", ("auto", "auto.policy", "auto.schedule", "auto.measure", "auto.state")),
+    ("auto", ("auto", "auto.auto", "auto.policy", "auto.schedule", "auto.measure", "auto.state")),
     ("optimizers", ("horovod.elastic", "horovod.optimizer", "horovod.accumulate", "ddp", "ddp.roads", "ddp.auto", "ddp.checkpoint",
                     "ddp.join", "config")),
     ("integrations", ("integrations", "integrations.lightning", "integrations.accelerate")),
