@@ -162,6 +162,33 @@ def test_only_the_adapter_touches_horovod_internals() -> None:
         assert not found, f"{rel} uses {found}: Horovod internals belong in hvd_gradcomp/horovod/stock.py"
 
 
+def defining_inits(package: Path) -> List[str]:
+    """Every subpackage ``__init__.py`` of ``package`` that defines a function or a class, at any depth,
+    as ``path: name``. The package's own ``__init__`` is left out: its PEP 562 ``__getattr__`` loads the
+    public names on first use.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp())
+    >>> (d / "sub").mkdir(); _ = (d / "__init__.py").write_text("def __getattr__(name): ...\\n")
+    >>> _ = (d / "sub" / "__init__.py").write_text("from .m import f\\nif True:\\n    class C: ...\\n")
+    >>> defining_inits(d)
+    ['sub/__init__.py: C']
+    """
+    found = []
+    for path in sorted(package.rglob("__init__.py")):
+        if path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.append(f"{path.relative_to(package).as_posix()}: {node.name}")
+    return found
+
+
+def test_no_subpackage_init_defines_a_class_or_function() -> None:
+    """A package's ``__init__.py`` says what the package is for and re-exports its modules' names;
+    the code lives in modules named for what they do (docs/ARCHITECTURE.md)."""
+    assert defining_inits(PACKAGE) == [], "move these into a module of the package and re-export them"
+
+
 def test_public_names_are_defined_where_the_lazy_table_says() -> None:
     import hvd_gradcomp
 
@@ -215,7 +242,7 @@ LAYERS = (
     ("optimizers", ("horovod.elastic", "horovod.optimizer", "horovod.accumulate", "ddp", "ddp.state", "ddp.hook", "ddp.env",
                     "ddp.accumulate", "ddp.roads", "ddp.auto", "ddp.checkpoint",
                     "ddp.join", "config")),
-    ("integrations", ("integrations", "integrations.lightning", "integrations.accelerate")),
+    ("integrations", ("integrations", "integrations.extras", "integrations.lightning", "integrations.accelerate")),
     ("launchers", ("launchers",)),
 )
 FIRST_WITH_HOROVOD = "collectives"   # layers below it import no Horovod
