@@ -24,14 +24,14 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it (see docs/ARCHITECTURE.md).
 _LAZY = {
-    "Auto": "auto",
-    "QSGD": "horovod", "TopK": "horovod", "TopKQSGD": "horovod", "PowerSGD": "horovod",
-    "HorovodIntegrationError": "horovod",
+    "Auto": "auto.auto",
+    "QSGD": "horovod.classes", "TopK": "horovod.classes", "TopKQSGD": "horovod.classes", "PowerSGD": "horovod.classes",
+    "HorovodIntegrationError": "horovod.stock",
     "GradientCompressor": "codecs.compressor", "SparsityWarmup": "codecs.compressor", "Encoded": "codecs.contract",
-    "HorovodCompressor": "horovod",   # a codec of your own serves stock hvd.DistributedOptimizer with it
-    "ResidualStore": "feedback", "FrozenVariance": "feedback.frozen", "MomentumCorrection": "feedback.momentum",
+    "HorovodCompressor": "horovod.classes",   # a codec of your own serves stock hvd.DistributedOptimizer with it
+    "ResidualStore": "feedback.residuals", "FrozenVariance": "feedback.frozen", "MomentumCorrection": "feedback.momentum",
     "ByteStats": "stats",
-    "WireFormatError": "wire",
+    "WireFormatError": "wire.format",
     "DistributedOptimizer": "horovod.optimizer",
     "GradientAccumulator": "horovod.accumulate",
 }

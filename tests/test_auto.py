@@ -180,7 +180,7 @@ class _FakeHvd:
 def _run_clocked(monkeypatch, auto: gc.Auto, step_time, steps: int, decide=None) -> None:
     """Drive ``auto`` through ``steps`` steps of two tensors on a fake clock: each step lasts
     ``step_time(roads of its tensors)`` seconds; ``decide`` replaces the model's decisions."""
-    import hvd_gradcomp.auto as auto_mod
+    import hvd_gradcomp.auto.auto as auto_mod
     import hvd_gradcomp.collectives.transport as transport_mod
 
     clock = [0.0]
@@ -239,7 +239,7 @@ def test_start_up_costs_of_a_road_stay_out_of_its_measured_costs(monkeypatch, ex
     the steady costs imply (sparse), and the step times verified against are the steady ones.
     Measured, the sparse road's start-up would send the tensor to qsgd (and the verdict would
     compare with start-up-inflated step times). fp16 and dense compile nothing: measured once."""
-    import hvd_gradcomp.auto as auto_mod
+    import hvd_gradcomp.auto.auto as auto_mod
     import hvd_gradcomp.collectives.transport as transport_mod
 
     auto = gc.Auto(explore_steps=explore_steps)
@@ -301,7 +301,7 @@ def test_roads_whose_bytes_alone_outlast_the_first_roads_step_are_not_explored(m
     that rate take more than 1.5 x the sparse road's measured step is skipped, and the decision
     comes that many steps sooner, verified against the roads explored. The dense road, which has
     no codec, stays open to the model's decisions."""
-    import hvd_gradcomp.auto as auto_mod
+    import hvd_gradcomp.auto.auto as auto_mod
     import hvd_gradcomp.collectives.transport as transport_mod
 
     auto = gc.Auto()
@@ -342,7 +342,7 @@ def test_roads_whose_bytes_alone_outlast_the_first_roads_step_are_not_explored(m
 def test_a_skipped_dense_road_stays_open_to_the_decisions(monkeypatch):
     """Dense, skipped at a slow link, has no codec to measure: at a re-decision on a link that
     became fast, the model sends a tensor whose codec costs more than its bytes there dense."""
-    import hvd_gradcomp.auto as auto_mod
+    import hvd_gradcomp.auto.auto as auto_mod
     import hvd_gradcomp.collectives.transport as transport_mod
 
     auto = gc.Auto(interval=6)
@@ -367,7 +367,7 @@ def test_the_probe_is_sized_to_the_link(monkeypatch):
     """The probe's large collectives carry ``probe_numel`` values, or as many as the link sends in
     about 50 ms where it is slower: at 100 Mbit/s the full probe took 2 s, again at every
     re-decision. Sized from the last decision's link, else from a timed pilot allreduce."""
-    import hvd_gradcomp.auto as auto_mod
+    import hvd_gradcomp.auto.auto as auto_mod
     import hvd_gradcomp.collectives.transport as transport_mod
     from hvd_gradcomp.auto.policy import Link
 

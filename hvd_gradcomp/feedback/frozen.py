@@ -8,8 +8,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..wire import kernels
-from . import (ErrorFeedback, _clone_tensors, _RoundUndo, check_sparsity_warmup, frozen_variance_unsupported,
-               residual_dtype)
+from .policy import ErrorFeedback, _clone_tensors, _RoundUndo, check_sparsity_warmup
+from .registry import frozen_variance_unsupported
+from .residuals import residual_dtype
 from .frozen_momentum import FLAT_RATE_STEPS, WHILE_DENSE, MomentumChoice
 from .frozen_scale import FOLLOW_SCALE, ScaleFollower, _squared_norm
 from .frozen_warmup import CLIP_DETECT_TOLERANCE, SCALED_GRADIENT_RATIO, WarmupWindow

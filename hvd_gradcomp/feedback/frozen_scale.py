@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import _clone_tensors
+from .policy import _clone_tensors
 
 FOLLOW_SCALE = ("down", "both", None)
 """The choices of :class:`FrozenVariance`'s ``follow_scale`` (see its docstring)."""

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 
-from . import _clone_tensors
+from .policy import _clone_tensors
 
 CLIP_DETECT_TOLERANCE = 1e-2
 """A squared gradient sum recovered from Adam's ``v`` this far from the exchanged one's (relative)

@@ -9,8 +9,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 
 from ..wire import kernels
-from . import (SPARSITY_WARMUP, ErrorFeedback, Marked, Sent, _clone_tensors, _RoundUndo, check_sparsity_warmup,
-               residual_dtype)
+from .policy import SPARSITY_WARMUP, ErrorFeedback, _clone_tensors, _RoundUndo, check_sparsity_warmup
+from .residuals import Marked, Sent, residual_dtype
 
 
 class SparseValues(NamedTuple):

@@ -234,7 +234,7 @@ _MID_WINDOW = ("checkpoints are taken between accumulation windows, not in the m
 
 
 def _compressor(optimizer: Any) -> Any:
-    from . import compressor_of  # Horovod's optimizer keeps it under a private name
+    from .stock import compressor_of  # Horovod's optimizer keeps it under a private name
 
     comp = compressor_of(optimizer)
     return comp if callable(getattr(comp, "state_dict", None)) else None

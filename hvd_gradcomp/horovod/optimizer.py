@@ -57,7 +57,7 @@ from ..collectives.inflight import is_average
 from ..collectives.rounds import HALF, Algorithm, dense_fallback
 from ..collectives.rounds import finish as finish_rounds
 from ..codecs.steps import state_to_cpu, state_to_device
-from . import bind_noise_stream, in_state_broadcast, warn_unread_settings
+from .stock import bind_noise_stream, in_state_broadcast, warn_unread_settings
 from ..stats import ByteStats
 
 
@@ -218,7 +218,7 @@ def sync_after_join(self: Any, root_rank: int) -> None:
     correction's last average, ``frozen``'s ``v``, PowerSGD's ``Q``) stayed behind. Uncompressed Horovod
     leaves the weights apart the same way; here the next compressed exchange would also stop with
     :class:`~hvd_gradcomp.collectives.exchange.RankDivergenceError` (the exchange steps differ)."""
-    from . import require_horovod
+    from .stock import require_horovod
     hvd = require_horovod("sync_after_join")
     if not self._included:
         return
@@ -540,7 +540,7 @@ def _name_parameters(param_groups: List[dict], named_parameters: Optional[Iterab
     all_params = [p for g in param_groups for p in g["params"]]
     if named_parameters is None:
         return {p: f"param.{i}" for i, p in enumerate(all_params)}
-    from . import name_map  # the one check of (name, parameter) pairs, shared with the stock road
+    from .stock import name_map  # the one check of (name, parameter) pairs, shared with the stock road
 
     mapping = name_map(named_parameters)
     missing = [i for i, p in enumerate(all_params) if p not in mapping]
@@ -599,7 +599,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Opt
     ...                            compression=TopKQSGD(ratio=0.01, bits=8),
     ...                            backward_passes_per_step=4)
     """
-    from . import require_horovod
+    from .stock import require_horovod
     hvd = require_horovod("hvd_gradcomp.DistributedOptimizer")
 
     if unsupported.get("groups") not in (None, 0) or unsupported.get("num_groups") not in (None, 0):

@@ -9,23 +9,8 @@
   (``pip install 'hvd-gradcomp[accelerate]'``).
 
 Each module imports its framework on first use, so importing them needs neither; a missing one
-raises an ImportError naming the extra.
+raises an ImportError naming the extra (:func:`~hvd_gradcomp.integrations.extras.require`).
 """
-from typing import Any
+from .extras import require
 
-
-def require(module: str, extra: str, what: str) -> Any:
-    """``import module``, or one ImportError that names ``pip install 'hvd-gradcomp[extra]'``.
-
-    >>> require("no_such_framework_here", "lightning", "GradCompStrategy")
-    Traceback (most recent call last):
-    ...
-    ImportError: GradCompStrategy needs no_such_framework_here: pip install 'hvd-gradcomp[lightning]'
-    """
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        pass
-    raise ImportError(f"{what} needs {module}: pip install 'hvd-gradcomp[{extra}]'")
+__all__ = ["require"]

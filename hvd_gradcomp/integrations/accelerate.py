@@ -37,7 +37,7 @@ from typing import Any, Dict
 import torch
 
 from .. import ddp as gc_ddp
-from . import require
+from .extras import require
 
 
 def register(model: Any, optimizer: Any = None, compression: Any = gc_ddp._DEFAULT_COMPRESSION,

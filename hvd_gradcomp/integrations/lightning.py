@@ -47,7 +47,7 @@ from .. import ddp as gc_ddp
 from .. import feedback as fb
 from ..auto import Auto
 from ..codecs.compressor import GradientCompressor
-from . import require
+from .extras import require
 
 CHECKPOINT_KEY = "hvd_gradcomp"
 """Where :class:`GradCompStrategy` keeps the hook state in a Lightning checkpoint."""

@@ -35,7 +35,8 @@ from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import wire
+from .format import INDEX_BLOCK
+from . import indices
 
 COMPILE_MIN_NUMEL = 1 << 20
 COMPILE_MIN_NUMEL_OF = {"qsgd_encode": 1 << 15, "unpack_deltas": 1 << 15}
@@ -231,9 +232,9 @@ def _unpack_deltas(widths: torch.Tensor, starts: torch.Tensor, words: torch.Tens
     section as int64 words. ``>>`` on int64 copies the sign bit down: masked off below.
     """
     j = torch.arange(out.numel(), device=out.device)
-    blk = j // wire.INDEX_BLOCK
+    blk = j // INDEX_BLOCK
     w = widths[blk]
-    bit = (j % wire.INDEX_BLOCK) * w
+    bit = (j % INDEX_BLOCK) * w
     # clamped: a zero-width block after the last word (a run of consecutive indices at the end)
     # starts past it; its values are masked to 0 below whatever is read
     word = torch.clamp(starts[blk] + (bit >> 6), max=words.numel() - 1)
@@ -250,7 +251,7 @@ def decode_delta_indices(widths: torch.Tensor, data: torch.Tensor, k: int) -> to
     eager, its ~20 small passes cost ~1 ms per 42K indices, paid once per rank's payload."""
     kernel = _kernel("unpack_deltas", k)
     if kernel is _EAGER["unpack_deltas"] or not k or not data.numel() or sys.byteorder != "little":
-        return wire.decode_delta_indices(widths, data, k)
+        return indices.decode_delta_indices(widths, data, k)
     w = widths.to(torch.int64)
     starts = torch.cumsum(w, 0) - w    # in words: block b is 8 * w[b] bytes
     # int64 words need an 8-byte-aligned start (a payload slice may not have one: then a copy)
