@@ -8,8 +8,6 @@
 - :mod:`hvd_gradcomp.launchers.cli` is the click front end that validates input and runs the job.
 - :mod:`hvd_gradcomp.launchers.jobs` runs a local multi-rank job with a timeout (tests, demo, benchmark).
 - :mod:`hvd_gradcomp.launchers.progress` prints progress that reads cleanly under a launcher.
-- :mod:`hvd_gradcomp.launchers.two_hosts` runs a job across the two hosts of ``scripts/two_hosts.sh`` (tests, benchmark).
-- :mod:`hvd_gradcomp.launchers.bench` is ``hvdgc-bench``: it runs the benchmark of a checkout (``make bench``).
 
 See docs/LAUNCHING.md.
 """
