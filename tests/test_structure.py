@@ -24,7 +24,7 @@ PACKAGE = ROOT / "hvd_gradcomp"
 CODEC_MODULES = {"settings", "stats", "codecs", "wire", "wire.kernels", "feedback", "feedback.momentum",
                  "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
                  "codecs.compressor", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps",
-                 "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
+                 "codecs.clipping", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod/__init__.py only.
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
 
@@ -202,7 +202,8 @@ LAYERS = (
     ("wire", ("wire", "wire.kernels")),
     ("feedback", ("feedback", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
                   "feedback.frozen_momentum")),
-    ("codecs", ("codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.compressor",
+    ("codecs", ("codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
+                "codecs.compressor",
                 "codecs.qsgd", "codecs.topk", "codecs.powersgd")),
     ("collectives", ("collectives", "collectives.reduce", "collectives.rounds", "collectives.transport",
                      "collectives.inflight", "collectives.exchange", "collectives.fused")),
