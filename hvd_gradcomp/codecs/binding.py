@@ -1,28 +1,25 @@
-"""The feedback policy's binding to an optimizer, the part of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`
-that chooses and follows it (a mixin, :class:`PolicyBinding`).
+"""A compressor's binding to the wrapped optimizer (:class:`OptimizerBinding`, a part it owns).
 
-``feedback="auto"`` picks the policy from the wrapped optimizer (:meth:`PolicyBinding.attach`); the
+``feedback="auto"`` picks the policy from the wrapped optimizer once it is attached
+(:meth:`GradientCompressor.attach <hvd_gradcomp.codecs.compressor.GradientCompressor.attach>`); the
 policy reads the rate, betas and momentum of each parameter's param group, live, so it is bound to
 the groups again after every ``optimizer.load_state_dict()`` and ``add_param_group``
-(:meth:`PolicyBinding.bind_groups`). :class:`HandedCheck` watches, through the same optimizer, that
+(:meth:`OptimizerBinding.bind_policy`). :class:`HandedCheck` watches, through the same optimizer, that
 the averages handed over reach its step unscaled.
-
-A mixin rather than an object the compressor owns: the subclasses (``topk``, ``qsgd``,
-``powersgd``) and the roads override and call these methods and attributes on the compressor
-itself (``_caution``, ``_auto_policy``, ``_set_policy``), and a pickled compressor keeps its layout.
 """
 from __future__ import annotations
 
 import math
 import warnings
 import weakref
-from typing import Any, Dict, Optional, Tuple, TypeVar, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
 from .. import codecs
 from .. import feedback as fb
 from ..feedback import Feedback
+
 
 # For this many exchange steps a compressor whose average carries held-back updates (see
 # GradientCompressor.carries_held_back) checks that the optimizer steps on the average as it was
@@ -69,7 +66,7 @@ class HandedCheck:
         nonzero = vals != 0
         self.kept[name] = (step, idx[nonzero][:HANDED_SAMPLE], vals[nonzero][:HANDED_SAMPLE].clone())
 
-    def check(self, comp: "PolicyBinding") -> None:
+    def check(self, comp: Any) -> None:
         """After the optimizer's step: compare what ``comp`` handed over with its parameters' ``p.grad``."""
         kept, self.kept = self.kept, {}
         self.left -= 1
@@ -93,7 +90,7 @@ class HandedCheck:
                 RuntimeWarning, stacklevel=2)
 
     @staticmethod
-    def _factor(kept: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]], comp: "PolicyBinding"
+    def _factor(kept: Dict[str, Tuple[int, torch.Tensor, torch.Tensor]], comp: Any
                 ) -> Optional[float]:
         """The one factor by which ``p.grad`` differs from the values kept this step; None when none
         were kept or the ratios differ."""
@@ -116,180 +113,220 @@ class HandedCheck:
         return (lo + hi) / 2
 
 
-_Self = TypeVar("_Self", bound="PolicyBinding")
+class OptimizerBinding:
+    """A compressor's binding to the wrapped optimizer: the optimizer it was attached to (``feedback="auto"``
+    chooses once per optimizer), the parameters' names and the param groups the feedback policy reads
+    (:meth:`bind_policy`: the rate, betas, momentum and weight decay, live), the optimizer hooks that bind
+    them again after ``optimizer.load_state_dict()`` and check what the optimizer steps on
+    (:class:`HandedCheck`).
 
+    Why bound again: torch's ``load_state_dict`` replaces the group dicts. A policy still reading the old
+    ones kept the rate of before the load for the rest of the run. Why :meth:`follow_groups`: the DDP hook
+    and stock ``hvd.DistributedOptimizer`` do not see ``add_param_group`` (progressive unfreezing);
+    unbound, momentum correction ran the new parameters with momentum 0 under SGD(momentum=0.9).
 
-class PolicyBinding:
-    """The feedback policy of a compressor and its binding to the wrapped optimizer: the choice of
-    ``feedback="auto"`` (:meth:`attach`), the param groups the policy reads (:meth:`bind_groups`) and
-    the check of what the optimizer steps on (:class:`HandedCheck`). Mixed into
-    :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`, which sets ``feedback`` and
-    ``feedback_choice``."""
+    >>> import torch
+    >>> from hvd_gradcomp import feedback as fb
+    >>> w = torch.nn.Parameter(torch.zeros(4)); opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    >>> b, policy = OptimizerBinding(), fb.make("momentum")
+    >>> b.bind_policy(policy, None)           # not bound yet: nothing to do
+    >>> b.bound = (opt, {w: "w"}); b.bind_policy(policy, None); b.groups_bound
+    1
+    """
 
-    def _init_binding(self) -> None:
-        self._attached: Any = None
-        self._binding: Optional[Tuple[Any, Dict[Any, str]]] = None   # see bind_groups
-        self._groups_bound = 0   # the optimizer's param groups when last bound (see _follow_groups)
-        self._rebind_hook: Any = None
-        self._handed_hook: Any = None
-        self._handed = HandedCheck()
+    def __init__(self) -> None:
+        self.attached: Any = None
+        self.bound: Optional[Tuple[Any, Dict[Any, str]]] = None   # (optimizer, {param: name})
+        self.groups_bound = 0   # the optimizer's param groups when last bound (see follow_groups)
+        self.rebind_hook: Any = None
+        self.handed_hook: Any = None
+        self.handed = HandedCheck()
 
-    @property
-    def error_feedback(self) -> bool:
-        """Whether anything the payload did not carry is kept (any policy but ``none``)."""
-        return self.feedback.key != "none"
+    def attach(self, codec: Any, optimizer: Any, names: Dict[Any, str], rank: int = 0) -> None:
+        """Bind ``codec`` to the wrapped optimizer: with ``feedback="auto"`` choose the policy from its class
+        and settings (:func:`hvd_gradcomp.feedback.choose`, asking the codec: ``_contracting``,
+        ``_auto_policy``) and say so once on rank 0 (with the codec's ``_caution``).
 
-    @error_feedback.setter
-    def error_feedback(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise ValueError(f"error_feedback must be True or False, got {on!r}")
-        if on != self.error_feedback:
-            self.feedback_choice = "auto" if on else "none"
-            self._set_policy(fb.make("classic" if on else "none"))
+        Called by ``hvd_gradcomp.DistributedOptimizer`` and, inside ``hvd.DistributedOptimizer``,
+        at the first exchange; ``names`` maps each parameter to its name.
+        """
+        if self.attached is optimizer:
+            return
+        self.attached = optimizer
+        why = "chosen by the user"
+        if codec.feedback_choice == "auto" and not codec._restored:
+            key, why = fb.choose(optimizer, codecs.nature_of(codec) == codecs.DENSE, codec._contracting)
+            if key != codec.feedback.key:
+                codec._set_policy(codec._auto_policy(key))
+        codec.bind_groups(optimizer, names)
+        if rank == 0:
+            fb.announce(f"{codec!r} with {type(optimizer).__name__}: feedback '{codec.feedback.key}' "
+                        f"({codec.feedback.describe()}; {why}). Override with feedback='none'|'classic'|"
+                        "'momentum'|'update'|'frozen'." + codec._caution())
 
-    def set_feedback(self: _Self, policy: Union[str, Feedback]) -> _Self:
-        """Choose the feedback policy after construction (as ``feedback=``), before the first
-        exchange; returns self.
+    def set_feedback(self, codec: Any, policy: Union[str, Feedback]) -> Any:
+        """Choose ``codec``'s feedback policy after construction (as ``feedback=``), before its first
+        exchange; returns ``codec``.
 
         >>> from hvd_gradcomp.codecs.topk import TopK
         >>> TopK().set_feedback("momentum").feedback.key
         'momentum'
         """
-        if self._steps:
+        if codec._steps:
             raise ValueError("set the feedback policy before the first exchange: the state of the "
-                             f"current one ({self.feedback.key!r}) would be lost")
+                             f"current one ({codec.feedback.key!r}) would be lost")
         policy = policy if isinstance(policy, Feedback) or policy == "auto" else fb.make(policy)
-        self.feedback_choice = policy
-        self._set_policy(fb.make("classic" if policy == "auto" else policy))
-        self._attached = None
-        return self
+        codec.feedback_choice = policy
+        codec._set_policy(fb.make("classic" if policy == "auto" else policy))
+        self.attached = None   # the next attach() chooses again
+        return codec
 
-    @property
-    def residuals(self) -> fb.ResidualStore:
-        """The residuals of the feedback policy (what was not sent yet, per name)."""
-        return self.feedback.residuals
-
-    def attach(self, optimizer: Any, names: Dict[Any, str], rank: int = 0) -> None:
-        """Bind to the wrapped optimizer: with ``feedback="auto"`` choose the policy from its class
-        and settings (:func:`hvd_gradcomp.feedback.choose`) and say so once on rank 0.
-
-        Called by ``hvd_gradcomp.DistributedOptimizer`` and, inside ``hvd.DistributedOptimizer``,
-        at the first exchange; ``names`` maps each parameter to its name.
-        """
-        if self._attached is optimizer:
-            return
-        self._attached = optimizer
-        why = "chosen by the user"
-        if self.feedback_choice == "auto" and not self._restored:
-            key, why = fb.choose(optimizer, codecs.nature_of(self) == codecs.DENSE, self._contracting)
-            if key != self.feedback.key:
-                self._set_policy(self._auto_policy(key))
-        self.bind_groups(optimizer, names)
-        if rank == 0:
-            fb.announce(f"{self!r} with {type(optimizer).__name__}: feedback '{self.feedback.key}' "
-                        f"({self.feedback.describe()}; {why}). Override with feedback='none'|'classic'|"
-                        "'momentum'|'update'|'frozen'." + self._caution())
-
-    def bind_groups(self, optimizer: Any, names: Dict[Any, str]) -> None:
-        """Bind the feedback policy to each named parameter's param group of ``optimizer`` (the
-        policies read the rate, betas, momentum and weight decay there, live), now and again after
-        every ``optimizer.load_state_dict()`` and policy change.
-
-        Why again: torch's ``load_state_dict`` replaces the group dicts. A policy still reading the
-        old ones kept the rate of before the load for the rest of the run (a resumed run with a
-        scheduler stepped at a stale rate, and error feedback rescaled its residuals by it).
-        Called by the optimizers and the DDP hook, not by users.
-        """
-        self._binding = (optimizer, names)
-        self._bind_policy()
-        if self._rebind_hook is not None:
-            self._rebind_hook.remove()
-        me = weakref.ref(self)   # the optimizer must not keep alive a compressor it no longer uses
+    def bind(self, codec: Any, optimizer: Any, names: Dict[Any, str]) -> None:
+        """Bind ``codec``'s feedback policy to each named parameter's param group of ``optimizer`` (the
+        policies read the rate, betas, momentum and weight decay there, live), now and again after every
+        ``optimizer.load_state_dict()`` (its post-hook calls ``codec._bind_policy()``) and policy change;
+        an optimizer step post-hook checks the averages handed over (:class:`HandedCheck`). Called by the
+        optimizers and the DDP hook, not by users."""
+        self.bound = (optimizer, names)
+        for hook in (self.rebind_hook, self.handed_hook):
+            if hook is not None:
+                hook.remove()
+        me = weakref.ref(codec)   # the optimizer must not keep alive a compressor it no longer uses
 
         def rebind(opt: Any) -> None:
             comp = me()
             if comp is not None and comp._binding is not None and comp._binding[0] is opt:
                 comp._bind_policy()
 
-        register = getattr(optimizer, "register_load_state_dict_post_hook", None)
-        self._rebind_hook = None if register is None else register(rebind)
-
         def check(opt: Any, args: Any, kwargs: Any) -> None:
             comp = me()
-            if comp is not None and comp._handed.kept and comp._binding is not None and comp._binding[0] is opt:
-                comp._handed.check(comp)
+            if comp is not None and comp._binding is not None and comp._binding[0] is opt:
+                comp._check_handed()
 
-        if self._handed_hook is not None:
-            self._handed_hook.remove()
+        register = getattr(optimizer, "register_load_state_dict_post_hook", None)
+        self.rebind_hook = None if register is None else register(rebind)
         register = getattr(optimizer, "register_step_post_hook", None)
-        self._handed_hook = None if register is None else register(check)
+        self.handed_hook = None if register is None else register(check)
+        codec._bind_policy()
 
-    def __getstate__(self) -> Dict[str, Any]:
-        # The optimizer hooks (see bind_groups) stay with the optimizer they were registered on:
-        # a pickled or deep-copied compressor does not carry them (their handles refer to local functions).
-        return {**self.__dict__, "_rebind_hook": None, "_handed_hook": None}
+    def check_handed(self, codec: Any) -> None:
+        """After the optimizer's step: compare what ``codec`` handed over with ``p.grad`` (:class:`HandedCheck`)."""
+        if self.handed.kept:
+            self.handed.check(codec)
 
-    @property
-    def policy_settled(self) -> bool:
-        """Whether the feedback policy is chosen on a Horovod road: the compressor is attached to the
-        wrapped optimizer (``hvd_gradcomp.DistributedOptimizer`` attaches it when built, inside stock
-        ``hvd.DistributedOptimizer`` at its first step). The DDP hook chooses in ``register()``."""
-        return self._attached is not None
+    def bind_policy(self, policy: Any, share: Any) -> None:
+        """Bind ``policy`` to each bound parameter's param group (``share``: a top-k codec's share)."""
+        if self.bound is None:
+            return
+        optimizer, names = self.bound
+        policy.share_sent = share
+        self.groups_bound = len(getattr(optimizer, "param_groups", ()))
+        for group in getattr(optimizer, "param_groups", []):
+            for p in group["params"]:
+                if p in names:
+                    policy.bind(names[p], group, p, optimizer)
 
-    @property
-    def carries_held_back(self) -> bool:
-        """Whether each sent value of the average carries the updates of the steps it was held
-        back (a sparse compressor under error feedback on gradients or DGC's momentum correction):
-        its norm is then far above a gradient's, and ``clip_grad_norm_`` on the average shrinks
-        every step far more than meant. False here; see :meth:`TopK.carries_held_back`."""
-        return False
+    def bind_codec(self, codec: Any) -> None:
+        """Bind ``codec``'s feedback policy (:meth:`bind_policy`, with a top-k codec's ``share``)."""
+        self.bind_policy(codec.feedback, getattr(codec, "share", None))
 
-    @property
-    def scaled_after_exchange(self) -> int:
-        """Checked steps whose averages the user's code scaled, other than by a power of two,
-        between the exchange and the optimizer's step (see :class:`HandedCheck`)."""
-        return self._handed.scaled_steps
-
-    def _follow_groups(self) -> None:
-        """Bind the policy to the param groups added to the bound optimizer since it was bound
-        (``optimizer.add_param_group`` after wrapping: progressive unfreezing), before a tensor of
-        theirs is compressed. Here because every road asks :meth:`compresses` before it compresses
-        a tensor; ``hvd_gradcomp.DistributedOptimizer.add_param_group`` binds at once.
+    def follow_groups(self, codec: Any) -> None:
+        """Bind ``codec``'s policy to the param groups added to the bound optimizer since it was bound
+        (``optimizer.add_param_group`` after wrapping: progressive unfreezing), before a tensor of theirs
+        is compressed. Called by :meth:`Exemption.compresses <hvd_gradcomp.codecs.exempt.Exemption.compresses>`,
+        which every road asks before it compresses a tensor.
 
         Why: the DDP hook and stock ``hvd.DistributedOptimizer`` do not see the call. Unbound, momentum
         correction ran the new parameters with momentum 0 under SGD(momentum=0.9), and ``"frozen"``
         sent them uncompressed (the DDP hook: parameters outside the optimizer) for good."""
-        if self._binding is not None and len(getattr(self._binding[0], "param_groups", ())) != self._groups_bound:
-            self._bind_policy()
-
-    def _bind_policy(self) -> None:
-        if self._binding is None:
-            return
-        optimizer, names = self._binding
-        self.feedback.share_sent = getattr(self, "share", None)   # a top-k codec's share, for the policy
-        self._groups_bound = len(getattr(optimizer, "param_groups", ()))
-        for group in getattr(optimizer, "param_groups", []):
-            for p in group["params"]:
-                if p in names:
-                    self.feedback.bind(names[p], group, p, optimizer)
-
-    def _caution(self) -> str:
-        """What the user should know about these settings, said with the choice (empty: nothing)."""
-        return ""
-
-    def _auto_policy(self, key: str) -> Feedback:
-        """The policy ``feedback="auto"`` chose, as this compressor's settings want it (see :meth:`TopK._auto_policy`)."""
-        return fb.make(key)
+        if self.bound is not None and len(getattr(self.bound[0], "param_groups", ())) != self.groups_bound:
+            codec._bind_policy()
 
     @property
-    def _restored(self) -> bool:
-        return getattr(self, "_loaded_policy", False)
+    def settled(self) -> bool:
+        """Whether the feedback policy is chosen on a Horovod road: attached to the wrapped optimizer
+        (``hvd_gradcomp.DistributedOptimizer`` attaches when built, stock ``hvd.DistributedOptimizer`` at
+        its first step). The DDP hook chooses in ``register()``."""
+        return self.attached is not None
 
     @property
-    def _contracting(self) -> bool:
-        return False
+    def scaled_steps(self) -> int:
+        """Checked steps whose averages the user's code scaled, other than by a power of two, between the
+        exchange and the optimizer's step (see :class:`HandedCheck`)."""
+        return self.handed.scaled_steps
 
-    def _set_policy(self, policy: Feedback) -> None:
-        self.feedback = policy
-        self._track_rounds()
-        self._bind_policy()   # a policy taken from a checkpoint after attach() needs its groups too
+    def keep_handed(self, codec: Any, name: str, flat: torch.Tensor, support: Optional[torch.Tensor]) -> None:
+        """Keep a few values of the average ``flat`` of ``name`` handed over, for :class:`HandedCheck`,
+        while it still watches and where ``codec.carries_held_back``."""
+        if self.handed.left > 0 and self.handed_hook is not None and codec.carries_held_back:
+            self.handed.keep(name, flat, support, codec.exchange_step)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The optimizer hooks stay with the optimizer they were registered on: a pickled or deep-copied
+        # compressor does not carry them (their handles refer to local functions).
+        return {**self.__dict__, "rebind_hook": None, "handed_hook": None}
+
+
+class Policies:
+    """A compressor's feedback policies: its ``feedback=`` choice (``choice``, ``"auto"`` until an optimizer
+    is attached), the policy it runs (``policy``), the relay's (``relay``: classic error feedback on QSGD's
+    re-quantisation in its compressed allreduce), and whether ``"auto"``'s choice came from a checkpoint
+    (``restored``); undoable per round once tracked.
+
+    >>> p = Policies("auto")
+    >>> p.policy.key, p.relay_policy().key      # "auto": classic until an optimizer is attached
+    ('classic', 'classic')
+    >>> p.use(fb.make("none")); p.relay_policy().key
+    'none'
+    """
+
+    def __init__(self, choice: Union[str, Feedback]) -> None:
+        self.choice = choice
+        self.policy: Feedback = fb.make("classic" if choice == "auto" else choice)
+        self.relay = fb.ErrorFeedback()
+        self.restored = False
+        self.tracking = False
+
+    def use(self, policy: Feedback) -> None:
+        """Run ``policy`` from now on (its state undoable per round when rounds are tracked)."""
+        self.policy = policy
+        if self.tracking:
+            policy.track_rounds(True)
+
+    @property
+    def residuals(self) -> fb.ResidualStore:
+        """The residuals of the feedback policy (what was not sent yet, per name)."""
+        return self.policy.residuals
+
+    def dense_local(self, codec: Any, name: str, grad: torch.Tensor) -> None:
+        """``grad``: this rank's own gradient of ``name``, a tensor large enough to compress, where it
+        goes uncompressed this step, before the exchange; for the policy (its dense steps, see
+        :meth:`hvd_gradcomp.feedback.Feedback.dense_local`). Called by the roads; tensors ``codec``
+        excludes (``exclude=``) never reach the policy (they are never compressed)."""
+        if not codec._excluded(name):
+            self.policy.dense_local(name, grad)
+
+    def dense_average(self, name: str, avg: torch.Tensor) -> None:
+        """``avg``: the average of ``name`` where it went uncompressed (small, excluded, or a dense step
+        of its feedback policy), before the user's code between the exchange and the optimizer step
+        sees it; for the policy (:meth:`hvd_gradcomp.feedback.Feedback.dense_average`). Called by the roads."""
+        self.policy.dense_average(name, avg)
+
+    @property
+    def relay_residuals(self) -> fb.ResidualStore:
+        """Residuals of the reduced chunks QSGD's compressed allreduce re-quantises, keyed
+        ``"<name>#reduced<rank>"`` (kept apart from :attr:`residuals`, whose policy may differ)."""
+        return self.relay_policy().residuals
+
+    def relay_policy(self) -> Feedback:
+        """The relay's policy: classic error feedback, or none when the compressor keeps none."""
+        return self.relay if self.policy.key != "none" else self.policy
+
+    def track_rounds(self, on: bool) -> None:
+        self.tracking = on
+        self.policy.track_rounds(on)
+        self.relay.track_rounds(on)
+
+    def end_round(self, ok: bool) -> None:
+        self.policy.end_round(ok)
+        self.relay.end_round(ok)

@@ -25,9 +25,9 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
@@ -36,16 +36,18 @@ import torch
 from .. import codecs
 from .. import feedback as fb
 from .contract import WireCodec, _check_finite, _check_input
-from .exempt import ExemptRoad
-from .binding import PolicyBinding
-from .steps import StepState
+from .exempt import DEFAULT_MIN_COMPRESS_NUMEL, Exemption  # noqa: F401  (imported from here too)
+from .binding import OptimizerBinding, Policies
+from .clipping import Clipping
+from .steps import Rounds, StepCounter
+from . import steps
+from .. import wire
 from ..feedback import Feedback
 from ..stats import ByteStats
 from ..settings import check_ratio
 # Defined with the part of GradientCompressor they serve; imported from here by the codecs, the
 # roads and codec authors (the codec interface, the tensor-size threshold).
 from .contract import Encoded  # noqa: F401
-from .exempt import DEFAULT_MIN_COMPRESS_NUMEL  # noqa: F401
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
@@ -218,8 +220,41 @@ def settings_repr(codec: "GradientCompressor") -> str:
     return f"{type(codec).__name__}({', '.join(shown)}{extra})"
 
 
-class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
-    """Base class of the codecs: feedback policy, random stream and byte statistics.
+class PartAttribute:
+    """An attribute of a compressor that one of its parts keeps (``part``: the compressor's attribute
+    holding it, ``name``: the part's own): read, and set unless ``readonly``, through the compressor,
+    the one object the roads talk to.
+
+    >>> class Part: size = 3
+    >>> class Owner:
+    ...     size = PartAttribute("_part", "size", "The part's size.")
+    ...     def __init__(self): self._part = Part()
+    >>> o = Owner(); o.size = 4; o.size, o._part.size
+    (4, 4)
+    """
+
+    def __init__(self, part: str, name: str, doc: str = "", readonly: bool = False) -> None:
+        self.part, self.name, self.readonly, self.__doc__ = part, name, readonly, doc
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.part), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if self.readonly:
+            raise AttributeError(f"{self.name} is read-only")
+        setattr(getattr(obj, self.part), self.name, value)
+
+
+class PartMethod(PartAttribute):
+    """A method of a compressor that one of its parts carries out: the part's method ``name``, called
+    with the compressor first (the codec whose decisions the part asks), then the caller's arguments."""
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else functools.partial(getattr(getattr(obj, self.part), self.name), obj)
+
+
+class GradientCompressor(WireCodec):
+    """Base class of the codecs: a codec's ``pack``/``unpack`` with its feedback policy, composed of parts.
 
     Arguments shared by every compressor:
 
@@ -250,7 +285,7 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
     wire layout of its payload, :mod:`hvd_gradcomp.wire`), and implements
     ``pack(flat, dtype, seed, contract, marked) -> Encoded``, ``unpack(header, reader) -> flat
     tensor`` and, for a sparse payload, ``unpack_sparse(header, reader) -> (indices, values)``
-    (:mod:`hvd_gradcomp.codecs.contract`, docs/WRITING_A_CODEC.md).
+    (:class:`~hvd_gradcomp.codecs.contract.WireCodec`, docs/WRITING_A_CODEC.md).
     ``seed`` differs per tensor, step and rank (:meth:`_next_seed`).
 
     ``checksum``: put a CRC32 of each payload in its header and refuse payloads whose bytes
@@ -261,14 +296,17 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
     Hyperparameters are validated on assignment too (``c.ratio = 0.05`` works, ``c.ratio = 0``
     raises ``ValueError``).
 
-    Here: the feedback policy around the codec (``compress_named``, ``received``). The other parts
-    are mixins, one per module: payloads and the codec interface
-    (:class:`~hvd_gradcomp.codecs.contract.WireCodec`), which tensors are compressed and the
-    float16 road (:class:`~hvd_gradcomp.codecs.exempt.ExemptRoad`), the policy's choice and
-    binding to the optimizer (:class:`~hvd_gradcomp.codecs.binding.PolicyBinding`), exchange
-    steps, random streams and checkpoints (:class:`~hvd_gradcomp.codecs.steps.StepState`).
-    Mixins, not owned objects, because subclasses override their methods and the roads read
-    their attributes on the compressor.
+    Here: the feedback policy around the codec (``compress_named``, ``received``). The rest is parts it
+    builds in ``__init__`` and owns, each a small class with its own state: the feedback policies
+    (``feedback``, and ``_relay`` for QSGD's re-quantisation, :mod:`hvd_gradcomp.feedback`), which
+    tensors are exempt and their float16 road (:class:`~hvd_gradcomp.codecs.exempt.Exemption`), local
+    clipping (:class:`~hvd_gradcomp.codecs.clipping.Clipping`), the binding to the optimizer
+    (:class:`~hvd_gradcomp.codecs.binding.OptimizerBinding`) and the exchange steps and random streams
+    (:class:`~hvd_gradcomp.codecs.steps.StepCounter`). The compressor is the one object the roads talk
+    to: the attributes and methods they call delegate to the parts; where a part needs a codec's
+    decision, the compressor asks the codec (``_selects``, ``_auto_policy``, ``carries_held_back``...) and
+    hands the answer over. A round ends on every part with round state (``_rounds``,
+    :class:`~hvd_gradcomp.codecs.steps.Rounds`).
     """
 
     kind: int = 0
@@ -282,37 +320,21 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
-            raise ValueError(f"clip must be None or a positive number (the largest global L2 norm of each "
-                             f"rank's gradient, as in clip_grad_norm_), got {clip!r}")
+        self._clipping = Clipping(clip)
         if not error_feedback and feedback not in ("auto", "none"):
             raise ValueError(f"error_feedback=False contradicts feedback={feedback!r}: pass only feedback=")
         if not (isinstance(feedback, Feedback) or feedback == "auto"):
             fb.make(feedback)  # validates the name now, not at the first step
         self.checksum = checksum
-        self.exempt = exempt
-        self._seed = seed   # None: torch's seed, read at first use (see the seed property)
-        self.stream = 0  # set to the rank by hvd_gradcomp.horovod on every road: ranks draw independent noise
-        self.clip = clip
-        # Set by a road that clips every tensor of a step at once (clip_local) before compressing any:
-        # compress() then leaves clipping to it. Unset (a direct compress() call) the one tensor handed
-        # is all there is, and is clipped alone.
-        self.road_clips = False
-        try:
-            self.exclude = re.compile(exclude) if exclude is not None else None
-        except (re.error, TypeError) as exc:
-            raise ValueError(f"exclude must be a regular expression matched against parameter names "
-                             f"(e.g. r'embed|norm'), got {exclude!r}: {exc}") from None
+        self._exemption = Exemption(exclude, exempt)
+        self._counter = StepCounter(seed)
         self._step_now, self._name_now = 0, ""  # the tensor being encoded (ratio schedules, min_ratio)
-        self.feedback_choice: Union[str, Feedback] = "none" if not error_feedback else feedback
         # Until an optimizer is attached, "auto" means classic error feedback.
-        self.feedback = fb.make("classic" if self.feedback_choice == "auto" else self.feedback_choice)
-        self._relay = fb.ErrorFeedback()  # re-quantisation in QSGD's compressed allreduce
-        self._half = fb.HalfPrecision()   # the float16 road of exempt tensors (see sends_half)
+        self._policies = Policies("none" if not error_feedback else feedback)
         type(self).check_codec()   # a class never registered is checked (and its layout registered) here
-        self._init_binding()
+        self._binder = OptimizerBinding()
+        self._rounds = Rounds([self._policies, self._exemption, self._counter])   # the parts with round state
         self.stats = ByteStats()
-        self._init_steps()
 
     def __repr__(self) -> str:
         return settings_repr(self)   # a codec of one's own need not write one; the built-in ones do
@@ -387,9 +409,9 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
             grad = self.owed_half(name, grad)
         k = self._selects(name, grad.numel())
         if k is None:
-            acc, marked = policy.prepare(name, self._clipped(grad)), None
+            acc, marked = policy.prepare(name, self._clipping.clipped(grad)), None
         else:  # a top-k codec: its candidates are marked in the pass that builds acc
-            acc, marked = policy.prepare_marked(name, self._clipped(grad), k, total=total)
+            acc, marked = policy.prepare_marked(name, self._clipping.clipped(grad), k, total=total)
         return Prepared(name, grad.dtype, tuple(grad.shape), policy, acc, marked)
 
     def send_prepared(self, prepared: Prepared) -> Tuple[torch.Tensor, Sent]:
@@ -400,70 +422,6 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
                                           marked=p.marked)
         p.policy.sent(p.name, p.acc, sent)
         return payload, sent
-
-    def _selects(self, name: str, numel: int) -> Optional[int]:
-        """How many entries a top-k codec keeps of tensor ``name`` at its next exchange; None
-        for codecs that keep them all."""
-        return None
-
-    def _relay_policy(self) -> Feedback:
-        return self._relay if self.error_feedback else self.feedback
-
-    @property
-    def relay_residuals(self) -> fb.ResidualStore:
-        """Residuals of the reduced chunks QSGD's compressed allreduce re-quantises, keyed
-        ``"<name>#reduced<rank>"`` (kept apart from :attr:`residuals`, whose policy may differ)."""
-        return self._relay_policy().residuals
-
-    def _clipped(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` clipped alone (a direct ``compress()`` call, no road); on a road, :meth:`clip_local`
-        clipped the whole step already."""
-        if self.clip is None or self.road_clips:
-            return grad
-        norm = float(grad.float().norm())
-        return grad if norm <= self.clip else grad * (self.clip / norm)
-
-    def clip_local(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Scale this rank's gradients ``grads``, in place, to a global L2 norm of at most ``clip``, as
-        ``clip_grad_norm_`` does; the roads call it with every gradient of the step (compressed, small
-        and excluded tensors) before compressing any. Returns the norm before clipping (a tensor: no
-        host sync), or None without ``clip``.
-
-        Why the global norm, and every tensor: that is what users mean by clipping. A bound per
-        tensor let the total grow with the number of tensors, and tensors too small to compress
-        went unclipped: a 2-layer LSTM with SGD lr 20 and ``clip=0.25`` diverged through its
-        768-element biases (docs/RECIPES.md, ``lstm``). A NaN or Inf stays non-finite (as with
-        ``clip_grad_norm_``), so the step is still skipped on every rank.
-
-        >>> from hvd_gradcomp.codecs.topk import TopKQSGD
-        >>> c = TopKQSGD(ratio=0.01, bits=8, clip=1.0)
-        >>> a, b = torch.full((4,), 3.0), torch.full((9,), 2.0)    # norms 6 and 6: global 8.49
-        >>> round(float(c.clip_local([a, b])), 2), round(float(torch.cat([a, b]).norm()), 4)
-        (8.49, 1.0)
-        """
-        if self.clip is None or not grads:
-            return None
-        dev = grads[0].device
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(dev)
-                                                     for g in grads]))
-        coef = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
-        return norm
-
-    def dense_local(self, name: str, grad: torch.Tensor) -> None:
-        """``grad``: this rank's own gradient of ``name``, a tensor large enough to compress, where it
-        goes uncompressed this step, before the exchange; for the policy (its dense steps, see
-        :meth:`hvd_gradcomp.feedback.Feedback.dense_local`). Called by the roads; tensors ``exclude``
-        matches never reach the policy (they are never compressed)."""
-        if not self._excluded(name):
-            self.feedback.dense_local(name, grad)
-
-    def dense_average(self, name: str, avg: torch.Tensor) -> None:
-        """``avg``: the average of ``name`` where it went uncompressed (small, excluded, or a dense step
-        of its feedback policy), before the user's code between the exchange and the optimizer step
-        sees it; for the policy (:meth:`hvd_gradcomp.feedback.Feedback.dense_average`). Called by the roads."""
-        self.feedback.dense_average(name, avg)
 
     def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         """The average of all ranks' payloads for ``name`` (same on every rank), rewritten in place
@@ -476,8 +434,7 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
             self.feedback.received(name, flat)
         if flat.data_ptr() != avg.data_ptr():
             avg.copy_(flat.view_as(avg))
-        if self._handed.left > 0 and self._handed_hook is not None and self.carries_held_back:
-            self._handed.keep(name, flat, support, self._round)
+        self._binder.keep_handed(self, name, flat, support)
 
     def compress_chunks(self, name: str, grad: torch.Tensor, bounds: List[int]) -> List[torch.Tensor]:
         """One payload per chunk ``grad[bounds[i]:bounds[i+1]]`` (flattened), with the feedback
@@ -494,7 +451,7 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
         if bounds[0] != 0 or bounds[-1] != grad.numel() or any(b >= e for b, e in zip(bounds, bounds[1:])):
             raise ValueError(f"chunk bounds {bounds} do not split {grad.numel()} elements into non-empty chunks")
         policy = self.feedback
-        acc = policy.prepare(name, self._clipped(self.owed_half(name, grad)))
+        acc = policy.prepare(name, self._clipping.clipped(self.owed_half(name, grad)))
         payloads, sent = [], []
         for i, (b, e) in enumerate(zip(bounds, bounds[1:])):
             payload, what = self._encode_flat(acc[b:e], grad.dtype, (e - b,), f"{name}#{i}", contract=policy.contract)
@@ -502,6 +459,140 @@ class GradientCompressor(WireCodec, ExemptRoad, PolicyBinding, StepState):
             sent.append((b, e, what))
         policy.sent(name, acc, sent)
         return payloads
+
+    # ------------------------------------------------------------ the codec's payloads
+    def encode(self, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
+        """The payload for ``tensor`` (no error feedback): one 1-D ``torch.uint8`` tensor.
+
+        Each call advances the random stream of ``name``, so repeated calls draw fresh noise.
+        """
+        _check_input(tensor, name)
+        _check_finite(tensor, name)
+        return self._encode_flat(tensor.reshape(-1), tensor.dtype, tuple(tensor.shape), name)[0]
+
+    def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
+                     name: str, contract: bool = False, marked: fb.Marked = None) -> Tuple[torch.Tensor, Sent]:
+        # read before _next_seed counts this exchange: the share of the step being encoded
+        self._step_now, self._name_now = self._steps.get(name, 0), name
+        enc = self.pack(flat, dtype, self._next_seed(name), contract, marked)
+        header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
+                             enc.bucket_size, self._checksummed)
+        payload = wire.assemble(header, enc.sections, flat.device)
+        return payload, enc.sent
+
+    # ------------------------------------------------------------ checkpoints: assembled from the parts
+    state_dict = steps.compressor_state
+    shared_state = steps.shared_state
+    load_shared_state = steps.load_shared_state
+    check_state = steps._check_compressor_state
+    load_state_dict = steps.load_state
+
+    # ------------------------------------------------------------ the feedback policy
+    @property
+    def error_feedback(self) -> bool:
+        """Whether anything the payload did not carry is kept (any policy but ``none``)."""
+        return self.feedback.key != "none"
+
+    @error_feedback.setter
+    def error_feedback(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"error_feedback must be True or False, got {on!r}")
+        if on != self.error_feedback:
+            self.feedback_choice = "auto" if on else "none"
+            self._set_policy(fb.make("classic" if on else "none"))
+
+    def _set_policy(self, policy: Feedback) -> None:
+        self._policies.use(policy)
+        self._bind_policy()   # a policy taken from a checkpoint after attach() needs its groups too
+
+
+
+ROAD_SURFACE = {
+    # What the roads (and users) read, set and call on a compressor, kept by its parts: the compressor is
+    # the one object they talk to. Each entry is the part's own attribute or method (PartMethod: called
+    # with the compressor, whose decisions the part asks); the parts' docstrings say what they do.
+    "seed": PartAttribute("_counter", "seed", "Seed of the rounding noise (:attr:`StepCounter.seed "
+                          "<hvd_gradcomp.codecs.steps.StepCounter.seed>`): ``seed=``, or torch's initial seed."),
+    "stream": PartAttribute("_counter", "stream", "This rank's random stream (set to the rank by every road)."),
+    "_steps": PartAttribute("_counter", "steps"),
+    "exchange_step": PartAttribute("_rounds", "round", "Exchange steps ended so far (in each payload's envelope).",
+                                   readonly=True),
+    "_round": PartAttribute("_rounds", "round"),
+    "_world": PartAttribute("_rounds", "world"),
+    "join_checked": PartAttribute("_rounds", "join_checked", "This step checked hvd.join() (stock road)."),
+    "elastic_synced": PartAttribute("_rounds", "elastic_synced", "hvd.elastic's sync set every rank's step."),
+    "in_step": PartAttribute("_rounds", "in_step", "Whether exchanges opened are still in flight.", readonly=True),
+    "detach": PartAttribute("_rounds", "detach", ":meth:`Rounds.detach <hvd_gradcomp.codecs.steps.Rounds.detach>`",
+                            readonly=True),
+    "end_round": PartAttribute("_rounds", "end_round", ":meth:`Rounds.end_round "
+                               "<hvd_gradcomp.codecs.steps.Rounds.end_round>`: one exchange step ends, on every "
+                               "part with round state.", readonly=True),
+    "_close_round": PartAttribute("_rounds", "close", readonly=True),
+    "_claim": PartMethod("_rounds", "claim", ":meth:`Rounds.claim <hvd_gradcomp.codecs.steps.Rounds.claim>`: serve "
+                         "one optimizer only (called by the optimizers)."),
+    "follow_world": PartMethod("_rounds", "follow_world", ":meth:`Rounds.follow_world "
+                               "<hvd_gradcomp.codecs.steps.Rounds.follow_world>`: an hvd.elastic reset."),
+    "_next_seed": PartAttribute("_counter", "next_seed", readonly=True),
+    "_relay_policy": PartAttribute("_policies", "relay_policy", readonly=True),
+    "relay_residuals": PartAttribute("_policies", "relay_residuals", "Residuals of the chunks QSGD's compressed "
+                                     "allreduce re-quantises, keyed ``<name>#reduced<rank>``.", readonly=True),
+    "dense_local": PartMethod("_policies", "dense_local", ":meth:`Policies.dense_local "
+                              "<hvd_gradcomp.codecs.binding.Policies.dense_local>` (called by the roads)"),
+    "dense_average": PartAttribute("_policies", "dense_average", ":meth:`Policies.dense_average "
+                                   "<hvd_gradcomp.codecs.binding.Policies.dense_average>` (called by the roads)",
+                                   readonly=True),
+    "_bind_policy": PartMethod("_binder", "bind_codec"),
+    "_check_handed": PartMethod("_binder", "check_handed"),
+    "abandon_round": PartAttribute("_rounds", "abandon_round", ":meth:`Rounds.abandon_round "
+                                   "<hvd_gradcomp.codecs.steps.Rounds.abandon_round>`", readonly=True),
+    "exchange_opened": PartAttribute("_rounds", "exchange_opened", ":meth:`Rounds.exchange_opened "
+                                     "<hvd_gradcomp.codecs.steps.Rounds.exchange_opened>`", readonly=True),
+    "exchange_closed": PartAttribute("_rounds", "exchange_closed", ":meth:`Rounds.exchange_closed "
+                                     "<hvd_gradcomp.codecs.steps.Rounds.exchange_closed>`", readonly=True),
+    "feedback": PartAttribute("_policies", "policy", "The feedback policy run now (:mod:`hvd_gradcomp.feedback`).",
+                              readonly=True),
+    "feedback_choice": PartAttribute("_policies", "choice", "``feedback=`` as given (``\"auto\"``: chosen by attach)."),
+    "_relay": PartAttribute("_policies", "relay", readonly=True),
+    "_loaded_policy": PartAttribute("_policies", "restored"),
+    "_restored": PartAttribute("_policies", "restored", readonly=True),
+    "_binding": PartAttribute("_binder", "bound", readonly=True),
+    "clip": PartAttribute("_clipping", "clip", "``clip=``: see :class:`~hvd_gradcomp.codecs.clipping.Clipping`."),
+    "road_clips": PartAttribute("_clipping", "road_clips", "Set by a road that clips the whole step (clip_local)."),
+    "clip_local": PartAttribute("_clipping", "local", ":meth:`Clipping.local "
+                                "<hvd_gradcomp.codecs.clipping.Clipping.local>`: the roads' clip of a whole step.",
+                                readonly=True),
+    "exempt": PartAttribute("_exemption", "mode", "How float32 tensors exempt from compression travel: "
+                            "``\"fp16\"`` or ``\"fp32\"``."),
+    "exclude": PartAttribute("_exemption", "exclude", "``exclude=``, compiled (None: none)."),
+    "_half": PartAttribute("_exemption", "half", readonly=True),
+    "half_residuals": PartAttribute("_exemption", "residuals", "Residuals of the float16 road, per tensor name.",
+                                    readonly=True),
+    "owed_half": PartAttribute("_exemption", "owed", ":meth:`Exemption.owed <hvd_gradcomp.codecs.exempt.Exemption"
+                               ".owed>`: ``grad`` plus what the float16 road owes ``name``.", readonly=True),
+    "encode_half": PartAttribute("_exemption", "encode", "The float16 send of the tensors :meth:`sends_half` "
+                                 "picked, fused: ``(flat float16 tensor, finite)``.", readonly=True),
+    "_excluded": PartAttribute("_exemption", "excluded", readonly=True),
+    "compresses": PartMethod("_exemption", "compresses", ":meth:`Exemption.compresses "
+                             "<hvd_gradcomp.codecs.exempt.Exemption.compresses>`: whether ``name`` is compressed."),
+    "sends_half": PartMethod("_exemption", "sends_half", ":meth:`Exemption.sends_half "
+                             "<hvd_gradcomp.codecs.exempt.Exemption.sends_half>`: whether ``name`` travels as float16."),
+    "residuals": PartAttribute("_policies", "residuals", "The residuals of the feedback policy, per name.",
+                               readonly=True),
+    "attach": PartMethod("_binder", "attach", ":meth:`OptimizerBinding.attach "
+                         "<hvd_gradcomp.codecs.binding.OptimizerBinding.attach>`: bind to the wrapped optimizer."),
+    "bind_groups": PartMethod("_binder", "bind", ":meth:`OptimizerBinding.bind "
+                              "<hvd_gradcomp.codecs.binding.OptimizerBinding.bind>`: bind the policy to the groups."),
+    "set_feedback": PartMethod("_binder", "set_feedback", ":meth:`OptimizerBinding.set_feedback "
+                               "<hvd_gradcomp.codecs.binding.OptimizerBinding.set_feedback>`; returns the compressor."),
+    "_follow_groups": PartMethod("_binder", "follow_groups"),
+    "policy_settled": PartAttribute("_binder", "settled", "Whether the feedback policy is chosen (attached).",
+                                    readonly=True),
+    "scaled_after_exchange": PartAttribute("_binder", "scaled_steps", "Checked steps whose averages were scaled "
+                                           "after the exchange (:class:`~hvd_gradcomp.codecs.binding.HandedCheck`).",
+                                           readonly=True),
+}
+for _name, _attr in ROAD_SURFACE.items():
+    setattr(GradientCompressor, _name, _attr)
 
 
 # ---------------------------------------------------------------- helpers

@@ -1,5 +1,5 @@
 """The codec contract of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`: payloads in and
-out of the wire format (a mixin, :class:`WireCodec`), and what a codec's :meth:`~WireCodec.pack`
+out of the wire format (:class:`WireCodec`, the base of the compressor), and what a codec's :meth:`~WireCodec.pack`
 returns (:class:`Encoded`).
 
 ``encode``/``decode`` carry no state but the random stream; they frame what a codec's public
@@ -27,6 +27,7 @@ import torch
 
 from .. import codecs, wire
 from .. import feedback as fb
+from ..feedback import Feedback
 from ..wire import kernels
 
 Sent = fb.Sent
@@ -67,9 +68,11 @@ class WireCodec:
     """Payloads of one codec: :meth:`encode`, :meth:`decode`, :meth:`decode_parts`, their CRC32
     (``checksum``) and sizes; the methods a codec implements (:meth:`pack`, :meth:`unpack`,
     ``unpack_sparse``, :meth:`payload_size`) and the check of a codec class
-    (:meth:`check_codec`). Mixed into :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`,
-    which owns the byte statistics (``stats``); the random stream is
-    :meth:`~hvd_gradcomp.codecs.steps.StepState._next_seed`."""
+    (:meth:`check_codec`); the decisions a codec may override, asked by the compressor's parts
+    (:meth:`compressible`, ``_selects``, :attr:`carries_held_back`, ``_caution``, ``_auto_policy``,
+    ``_contracting``, :attr:`ef_scale`). The base of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`,
+    which frames what :meth:`pack` returns into a payload (``encode``) with the seed of its step
+    counter; nothing here reads the compressor's parts."""
 
     kind: ClassVar[int] = 0
     """The payload's layout: a built-in ``wire.KIND_*``, or a kind of the codec's own (16..255)
@@ -137,15 +140,6 @@ class WireCodec:
         return self.kind != wire.KIND_QSGD if self._checksum is None else self._checksum
 
     # ------------------------------------------------------------ wire level
-    def encode(self, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
-        """The payload for ``tensor`` (no error feedback): one 1-D ``torch.uint8`` tensor.
-
-        Each call advances the random stream of ``name``, so repeated calls draw fresh noise.
-        """
-        _check_input(tensor, name)
-        _check_finite(tensor, name)
-        return self._encode_flat(tensor.reshape(-1), tensor.dtype, tuple(tensor.shape), name)[0]
-
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """The tensor a payload stands for, in its original shape and dtype.
 
@@ -178,16 +172,6 @@ class WireCodec:
             return None, self.unpack(h, wire.SectionReader(payload, h)).reshape(-1)
         return sparse(h, wire.SectionReader(payload, h))
 
-    def _encode_flat(self, flat: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...],
-                     name: str, contract: bool = False, marked: fb.Marked = None) -> Tuple[torch.Tensor, Sent]:
-        # read before _next_seed counts this exchange: the share of the step being encoded
-        self._step_now, self._name_now = self._steps.get(name, 0), name
-        enc = self.pack(flat, dtype, self._next_seed(name), contract, marked)
-        header = wire.Header(self.kind, dtype, enc.bits, enc.index_mode, shape, flat.numel(), enc.k, 0,
-                             enc.bucket_size, self._checksummed)
-        payload = wire.assemble(header, enc.sections, flat.device)
-        return payload, enc.sent
-
     def payload_size(self, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
                      index_bytes: Optional[int] = None) -> int:
         """Bytes of the payload of a ``shape`` tensor (sparse payloads: given ``index_bytes``, their
@@ -199,6 +183,37 @@ class WireCodec:
         """Factor applied to what is sent under error feedback (1.0: none), for full buckets;
         buckets of fewer values get the (larger) factor of their size. See :func:`qsgd_ef_scale`."""
         return 1.0
+
+    # ------------------------------------------------------------ a codec's decisions (override points)
+    def compressible(self, shape: Tuple[int, ...]) -> bool:
+        """Whether this codec compresses a tensor of ``shape`` at all (PowerSGD: matrices only); the
+        roads send the others uncompressed. True here."""
+        return True
+
+    def _selects(self, name: str, numel: int) -> Optional[int]:
+        """How many entries a top-k codec keeps of tensor ``name`` at its next exchange; None
+        for codecs that keep them all."""
+        return None
+
+    @property
+    def carries_held_back(self) -> bool:
+        """Whether each sent value of the average carries the updates of the steps it was held
+        back (a sparse compressor under error feedback on gradients or DGC's momentum correction):
+        its norm is then far above a gradient's, and ``clip_grad_norm_`` on the average shrinks
+        every step far more than meant. False here; see :meth:`TopK.carries_held_back`."""
+        return False
+
+    def _caution(self) -> str:
+        """What the user should know about these settings, said with the choice (empty: nothing)."""
+        return ""
+
+    def _auto_policy(self, key: str) -> Feedback:
+        """The policy ``feedback="auto"`` chose, as this compressor's settings want it (see :meth:`TopK._auto_policy`)."""
+        return fb.make(key)
+
+    @property
+    def _contracting(self) -> bool:
+        return False
 
     # ------------------------------------------------------------ to implement
     def pack(self, flat: torch.Tensor, dtype: torch.dtype, seed: int, contract: bool = False,

@@ -1,13 +1,14 @@
 """Which tensors a compressor compresses, and how the exempt ones travel: the float16 road
-(a mixin of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`, :class:`ExemptRoad`).
+(:class:`Exemption`, a part of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`).
 
 Small tensors (biases, norms) and those ``exclude=`` matches go uncompressed; under ``exempt="fp16"``
 a float32 one travels as float16 with error feedback of the cast
-(:class:`~hvd_gradcomp.feedback.HalfPrecision`, the compressor's ``_half``).
+(:class:`~hvd_gradcomp.feedback.HalfPrecision`, the part's ``half``).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import re
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -22,30 +23,50 @@ EXEMPT_MODES = ("fp16", "fp32")
 """``exempt=``: how tensors exempt from compression travel (see :class:`GradientCompressor`)."""
 
 
-class ExemptRoad:
-    """Which tensors are compressed (:meth:`compresses`) and the float16 road of the float32 ones
-    exempt by design (:meth:`sends_half`, :meth:`encode_half`). Mixed into
-    :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`, which owns ``exclude``, ``feedback`` and
-    ``_half``."""
+class Exemption:
+    """Which tensors a compressor leaves uncompressed by design, and how they travel: ``exclude`` (a
+    regular expression of parameter names) and ``mode`` (``exempt=``: ``"fp16"`` or ``"fp32"``), with the
+    float16 road's own residuals (``half``, :class:`~hvd_gradcomp.feedback.HalfPrecision`: what the cast
+    takes away, sent later).
+
+    >>> e = Exemption(exclude=r"norm")
+    >>> e.excluded("norm.weight"), e.excluded("fc.bias")
+    (True, False)
+    >>> _ = e.encode([("w", torch.tensor([1.0, 1e-9]))], world=1)   # 1e-9: below float16
+    >>> f"{e.owed('w', torch.zeros(2))[1].item():.3g}", "w" in e.residuals    # owed once, then gone
+    ('1e-09', False)
+    """
+
+    def __init__(self, exclude: Optional[str] = None, mode: str = "fp16") -> None:
+        self.mode = mode
+        try:
+            self.exclude = re.compile(exclude) if exclude is not None else None
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"exclude must be a regular expression matched against parameter names "
+                             f"(e.g. r'embed|norm'), got {exclude!r}: {exc}") from None
+        self.half = fb.HalfPrecision()
 
     @property
-    def exempt(self) -> str:
-        """How float32 tensors exempt from compression travel: ``"fp16"`` or ``"fp32"`` (see the class)."""
-        return self._exempt
+    def mode(self) -> str:
+        return self._mode
 
-    @exempt.setter
-    def exempt(self, value: str) -> None:
+    @mode.setter
+    def mode(self, value: str) -> None:
         if value not in EXEMPT_MODES:
             raise ValueError(f"exempt must be one of {EXEMPT_MODES} (how tensors left uncompressed by size or "
                              f"exclude= travel: float16 with error feedback, or as they are), got {value!r}")
-        self._exempt = value
+        self._mode = value
 
-    def compresses(self, name: str, numel: Optional[int] = None) -> bool:
-        """Whether tensor ``name`` (of ``numel`` elements) is compressed; False: ``exclude``
+    def excluded(self, name: str) -> bool:
+        return self.exclude is not None and self.exclude.search(name) is not None
+
+    def compresses(self, codec: Any, name: str, numel: Optional[int] = None) -> bool:
+        """Whether ``codec`` compresses tensor ``name`` (of ``numel`` elements); False: ``exclude``
         matches its name, or it has fewer than :data:`DEFAULT_MIN_COMPRESS_NUMEL` elements
         (``hvd_gradcomp.DistributedOptimizer`` takes its ``min_compress_numel`` instead), and it
         goes uncompressed in the dense allreduce; or its feedback policy asks for a dense step
-        (:meth:`hvd_gradcomp.feedback.Feedback.dense`).
+        (:meth:`hvd_gradcomp.feedback.Feedback.dense`). Binds the policy to param groups added since
+        (``codec._follow_groups()``): every road asks this before it compresses a tensor.
 
         >>> from hvd_gradcomp.codecs.topk import TopK
         >>> c = TopK(exclude=r"embed|norm")
@@ -54,20 +75,12 @@ class ExemptRoad:
         """
         if numel is not None and numel < DEFAULT_MIN_COMPRESS_NUMEL:
             return False
-        self._follow_groups()
-        if self.feedback.dense(name):  # e.g. feedback="frozen": Adam's dense warm-up
+        codec._follow_groups()
+        if codec.feedback.dense(name):  # e.g. feedback="frozen": Adam's dense warm-up
             return False
-        return not self._excluded(name)
+        return not self.excluded(name)
 
-    def compressible(self, shape: Tuple[int, ...]) -> bool:
-        """Whether this codec compresses a tensor of ``shape`` at all (PowerSGD: matrices only); the
-        roads send the others uncompressed. True here."""
-        return True
-
-    def _excluded(self, name: str) -> bool:
-        return self.exclude is not None and self.exclude.search(name) is not None
-
-    def sends_half(self, name: str, dtype: torch.dtype, small: bool, dense_steps: bool = True) -> bool:
+    def sends_half(self, codec: Any, name: str, dtype: torch.dtype, small: bool, dense_steps: bool = True) -> bool:
         """Whether tensor ``name``, not compressed this step, travels as float16 (``exempt="fp16"``,
         with error feedback of the cast): every float32 gradient that goes uncompressed, whether
         exempt by design (``small``: under the caller's ``min_compress_numel``; matched by
@@ -84,7 +97,7 @@ class ExemptRoad:
         them: a 400-step AdamW run saved 3.9x over the whole run), and Adam's moments of an average
         whose cast error is carried to the next step differ from float32's by float16 rounding
         (docs/RECIPES.md: whole-run bytes and held-out loss). What the cast still owes when a tensor
-        starts compressing joins its first compressed gradient (:meth:`owed_half`).
+        starts compressing joins its first compressed gradient (:meth:`owed`).
 
         >>> from hvd_gradcomp.codecs.topk import TopK
         >>> c = TopK(exclude=r"norm")
@@ -95,36 +108,27 @@ class ExemptRoad:
         >>> TopK(exempt="fp32").sends_half("fc.weight", torch.float32, False)
         False
         """
-        if self.exempt != "fp16" or dtype != torch.float32:
+        if self.mode != "fp16" or dtype != torch.float32:
             return False
         # not a tensor sent dense for another reason (outside the optimizer "frozen" is bound to: exact)
-        return small or self._excluded(name) or (dense_steps and self.feedback.dense(name))
+        return small or self.excluded(name) or (dense_steps and codec.feedback.dense(name))
 
-    def owed_half(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` plus what the float16 road still owes ``name`` (a tensor that travelled as float16
-        while dense, compressed from now on), which then leaves that road; ``grad`` itself if nothing
-        is owed. Called by the compressed paths, so the cast's residual is neither lost nor kept for
-        good (a gradient-sized tensor per parameter).
-
-        >>> from hvd_gradcomp.codecs.topk import TopK
-        >>> c = TopK()
-        >>> _ = c.encode_half([("w", torch.tensor([1.0, 1e-9]))], world=1)   # 1e-9: below float16
-        >>> owed = c.owed_half("w", torch.zeros(2))
-        >>> owed[0].item(), f"{owed[1].item():.3g}", "w" in c.half_residuals
-        (0.0, '1e-09', False)
-        """
-        if name not in self._half.residuals:
+    def owed(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` plus what the float16 road still owes ``name``, which then leaves the road."""
+        if name not in self.half.residuals:
             return grad
-        owed = self._half.residuals.pop(name)
+        owed = self.half.residuals.pop(name)
         return grad + owed.view(grad.shape).to(grad.dtype)
 
-    def encode_half(self, named: List[Tuple[str, torch.Tensor]], world: int) -> Tuple[torch.Tensor, bool]:
-        """The float16 send of tensors :meth:`sends_half` picked, fused: ``(flat float16 tensor,
-        finite)`` for a float16 sum over ``world`` ranks, whose result is their average; error
-        feedback of the cast per name (:class:`~hvd_gradcomp.feedback.HalfPrecision`)."""
-        return self._half.encode(named, world)
+    def encode(self, named: List[Tuple[str, torch.Tensor]], world: int) -> Tuple[torch.Tensor, bool]:
+        return self.half.encode(named, world)
 
     @property
-    def half_residuals(self) -> fb.ResidualStore:
-        """Residuals of the float16 road (see :meth:`sends_half`), per tensor name."""
-        return self._half.residuals
+    def residuals(self) -> fb.ResidualStore:
+        return self.half.residuals
+
+    def track_rounds(self, on: bool) -> None:
+        self.half.track_rounds(on)
+
+    def end_round(self, ok: bool) -> None:
+        self.half.end_round(ok)

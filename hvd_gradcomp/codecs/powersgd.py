@@ -44,7 +44,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 
 from .. import codecs
-from .compressor import GradientCompressor
+from .compressor import GradientCompressor, PartAttribute
 from ..feedback import Feedback
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -83,6 +83,47 @@ def orthogonalize(matrix: torch.Tensor) -> torch.Tensor:
     return matrix
 
 
+class Factors:
+    """PowerSGD's ``Q`` per tensor name, the start of its next step (warm start), a part of
+    :class:`PowerSGD`: once rounds are tracked, the ``Q`` a round replaced is kept until it ends, and put
+    back when it is undone (a non-finite step: its ``Q`` is NaN on every rank).
+
+    >>> f = Factors(); f.track_rounds(True)
+    >>> f.keep("w", torch.ones(2, 1)); f.end_round(True); f.keep("w", torch.zeros(2, 1)); f.end_round(False)
+    >>> f.q["w"].tolist()
+    [[1.0], [1.0]]
+    """
+
+    def __init__(self) -> None:
+        self.q: Dict[str, torch.Tensor] = {}
+        self.undo: Dict[str, Optional[torch.Tensor]] = {}   # Q of the round's start
+        self.tracking = False
+
+    def keep(self, name: str, q: torch.Tensor) -> None:
+        if self.tracking and name not in self.undo:
+            self.undo[name] = self.q.get(name)
+        self.q[name] = q.clone()
+
+    def track_rounds(self, on: bool) -> None:
+        self.tracking = on
+
+    def end_round(self, ok: bool) -> None:
+        if not ok:
+            for name, q in self.undo.items():
+                if q is None:
+                    self.q.pop(name, None)
+                else:
+                    self.q[name] = q
+        self.undo = {}
+
+    def state(self) -> Dict[str, torch.Tensor]:
+        return {n: q.detach().clone() for n, q in self.q.items()}
+
+    def load(self, q: Dict[str, torch.Tensor]) -> None:
+        self.q = {str(n): t.detach().clone() for n, t in q.items()}
+        self.undo = {}
+
+
 class PowerSGD(GradientCompressor):
     """Low-rank compression: each matrix as rank-``rank`` factors, in two allreduces (see the module).
 
@@ -106,6 +147,7 @@ class PowerSGD(GradientCompressor):
 
     codec_name = "powersgd"
     collective = codecs.ALLREDUCE_ROUNDS
+    _q = PartAttribute("_factors", "q", readonly=True)
 
     def __init__(self, rank: int = 4, warm_start: bool = True, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, seed: Optional[int] = 0, clip: Optional[float] = None,
@@ -126,8 +168,8 @@ class PowerSGD(GradientCompressor):
                          clip=clip,
                          exclude=exclude, exempt=exempt)
         self.rank, self.warm_start, self.min_compression_rate = rank, warm_start, float(min_compression_rate)
-        self._q: Dict[str, torch.Tensor] = {}
-        self._q_undo: Dict[str, Optional[torch.Tensor]] = {}   # Q of the round's start (see _close_round)
+        self._factors = Factors()
+        self._rounds.add(self._factors)   # its Q is undone with the rest of a round
         self._shapes: Dict[str, Tuple[int, ...]] = {}
 
     def __repr__(self) -> str:
@@ -189,7 +231,7 @@ class PowerSGD(GradientCompressor):
                              "send it as it is (see factors())")
         n, m, r = f
         self._shapes.setdefault(name, tuple(grad.shape))
-        acc = self.feedback.prepare(name, self._clipped(grad))
+        acc = self.feedback.prepare(name, self._clipping.clipped(grad))
         matrix = acc.view(n, m).float()
         q = self._start_q(name, m, r, matrix.device)
         p = matrix @ q
@@ -214,7 +256,7 @@ class PowerSGD(GradientCompressor):
         out.copy_(result.view(out.shape).to(out.dtype))
 
     def _start_q(self, name: str, m: int, r: int, device: torch.device) -> torch.Tensor:
-        q = self._q.get(name) if self.warm_start else None
+        q = self._factors.q.get(name) if self.warm_start else None
         if q is None or q.shape != (m, r):
             g = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{name}/q/{self._draws(name)}".encode()))
             q = torch.randn(m, r, generator=g)
@@ -225,21 +267,8 @@ class PowerSGD(GradientCompressor):
         return 0 if self.warm_start else self._steps.get(name, 0)
 
     def _keep_q(self, name: str, q: torch.Tensor) -> None:
-        if self._undo_steps is not None and name not in self._q_undo:
-            self._q_undo[name] = self._q.get(name)
-            self._undo_steps.setdefault(name, self._steps.get(name, 0))
-        self._q[name] = q.clone()
-        self._steps[name] = self._steps.get(name, 0) + 1
-
-    def _close_round(self, ok: bool) -> None:
-        if not ok:   # a non-finite step: its Q is NaN on every rank; start the next from the one before
-            for name, q in self._q_undo.items():
-                if q is None:
-                    self._q.pop(name, None)
-                else:
-                    self._q[name] = q
-        self._q_undo = {}
-        super()._close_round(ok)
+        self._factors.keep(name, q)
+        self._counter.advance(name)
 
     # ------------------------------------------------------------ no single payload
     def pack(self, *args: Any, **kwargs: Any) -> Any:
@@ -254,7 +283,7 @@ class PowerSGD(GradientCompressor):
         bit-identically."""
         state = super().state_dict()
         state["powersgd"] = {"rank": self.rank, "warm_start": self.warm_start,
-                             "q": {n: q.detach().clone() for n, q in self._q.items()}}
+                             "q": self._factors.state()}
         return state
 
     def check_state(self, state: Any) -> None:
@@ -266,5 +295,4 @@ class PowerSGD(GradientCompressor):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self._q = {str(n): q.detach().clone() for n, q in state.get("powersgd", {}).get("q", {}).items()}
-        self._q_undo = {}
+        self._factors.load(state.get("powersgd", {}).get("q", {}))

@@ -1,5 +1,5 @@
 """QSGD (Alistarh et al., 2017): each bucket of values sent as its norm and one stochastically
-rounded level per value; ``_Quantiser`` is what QSGD and TopKQSGD share."""
+rounded level per value; :class:`Quantiser` is the part QSGD and TopKQSGD share."""
 from __future__ import annotations
 
 import math
@@ -11,33 +11,38 @@ from .. import codecs, wire
 from ..wire import kernels
 from .. import feedback as fb
 from .contract import _head_bytes
-from .compressor import DEFAULT_BUCKET, Encoded, GradientCompressor, qsgd_ef_scale, qsgd_variance_bound
+from .compressor import (DEFAULT_BUCKET, Encoded, GradientCompressor, PartAttribute, qsgd_ef_scale,
+                         qsgd_variance_bound)
 from ..feedback import Feedback
 from ..settings import Checked, check_bits, check_bucket_size
 
 
-class _Quantiser:
-    """What QSGD and TopKQSGD share: bits, bucket size and the error-feedback scale."""
+class Quantiser:
+    """What QSGD and TopKQSGD share, a part each owns: bits and bucket size (checked on every assignment)
+    and the error-feedback scale they imply.
 
-    error_feedback: bool
-
-    def _init_quantiser(self, bits: int, bucket_size: int) -> None:
-        self.bits = bits
-        self.bucket_size = bucket_size
+    >>> q = Quantiser(bits=4, bucket_size=512)
+    >>> round(q.ef_scale(contract=True), 3), q.ef_scale(contract=False), q.contracting
+    (0.236, 1.0, True)
+    """
 
     bits = Checked(check_bits, "Bits per value: 1 sign bit + level bits, 2 to 8.")
     bucket_size = Checked(check_bucket_size, "Values sharing one norm, 1 to 2**32 - 1.")
 
-    @property
-    def ef_scale(self) -> float:
-        return qsgd_ef_scale(self.bits, self.bucket_size) if self.feedback.contract else 1.0
+    def __init__(self, bits: int, bucket_size: int) -> None:
+        self.bits = bits
+        self.bucket_size = bucket_size
+
+    def ef_scale(self, contract: bool) -> float:
+        """The factor on what is sent when the feedback policy needs a contraction (``contract``)."""
+        return qsgd_ef_scale(self.bits, self.bucket_size) if contract else 1.0
 
     @property
-    def _contracting(self) -> bool:
+    def contracting(self) -> bool:
         return qsgd_ef_scale(self.bits, self.bucket_size) < 1.0
 
 
-class QSGD(_Quantiser, GradientCompressor):
+class QSGD(GradientCompressor):
     """QSGD (Alistarh et al., 2017): norm-scaled stochastic quantisation, unbiased.
 
     Per bucket of ``bucket_size`` values, each value is sent as a sign and a level in
@@ -54,12 +59,22 @@ class QSGD(_Quantiser, GradientCompressor):
     kind = wire.KIND_QSGD
     codec_name = "qsgd"
     collective = codecs.COMPRESSED_ALLREDUCE
+    bits = PartAttribute("_quant", "bits", Quantiser.bits.__doc__)
+    bucket_size = PartAttribute("_quant", "bucket_size", Quantiser.bucket_size.__doc__)
 
     def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
                  seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
                  exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
         super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
-        self._init_quantiser(bits, bucket_size)
+        self._quant = Quantiser(bits, bucket_size)
+
+    @property
+    def ef_scale(self) -> float:
+        return self._quant.ef_scale(self.feedback.contract)
+
+    @property
+    def _contracting(self) -> bool:
+        return self._quant.contracting
 
     def __repr__(self) -> str:
         return (f"QSGD(bits={self.bits}, bucket_size={self.bucket_size}, error_feedback={self.error_feedback}"

@@ -1,11 +1,11 @@
-"""The exchange step of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor` as a transaction, and
-its checkpoints (a mixin, :class:`StepState`).
+"""The exchange steps of a compressor (:class:`StepCounter`, a part it owns) and its checkpoints.
 
-Once an optimizer claims the compressor (:meth:`StepState._claim`), every exchange step can be
-undone: when an average is not finite (a loss scaler skips the step), the feedback state and the
-random streams return to where the step began (:meth:`StepState.end_round`). The step count
-travels in each payload's envelope. :meth:`StepState.state_dict` saves the same state, and
-:meth:`StepState.load_state_dict` checks a checkpoint before changing anything.
+Once an optimizer claims the compressor (:meth:`StepCounter.claim`), every exchange step can be
+undone: when an average is not finite (a loss scaler skips the step), every part with round state
+(the feedback policies, the float16 road, the step counts) returns to where the step began
+(:meth:`~hvd_gradcomp.codecs.compressor.GradientCompressor.end_round` calls ``end_round(ok)`` on each).
+The step count travels in each payload's envelope. :func:`compressor_state` assembles a checkpoint from
+the parts, and :func:`_check_compressor_state` checks one before anything changes.
 """
 from __future__ import annotations
 
@@ -13,97 +13,131 @@ import math
 import warnings
 import weakref
 import zlib
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .. import feedback as fb
 
 
-class StepState:
-    """Exchange steps (claim, end, undo on overflow), the random stream per tensor name and step,
-    and checkpoints. Mixed into :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`, which owns
-    the policies whose state this rolls back and saves (``feedback``, ``_relay``, ``_half``)."""
+class StepCounter:
+    """Random streams: the exchange count per tensor name, from which each exchange's 32-bit seed differs
+    per tensor, step and rank (:meth:`next_seed`), undoable per round once rounds are tracked.
 
-    def _init_steps(self) -> None:
-        self._steps: Dict[str, int] = {}
-        self._owner: Optional[weakref.ref] = None
-        self._world: Optional[int] = None                  # ranks of the owner's process set
-        self._round = 0                                    # exchange steps ended (see end_round)
-        self._in_flight: set = set()                       # see exchange_opened
-        self._round_ok = True
-        self.join_checked = False                          # this step checked hvd.join() (stock road)
-        self._undo_steps: Optional[Dict[str, int]] = None  # random streams at the round's start
-        self.elastic_synced = False                        # hvd.elastic's sync set every rank's step (horovod/elastic.py)
+    >>> s = StepCounter(seed=3)
+    >>> s.track_rounds(True)                  # claimed: steps become undoable
+    >>> a = s.next_seed("w"); s.end_round(False); s.next_seed("w") == a    # undone: the same draw
+    True
+    >>> s.steps
+    {'w': 1}
+    """
+
+    def __init__(self, seed: Optional[int] = None) -> None:
+        self.given_seed = seed   # None: torch's seed, read at first use (see seed)
+        self.stream = 0          # set to the rank by every road: ranks draw independent noise
+        self.steps: Dict[str, int] = {}
+        self.undo: Optional[Dict[str, int]] = None   # step counts at the round's start (None: not tracked)
 
     @property
     def seed(self) -> int:
-        """Seed of the rounding noise (with the rank's ``stream``, the tensor name and the step).
-
-        Given as ``seed=``, that value; otherwise ``torch.initial_seed()`` (32 bits of it) when first
-        needed, so ``torch.manual_seed(s)`` before training makes a compressed run repeatable, as it
-        does an uncompressed one, without drawing from torch's random stream (which would change the
-        run's data order or dropout). With no ``manual_seed`` torch's own seed is random per process,
-        and so is this one.
-
-        >>> from hvd_gradcomp import TopK
-        >>> _ = torch.manual_seed(7)
-        >>> TopK(ratio=0.01).seed, TopK(ratio=0.01, seed=3).seed
-        (7, 3)
-        """
-        if self._seed is None:
-            self._seed = torch.initial_seed() % 2**32
-        return self._seed
+        """``seed=``, or ``torch.initial_seed()`` (32 bits of it) when first needed (see
+        :attr:`GradientCompressor.seed <hvd_gradcomp.codecs.compressor.GradientCompressor.seed>`)."""
+        if self.given_seed is None:
+            self.given_seed = torch.initial_seed() % 2**32
+        return self.given_seed
 
     @seed.setter
     def seed(self, value: int) -> None:
-        self._seed = value
+        self.given_seed = value
 
-    def _next_seed(self, name: str) -> int:
+    def advance(self, name: str) -> int:
+        """Count one exchange of ``name`` (undoable within the round); returns its step before."""
+        step = self.steps.get(name, 0)
+        if self.undo is not None:
+            self.undo.setdefault(name, step)
+        self.steps[name] = step + 1
+        return step
+
+    def next_seed(self, name: str) -> int:
         """A 32-bit seed from (seed, stream, name, step): reproducible, distinct per call."""
-        step = self._steps.get(name, 0)
-        if self._undo_steps is not None:
-            self._undo_steps.setdefault(name, step)
-        self._steps[name] = step + 1
+        step = self.advance(name)
         return zlib.crc32(f"{self.seed}/{self.stream}/{name}/{step}".encode())
 
-    # ------------------------------------------------------------ exchange steps
-    def _claim(self, owner: Any, world_size: Optional[int] = None) -> None:
-        """Serve ``owner`` (one optimizer) only; called by the optimizers, not by users.
+    def track_rounds(self, on: bool) -> None:
+        if on and self.undo is None:
+            self.undo = {}
 
-        Residuals and random streams are keyed by parameter name, so two optimizers sharing
-        one compressor would mix their residuals. Claiming also makes every exchange step a
-        transaction (see :meth:`end_round`). :meth:`attach` (the feedback policy's choice)
-        is the other half of binding to an optimizer.
-        """
-        current = self._owner() if self._owner is not None else None
+    def end_round(self, ok: bool) -> None:
+        """Keep the round's counts, or (``ok=False``) put back those of its start."""
+        if not ok and self.undo:
+            self.steps.update(self.undo)
+        if self.undo is not None:
+            self.undo = {}
+
+
+class Rounds:
+    """Exchange steps as transactions: the owner (one optimizer, :meth:`claim`) and its number of ranks,
+    the names in flight and the verdict of the round in progress, and the parts with state per round
+    (``parts``: each has ``track_rounds(on)`` and ``end_round(ok)``), on all of which a round ends.
+
+    >>> counter = StepCounter(seed=0)
+    >>> owner = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> r = Rounds([counter]); r.claim("codec", owner, 2)
+    >>> r.exchange_opened("w"); _ = counter.next_seed("w")
+    >>> import warnings; warnings.simplefilter("ignore")
+    >>> r.exchange_closed("w", finite=False), counter.steps, r.round    # undone on every part
+    (True, {'w': 0}, 1)
+    """
+
+    def __init__(self, parts: List[Any]) -> None:
+        self.parts = list(parts)
+        self.owner: Optional[weakref.ref] = None
+        self.world: Optional[int] = None             # ranks of the owner's process set
+        self.round = 0                               # exchange steps ended
+        self.in_flight: set = set()                  # see exchange_opened
+        self.round_ok = True
+        self.join_checked = False                    # this step checked hvd.join() (stock road)
+        self.elastic_synced = False                  # hvd.elastic's sync set every rank's step (horovod/elastic.py)
+
+    def add(self, part: Any) -> None:
+        """One more part with round state (a codec's own, e.g. PowerSGD's ``Q``)."""
+        self.parts.append(part)
+        if self.claimed:
+            part.track_rounds(True)
+
+    def claim(self, codec: Any, owner: Any, world_size: Optional[int] = None) -> None:
+        """Serve ``owner`` (one optimizer) only; called by the optimizers, not by users. Residuals and random
+        streams are keyed by parameter name, so two optimizers sharing one compressor (``codec``) would mix
+        their residuals. Claiming also makes every exchange step a transaction (see :meth:`end_round`):
+        every part's state is undoable per round. ``codec.attach`` (the feedback policy's choice) is the
+        other half of binding to an optimizer."""
+        current = self.owner() if self.owner is not None else None
         if current is not None and current is not owner:
             raise ValueError(
-                f"this {type(self).__name__} already compresses the gradients of another optimizer "
+                f"this {type(codec).__name__} already compresses the gradients of another optimizer "
                 f"({type(current).__name__}); its residuals are keyed by parameter name and would be "
                 "mixed. Give each optimizer its own compressor (a new object, or copy.deepcopy(c) "
                 "before the first step), or call remove_hooks() on the old optimizer first.")
-        self._owner = weakref.ref(owner)
-        self._world = world_size
-        self._track_rounds()
-        if self._undo_steps is None:
-            self._undo_steps = {}
+        self.owner = weakref.ref(owner)
+        self.world = world_size
+        for part in self.parts:
+            part.track_rounds(True)
 
-    def _track_rounds(self) -> None:
-        """Make the residual stores undoable per exchange step once an optimizer is claimed."""
-        if self._owner is not None:
-            for policy in (self.feedback, self._relay, self._half):
-                policy.track_rounds(True)
+    def follow_world(self, codec: Any, world: int) -> float:
+        """The owner's process set now has ``world`` ranks (an ``hvd.elastic`` reset): QSGD's relay residuals
+        of ``codec``, kept per chunk of the ranks (``<name>#reduced<rank>``, whose sizes change with
+        ``world``), are dropped, with a RuntimeWarning giving the L2 norm they held, which is returned."""
+        before, self.world = self.world, world
+        return drop_relay_chunks(codec.relay_residuals, before, world)
+
+    @property
+    def claimed(self) -> bool:
+        return self.owner is not None
 
     def detach(self) -> None:
         """Release the compressor from its optimizer (after ``remove_hooks()``)."""
         self.end_round(True)
-        self._owner = None
-
-    @property
-    def exchange_step(self) -> int:
-        """Exchange steps ended so far (it travels in each payload's envelope, see exchange.py)."""
-        return self._round
+        self.owner = None
 
     def end_round(self, ok: bool) -> None:
         """End one exchange step, on every rank alike.
@@ -118,7 +152,7 @@ class StepState:
         the exchange did happen on every rank. A RuntimeWarning says so (each time, or once per
         process under Python's default warning filter).
         """
-        self._close_round(ok)
+        self.close(ok)
         if not ok:
             # Not an error: a loss scaler (torch.amp.GradScaler) finds the same inf/NaN and skips the
             # step on every rank. Said because without a scaler it would be a silent NaN.
@@ -127,44 +161,24 @@ class StepState:
                           "they are (a torch.amp.GradScaler skips such a step; without one the parameters become "
                           "NaN). Check the loss and the inputs of this step.", RuntimeWarning, stacklevel=2)
 
-    def _close_round(self, ok: bool) -> None:
-        for policy in (self.feedback, self._relay, self._half):
-            policy.end_round(ok)
-        if not ok and self._undo_steps:
-            self._steps.update(self._undo_steps)
-        if self._undo_steps is not None:
-            self._undo_steps = {}
-        self._in_flight.clear()
-        self._round_ok = True
+    def close(self, ok: bool) -> None:
+        """End the round on every part, without a word."""
+        for part in self.parts:
+            part.end_round(ok)
+        self.in_flight.clear()
+        self.round_ok = True
         self.join_checked = False
-        self._round += 1
+        self.round += 1
 
     def abandon_round(self) -> None:
         """Undo an unfinished step and restart the step count (elastic reset, checkpoint load)."""
-        self._close_round(False)
-        self._round = 0
-
-    def follow_world(self, world: int) -> float:
-        """The owner's process set now has ``world`` ranks (an ``hvd.elastic`` reset): QSGD's relay residuals,
-        kept per chunk of the ranks (``<name>#reduced<rank>``, whose sizes change with ``world``), are
-        dropped, with a RuntimeWarning giving the L2 norm they held, which is returned."""
-        before, self._world = self._world, world
-        store = self.relay_residuals
-        dropped = 0.0
-        for name in [n for n in {*store._residuals, *store._shapes} if "#reduced" in n]:
-            r = store.pop(name)
-            store._shapes.pop(name, None)
-            if r is not None:
-                dropped += float(r.float().pow(2).sum())
-        if dropped > 0:
-            warnings.warn(f"hvd_gradcomp: {before} -> {world} ranks (an elastic reset): QSGD's relay residuals, kept per "
-                          f"chunk of the ranks, were dropped (L2 norm {dropped ** 0.5:.4g})", RuntimeWarning, stacklevel=2)
-        return dropped ** 0.5
+        self.close(False)
+        self.round = 0
 
     @property
     def in_step(self) -> bool:
         """Whether exchanges opened by :meth:`exchange_opened` are still in flight."""
-        return bool(self._in_flight)
+        return bool(self.in_flight)
 
     def exchange_opened(self, name: str) -> None:
         """Step bookkeeping where only single exchanges are seen (inside ``hvd.DistributedOptimizer``).
@@ -172,9 +186,9 @@ class StepState:
         A name opened again while still in flight means its step was interrupted (an exception
         went by, an elastic reset): that step is abandoned, see :meth:`abandon_round`.
         """
-        if name in self._in_flight:
+        if name in self.in_flight:
             self.abandon_round()
-        self._in_flight.add(name)
+        self.in_flight.add(name)
 
     def exchange_closed(self, name: str, finite: bool) -> bool:
         """The exchange of ``name`` finished; the last one of a step ends it (:meth:`end_round`) and
@@ -183,86 +197,95 @@ class StepState:
         Horovod starts every exchange of a step before it finishes the first, so "none left
         in flight" marks the end of the step on every rank alike.
         """
-        self._in_flight.discard(name)
-        self._round_ok = self._round_ok and finite
-        if not self._in_flight:
-            self.end_round(self._round_ok)
+        self.in_flight.discard(name)
+        self.round_ok = self.round_ok and finite
+        if not self.in_flight:
+            self.end_round(self.round_ok)
             return True
         return False
 
-    # ------------------------------------------------------------ checkpoints
-    def state_dict(self) -> Dict[str, Any]:
-        """Feedback state (residuals, velocities, held rates) and random state: restoring it
-        continues the exact same sequence. ``residuals``/``shapes`` are the policy's residuals.
 
-        Also records what the residuals mean (compressor kind and settings, world size), which
-        :meth:`load_state_dict` checks.
-        """
-        state = self.feedback.state_dict()
-        return {"compressor": repr(self), "kind": type(self).__name__, "error_feedback": self.error_feedback,
-                "world_size": self._world, "seed": self.seed, "stream": self.stream, "steps": dict(self._steps),
-                "residuals": state.pop("residuals"), "shapes": state.pop("shapes"),
-                "feedback": state, "relay": self._relay.state_dict(), "half": self._half.state_dict()}
-
-    def shared_state(self) -> Dict[str, Any]:
-        """:meth:`state_dict` without this rank's own state (its residuals, the relay's and the float16
-        road's, the policy's :attr:`~hvd_gradcomp.feedback.Feedback.rank_own_state`), with the exchange step:
-        what every rank holds alike. After ``hvd.join()`` the ranks still training ran steps the others
-        did not; the rank that trained last sends this and the others :meth:`load_shared_state` it."""
-        state = self.state_dict()
-        for key in _RANK_OWN:
-            state.pop(key, None)
-        own = self.feedback.rank_own_state
-        state["feedback"] = {k: v for k, v in state["feedback"].items() if k not in own}
-        state["round"] = self._round
-        return state
-
-    def load_shared_state(self, shared: Dict[str, Any]) -> None:
-        """Take :meth:`shared_state` of another rank (the exchange step, random-stream counts, the policy's
-        shared state: momentum correction's last average, ``frozen``'s ``v``, PowerSGD's ``Q``...) and keep
-        this rank's own: its residuals are still there for its next step."""
-        mine = self.state_dict()
-        own = self.feedback.rank_own_state
-        merged = {**shared, **{k: mine[k] for k in _RANK_OWN if k in mine},
-                  "feedback": {**shared["feedback"], **{k: v for k, v in mine["feedback"].items() if k in own}}}
-        step = int(merged.pop("round"))
-        self.load_state_dict(merged)
-        self._round = step
-
-    def check_state(self, state: Any) -> None:
-        """Raise ``ValueError`` naming every way ``state`` cannot be loaded (:meth:`load_state_dict`
-        checks it before changing anything; so does ``GradientAccumulator.load_state_dict``)."""
-        _check_compressor_state(self, state)
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; checks everything before changing anything.
-
-        This rank's random stream is kept (each rank draws its own noise). A checkpoint of
-        another kind of compressor, another ``error_feedback`` or another world size raises
-        ``ValueError`` saying what differs; to restart error feedback from zero instead, load
-        the rest of the checkpoint without it (``state["compression"] = None`` for
-        :class:`~hvd_gradcomp.GradientAccumulator`).
-        """
-        self.check_state(state)
-        if self._owner is not None and state.get("stream", self.stream) != self.stream:
-            warnings.warn(f"compressor state saved by the rank with stream {state['stream']} is loaded "
-                          f"on stream {self.stream}: residuals differ per rank, so each rank should load "
-                          "its own file (ckpt-rank{hvd.rank()}.pt). Keeping this rank's stream.")
-        self.abandon_round()
-        self.seed = int(state["seed"])
-        self._steps = {str(k): int(v) for k, v in state["steps"].items()}
-        extra = dict(state.get("feedback", {"policy": self.feedback.key}))
-        policy = extra.get("policy", self.feedback.key)
-        if self.feedback_choice == "auto" and policy != self.feedback.key:
-            self._set_policy(fb.make(policy))  # "auto" chose it before the checkpoint: keep it
-        self._loaded_policy = self.feedback_choice == "auto"
-        self.feedback.load_state_dict({**extra, "residuals": state["residuals"], "shapes": state.get("shapes", {})})
-        if "relay" in state:
-            self._relay.load_state_dict(state["relay"])
-        self._half.load_state_dict(state.get("half", {}))
+def drop_relay_chunks(store: fb.ResidualStore, before: Optional[int], world: int) -> float:
+    """Drop QSGD's relay residuals kept per chunk of the ranks (``#reduced`` in their name) from ``store``,
+    saying with a RuntimeWarning how much they held (the L2 norm, returned)."""
+    dropped = 0.0
+    for name in [n for n in {*store._residuals, *store._shapes} if "#reduced" in n]:
+        r = store.pop(name)
+        store._shapes.pop(name, None)
+        if r is not None:
+            dropped += float(r.float().pow(2).sum())
+    if dropped > 0:
+        warnings.warn(f"hvd_gradcomp: {before} -> {world} ranks (an elastic reset): QSGD's relay residuals, kept per "
+                      f"chunk of the ranks, were dropped (L2 norm {dropped ** 0.5:.4g})", RuntimeWarning, stacklevel=3)
+    return dropped ** 0.5
 
 
-def _check_compressor_state(comp: StepState, state: Any) -> None:
+def compressor_state(comp: Any) -> Dict[str, Any]:
+    """:meth:`GradientCompressor.state_dict`, assembled from the compressor's parts (the format every
+    release wrote: old checkpoints load)."""
+    state = comp.feedback.state_dict()
+    return {"compressor": repr(comp), "kind": type(comp).__name__, "error_feedback": comp.error_feedback,
+            "world_size": comp._world, "seed": comp.seed, "stream": comp.stream, "steps": dict(comp._steps),
+            "residuals": state.pop("residuals"), "shapes": state.pop("shapes"),
+            "feedback": state, "relay": comp._relay.state_dict(), "half": comp._half.state_dict()}
+
+
+def shared_state(comp: Any) -> Dict[str, Any]:
+    """``comp``'s state_dict() without this rank's own state (its residuals, the relay's and the float16
+    road's, the policy's :attr:`~hvd_gradcomp.feedback.Feedback.rank_own_state`), with the exchange step:
+    what every rank holds alike. After ``hvd.join()`` the ranks still training ran steps the others
+    did not; the rank that trained last sends this and the others :func:`load_shared_state` it."""
+    state = comp.state_dict()
+    for key in _RANK_OWN:
+        state.pop(key, None)
+    own = comp.feedback.rank_own_state
+    state["feedback"] = {k: v for k, v in state["feedback"].items() if k not in own}
+    state["round"] = comp.exchange_step
+    return state
+
+
+def load_shared_state(comp: Any, shared: Dict[str, Any]) -> None:
+    """Take :func:`shared_state` of another rank (the exchange step, random-stream counts, the policy's
+    shared state: momentum correction's last average, ``frozen``'s ``v``, PowerSGD's ``Q``...) and keep
+    this rank's own: its residuals are still there for its next step."""
+    mine = comp.state_dict()
+    own = comp.feedback.rank_own_state
+    merged = {**shared, **{k: mine[k] for k in _RANK_OWN if k in mine},
+              "feedback": {**shared["feedback"], **{k: v for k, v in mine["feedback"].items() if k in own}}}
+    step = int(merged.pop("round"))
+    comp.load_state_dict(merged)
+    comp._round = step
+
+
+def load_state(comp: Any, state: Dict[str, Any]) -> None:
+    """Restore ``comp.state_dict()``; checks everything before changing anything.
+
+    This rank's random stream is kept (each rank draws its own noise). A checkpoint of
+    another kind of compressor, another ``error_feedback`` or another world size raises
+    ``ValueError`` saying what differs; to restart error feedback from zero instead, load
+    the rest of the checkpoint without it (``state["compression"] = None`` for
+    :class:`~hvd_gradcomp.GradientAccumulator`).
+    """
+    comp.check_state(state)
+    if comp._rounds.claimed and state.get("stream", comp.stream) != comp.stream:
+        warnings.warn(f"compressor state saved by the rank with stream {state['stream']} is loaded "
+                      f"on stream {comp.stream}: residuals differ per rank, so each rank should load "
+                      "its own file (ckpt-rank{hvd.rank()}.pt). Keeping this rank's stream.", stacklevel=3)
+    comp.abandon_round()
+    comp.seed = int(state["seed"])
+    comp._steps = {str(k): int(v) for k, v in state["steps"].items()}
+    extra = dict(state.get("feedback", {"policy": comp.feedback.key}))
+    policy = extra.get("policy", comp.feedback.key)
+    if comp.feedback_choice == "auto" and policy != comp.feedback.key:
+        comp._set_policy(fb.make(policy))  # "auto" chose it before the checkpoint: keep it
+    comp._loaded_policy = comp.feedback_choice == "auto"
+    comp.feedback.load_state_dict({**extra, "residuals": state["residuals"], "shapes": state.get("shapes", {})})
+    if "relay" in state:
+        comp._relay.load_state_dict(state["relay"])
+    comp._half.load_state_dict(state.get("half", {}))
+
+
+def _check_compressor_state(comp: Any, state: Any) -> None:
     """Raise ValueError naming every way ``state`` cannot be loaded into ``comp``."""
     if not isinstance(state, dict):
         raise ValueError(f"compressor state must be the dict state_dict() returns, got {type(state).__name__}. "

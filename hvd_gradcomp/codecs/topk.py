@@ -10,13 +10,13 @@ import torch
 from .. import codecs, wire
 from ..wire import kernels
 from .. import feedback as fb
-from .compressor import (DEFAULT_BUCKET, WARMUP_PACE_RATIO, Encoded, GradientCompressor, Ratio, SparsityWarmup,
-                         sparsity_warmup_steps)
+from .compressor import (DEFAULT_BUCKET, WARMUP_PACE_RATIO, Encoded, GradientCompressor, PartAttribute, Ratio,
+                         SparsityWarmup, sparsity_warmup_steps)
 from .contract import _head_bytes
 from ..feedback import Feedback
 from ..feedback.frozen import WHILE_DENSE, FrozenVariance
 from . import qsgd
-from .qsgd import _Quantiser, _shrunk
+from .qsgd import Quantiser, _shrunk
 from ..settings import MIN_SELECTED, Checked, check_min_k, check_min_ratio, check_ratio
 
 
@@ -243,7 +243,7 @@ class TopK(GradientCompressor):
         return idx, vals
 
 
-class TopKQSGD(_Quantiser, TopK):
+class TopKQSGD(TopK):
     """TopK, then QSGD on the kept values: the headline setting is ratio 0.01 with 8 bits.
 
     >>> TopKQSGD()
@@ -252,6 +252,8 @@ class TopKQSGD(_Quantiser, TopK):
 
     kind = wire.KIND_TOPKQSGD
     codec_name = "topk-qsgd"
+    bits = PartAttribute("_quant", "bits", Quantiser.bits.__doc__)
+    bucket_size = PartAttribute("_quant", "bucket_size", Quantiser.bucket_size.__doc__)
 
     def __init__(self, ratio: Ratio = 0.01, bits: int = 8, bucket_size: int = DEFAULT_BUCKET,
                  error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
@@ -259,7 +261,15 @@ class TopKQSGD(_Quantiser, TopK):
                  checksum: Optional[bool] = None, exempt: str = "fp16", min_k: int = MIN_SELECTED,
                  min_ratio: Optional[Mapping[str, float]] = None) -> None:
         super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt, min_k, min_ratio)
-        self._init_quantiser(bits, bucket_size)
+        self._quant = Quantiser(bits, bucket_size)
+
+    @property
+    def ef_scale(self) -> float:
+        return self._quant.ef_scale(self.feedback.contract)
+
+    @property
+    def _contracting(self) -> bool:
+        return self._quant.contracting
 
     def __repr__(self) -> str:
         return (f"TopKQSGD(ratio={self._ratio_repr()}, bits={self.bits}, bucket_size={self.bucket_size}, "
