@@ -297,16 +297,16 @@ class GradientCompressor(WireCodec):
     raises ``ValueError``).
 
     Here: the feedback policy around the codec (``compress_named``, ``received``). The rest is parts it
-    builds in ``__init__`` and owns, each a small class with its own state: the feedback policies
-    (``feedback``, and ``_relay`` for QSGD's re-quantisation, :mod:`hvd_gradcomp.feedback`), which
-    tensors are exempt and their float16 road (:class:`~hvd_gradcomp.codecs.exempt.Exemption`), local
-    clipping (:class:`~hvd_gradcomp.codecs.clipping.Clipping`), the binding to the optimizer
-    (:class:`~hvd_gradcomp.codecs.binding.OptimizerBinding`) and the exchange steps and random streams
-    (:class:`~hvd_gradcomp.codecs.steps.StepCounter`). The compressor is the one object the roads talk
-    to: the attributes and methods they call delegate to the parts; where a part needs a codec's
-    decision, the compressor asks the codec (``_selects``, ``_auto_policy``, ``carries_held_back``...) and
-    hands the answer over. A round ends on every part with round state (``_rounds``,
-    :class:`~hvd_gradcomp.codecs.steps.Rounds`).
+    builds in ``__init__`` and owns, each a small class with its own state, none reading another's:
+    the feedback policies (:class:`~hvd_gradcomp.codecs.binding.Policies`: ``feedback=``'s choice, the
+    policy and the relay's), the binding to the optimizer (:class:`~hvd_gradcomp.codecs.binding.OptimizerBinding`),
+    which tensors are exempt and their float16 road (:class:`~hvd_gradcomp.codecs.exempt.Exemption`),
+    local clipping (:class:`~hvd_gradcomp.codecs.clipping.Clipping`), random streams
+    (:class:`~hvd_gradcomp.codecs.steps.StepCounter`) and exchange steps as transactions
+    (:class:`~hvd_gradcomp.codecs.steps.Rounds`, which ends a round on every part with round state).
+    The compressor is the one object the roads talk to: what they call (:data:`ROAD_SURFACE`) delegates
+    to a part, which asks the codec handed to it for the codec's decisions (the override points of
+    :class:`~hvd_gradcomp.codecs.contract.WireCodec`: ``_selects``, ``_auto_policy``, ``carries_held_back``...).
     """
 
     kind: int = 0
