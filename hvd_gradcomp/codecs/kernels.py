@@ -26,8 +26,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..feedback.kernels import (COMPILE_MIN_NUMEL, SentCodes, abs_at_least, kernel, sample_slice,  # noqa: F401
-                                sample_threshold)
+from ..feedback.kernels import SentCodes, abs_at_least, kernel, sample_slice, sample_threshold
+from ..feedback.kernels import COMPILE_MIN_NUMEL  # noqa: F401  (codecs/qsgd.py reads it here, with the kernels)
 from ..wire import indices
 
 _M32 = 0xFFFFFFFF
