@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hvd_gradcomp import QSGD, TopK, TopKQSGD, wire  # noqa: E402
-from hvd_gradcomp.wire import kernels  # noqa: E402
+from hvd_gradcomp.codecs import kernels  # noqa: E402
 
 def best_time(fn: Callable[[], object], repeat: int, warmup: int) -> float:
     """Best of ``repeat`` runs: on a shared machine the fastest run is the least disturbed."""

@@ -99,12 +99,12 @@ STAGES = [  # (module, attribute, label): the functions of the TopKQSGD road, ti
     # rows for functions a version does not have (or call) are left out, so that older checkouts run too
     ("feedback", "ResidualStore.compensate", "error-feedback add"),
     ("feedback", "ResidualStore.compensate_marked", "error-feedback add + top-k compare (fused)"),
-    ("kernels", "momentum_marked", "momentum correction: velocity + error-feedback add + top-k compare (fused)"),
-    ("kernels", "topk_indices", "top-k selection"),
-    ("kernels", "topk", "top-k: candidates, k-th value, kept values"),
+    ("feedback.kernels", "momentum_marked", "momentum correction: velocity + error-feedback add + top-k compare (fused)"),
+    ("codecs.kernels", "topk_indices", "top-k selection"),
+    ("codecs.kernels", "topk", "top-k: candidates, k-th value, kept values"),
     ("wire", "encode_indices", "index encode"),
-    ("kernels", "qsgd_encode", "QSGD encode"),
-    ("kernels", "qsgd_decode", "QSGD decode (sent values; received values)"),
+    ("codecs.kernels", "qsgd_encode", "QSGD encode"),
+    ("codecs.kernels", "qsgd_decode", "QSGD decode (sent values; received values)"),
     ("wire", "assemble", "payload assembly + CRC32"),
     ("feedback", "subtract_sent", "error-feedback subtract"),
     ("compressors", "GradientCompressor._compress_finite", "= encode, this rank, total"),
@@ -122,7 +122,10 @@ def _stats(values: List[float]) -> str:
 def _wrap_stages(times: dict) -> None:
     import importlib
     for mod, attr, label in STAGES:
-        owner = importlib.import_module(f"hvd_gradcomp.{mod}")
+        try:
+            owner = importlib.import_module(f"hvd_gradcomp.{mod}")
+        except ImportError:   # a module an older checkout does not have
+            continue
         *path, name = attr.split(".")
         for part in path:
             owner = getattr(owner, part)

@@ -16,6 +16,7 @@ compressors, the DDP hook (:mod:`hvd_gradcomp.ddp`) and ``hvdgc-launch`` work wi
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 from importlib import import_module
 from typing import Any, List, Optional
@@ -40,9 +41,12 @@ __all__ = [*_LAZY, "__version__"]
 
 # Module paths from before the package was laid out by layer -> where the module lives now. Code
 # written against them (a codec of your own importing hvd_gradcomp.compressors, say) keeps working,
-# with a DeprecationWarning that names the new path.
+# with a DeprecationWarning that names the new path. A module split in two maps to both: its old
+# path then gets a module holding the names of both.
+_KERNELS = ("codecs.kernels", "feedback.kernels")   # the codecs' arithmetic, error feedback's
 MOVED = {
-    "kernels": "wire.kernels", "compressors": "codecs.compressor", "compressor_codec": "codecs.contract",
+    "kernels": _KERNELS, "wire.kernels": _KERNELS,
+    "compressors": "codecs.compressor", "compressor_codec": "codecs.contract",
     "compressor_exempt": "codecs.exempt", "compressor_policy": "codecs.binding", "compressor_state": "codecs.steps",
     "qsgd": "codecs.qsgd", "topk": "codecs.topk", "powersgd": "codecs.powersgd",
     "momentum": "feedback.momentum", "frozen": "feedback.frozen", "frozen_warmup": "feedback.frozen_warmup",
@@ -56,23 +60,30 @@ MOVED = {
 
 
 def _moved(old: str) -> Any:
-    """The module ``hvd_gradcomp.<old>`` became, with a DeprecationWarning naming its new path."""
-    new = f"{__name__}.{MOVED[old]}"
-    warnings.warn(f"{__name__}.{old} moved to {new}: import it from there", DeprecationWarning, stacklevel=3)
-    return import_module(new)
+    """The module ``hvd_gradcomp.<old>`` became, with a DeprecationWarning naming its new path (for a
+    module split in two, a new module object holding the names of both)."""
+    news = MOVED[old] if isinstance(MOVED[old], tuple) else (MOVED[old],)
+    paths = [f"{__name__}.{new}" for new in news]
+    warnings.warn(f"{__name__}.{old} moved to {' and '.join(paths)}: import it from there", DeprecationWarning,
+                  stacklevel=3)
+    if len(paths) == 1:
+        return import_module(paths[0])
+    merged = types.ModuleType(f"{__name__}.{old}", f"Deprecated: split into {', '.join(paths)}.")
+    for path in reversed(paths):   # the first module's names win
+        merged.__dict__.update({k: v for k, v in vars(import_module(path)).items() if not k.startswith("__")})
+    return merged
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """``import hvd_gradcomp.<old>`` of a :data:`MOVED` path: the module at its new path, under both names."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Optional[Any]:
-        package, _, old = fullname.rpartition(".")
-        if package != __name__ or old not in MOVED:
+        if not fullname.startswith(__name__ + ".") or fullname[len(__name__) + 1:] not in MOVED:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec: Any) -> Any:
-        return _moved(spec.name.rpartition(".")[2])
+        return _moved(spec.name[len(__name__) + 1:])
 
     def exec_module(self, module: Any) -> None:
         pass   # the module at its new path ran already

@@ -783,7 +783,7 @@ def exempt(steps: int = 4) -> Dict[str, Any]:
     average is non-finite and whether this rank's residual stayed as it was. Then the Net of the
     other scenarios, one exchange: its biases and head, bit-exact float16 arithmetic."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    bound = gc.wire.kernels.half_bound(world)
+    bound = gc.feedback.kernels.half_bound(world)
     out: Dict[str, Any] = {}
     for label in ("mixed", "alone"):
         model = DDP(Chosen(big=label == "mixed"))   # one bucket

@@ -17,7 +17,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from hvd_gradcomp import codecs, wire
-from hvd_gradcomp.wire import kernels
+from hvd_gradcomp.codecs import kernels
 from hvd_gradcomp import feedback as fb
 from hvd_gradcomp.codecs.compressor import Encoded, GradientCompressor
 from hvd_gradcomp.horovod import HorovodCompressor
@@ -69,7 +69,7 @@ class RandomK(HorovodCompressor, GradientCompressor):
         return Encoded(idx.numel(), 0, mode, 0, sections + [wire.as_bytes(vals)], (idx, vals))
 
     def unpack_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
-        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
+        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_deltas)
         return idx, wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
 
     def unpack(self, h: wire.Header, reader: wire.SectionReader) -> torch.Tensor:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hvd_gradcomp import QSGD, SparsityWarmup, TopK, TopKQSGD
-from hvd_gradcomp.wire import kernels
+from hvd_gradcomp.codecs import kernels
+from hvd_gradcomp.feedback import kernels as fk
 from hvd_gradcomp.codecs.compressor import payload_size
 from hvd_gradcomp.settings import MIN_SELECTED
 
@@ -300,7 +301,7 @@ def _adversarial(n: int, kind: str, g: torch.Generator) -> torch.Tensor:
     if kind == "ramp":
         return (torch.randperm(n, generator=g).float() + 1) * torch.where(torch.rand(n, generator=g) < .5, -1., 1.)
     x = ((torch.randperm(n, generator=g).double() + 1) / n).float()  # distinct, non-zero, also after += 10
-    sl = kernels.sample_slice(n, max(1, n // 100))  # where the threshold is sampled (ratio 0.01)
+    sl = fk.sample_slice(n, max(1, n // 100))  # where the threshold is sampled (ratio 0.01)
     sampled = torch.arange(n)[sl] if sl is not None else torch.arange(0)
     if kind == "large-at-sample":
         x[sampled] += 10

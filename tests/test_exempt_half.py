@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hvd_gradcomp import FrozenVariance, QSGD, TopK, TopKQSGD
 from hvd_gradcomp.feedback import HalfPrecision
-from hvd_gradcomp.wire.kernels import HALF_MAX, half_bound, to_half_saturated
+from hvd_gradcomp.feedback.kernels import HALF_MAX, half_bound, to_half_saturated
 
 
 def owed_invariant(sent: torch.Tensor, world: int, residual: torch.Tensor, acc: torch.Tensor) -> float:

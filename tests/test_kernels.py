@@ -1,4 +1,5 @@
-"""The fused and refactored kernels against their plain references (hvd_gradcomp.wire.kernels)."""
+"""The fused and refactored kernels against their plain references (hvd_gradcomp.codecs.kernels,
+hvd_gradcomp.feedback.kernels)."""
 from __future__ import annotations
 
 import warnings
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from hvd_gradcomp import TopK, TopKQSGD
-from hvd_gradcomp.wire import kernels
+from hvd_gradcomp.codecs import kernels
+from hvd_gradcomp.feedback import kernels as fk
 from hvd_gradcomp.feedback import ErrorFeedback, subtract_sent
 
 NAN, INF = float("nan"), float("inf")
@@ -58,17 +60,17 @@ def test_add_marked_matches_the_unfused_passes(n, kind, dtype, with_residual):
     want = flat.float() + res if with_residual else flat.float()
     k = max(1, n // 100)
     out = torch.full((n,), 7.0)
-    marked = kernels.add_marked(flat, res, out, k)
+    marked = fk.add_marked(flat, res, out, k)
     assert torch.equal(out, want) or (kind == "nonfinite" and torch.equal(out.nan_to_num(), want.nan_to_num()))
-    sl = kernels.sample_slice(n, k)
+    sl = fk.sample_slice(n, k)
     if sl is None:
         assert marked is None
         return
     threshold, mask = marked.threshold, marked.mask
     assert marked.total is None
-    assert torch.equal(threshold, kernels.sample_threshold(want[sl], k, n))
+    assert torch.equal(threshold, fk.sample_threshold(want[sl], k, n))
     assert mask.dtype == torch.uint8 and torch.equal(mask, (want.abs() >= threshold).to(torch.uint8))
-    total = kernels.add_marked(flat, res, torch.empty(n), k, total=True).total  # the input's sum, for finiteness
+    total = fk.add_marked(flat, res, torch.empty(n), k, total=True).total  # the input's sum, for finiteness
     assert bool(torch.isfinite(total)) == (kind != "nonfinite")
 
 
@@ -80,7 +82,7 @@ def test_topk_from_marks_is_the_topk_of_the_sum(n, kind, ratio):
     res = torch.randn(n, generator=gen(n)) * 0.01
     k = kernels.num_selected(ratio, n)
     out = torch.empty(n)
-    marked = kernels.add_marked(flat, res, out, k)
+    marked = fk.add_marked(flat, res, out, k)
     idx = kernels.topk_indices(out, k, marked)
     assert torch.equal(idx, kernels.topk_indices(out, k))  # the same selection with or without marks
     _check_topk(idx, out, k)
@@ -92,9 +94,9 @@ def test_topk_survives_a_misjudged_sample():
     """A sample whose threshold lets fewer than k candidates through falls back to the exact top-k."""
     n, k = 300_000, 30_000
     flat = torch.randn(n, generator=gen(1))
-    flat[kernels.sample_slice(n, k)] = 1e6  # every sampled value huge: only they pass the threshold
+    flat[fk.sample_slice(n, k)] = 1e6  # every sampled value huge: only they pass the threshold
     out = torch.empty(n)
-    marked = kernels.add_marked(flat, None, out, k)
+    marked = fk.add_marked(flat, None, out, k)
     assert int(marked[1].sum()) < k
     assert torch.equal(kernels.topk_indices(out, k, marked), _reference_topk(out, k))
 
@@ -115,7 +117,7 @@ def test_top_of_takes_topk_choice_on_ties(c, k):
 def test_sample_stride_is_odd_and_spans_the_columns():
     """An even stride on a 2048-wide matrix would sample the same columns of every row."""
     n = 2048 * 2048
-    sl = kernels.sample_slice(n, n // 100)
+    sl = fk.sample_slice(n, n // 100)
     assert sl.step % 2 == 1
     cols = set((torch.arange(n)[sl] % 2048).tolist())
     assert len(cols) > 1000
@@ -167,7 +169,7 @@ def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, scale, dt
         out = torch.empty(n)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            threshold, mask, _ = kernels.add_marked(flat, res, out, n // 100, scale=scale)
+            threshold, mask, _ = fk.add_marked(flat, res, out, n // 100, scale=scale)
         # a fallback to eager kernels would make this test vacuous
         assert not [w for w in caught if "torch.compile failed" in str(w.message)]
         results.append((out, threshold, mask))
@@ -178,8 +180,8 @@ def test_compiled_add_marked_matches_eager(monkeypatch, with_residual, scale, dt
     monkeypatch.setenv("HVDGC_COMPILE", "1")
     finite = flat.clone()
     finite[~torch.isfinite(finite)] = 0
-    assert bool(torch.isfinite(kernels.add_marked(finite, res, torch.empty(n), n // 100, total=True).total))
-    assert not bool(torch.isfinite(kernels.add_marked(flat, res, torch.empty(n), n // 100, total=True).total))
+    assert bool(torch.isfinite(fk.add_marked(finite, res, torch.empty(n), n // 100, total=True).total))
+    assert not bool(torch.isfinite(fk.add_marked(flat, res, torch.empty(n), n // 100, total=True).total))
 
 
 def _momentum_reference(grad, old, res, m, d):
@@ -199,16 +201,16 @@ def test_momentum_marked_is_velocity_residual_and_candidates(with_old, with_resi
     old = torch.randn(n, generator=gen(2)) if with_old else None
     res = torch.randn(n, generator=gen(3)) * 0.1 if with_residual else None
     u, acc = torch.empty(n), torch.empty(n)
-    marks = kernels.momentum_marked(g, old, res, u, acc, 0.9, dampening, k, total=True)
+    marks = fk.momentum_marked(g, old, res, u, acc, 0.9, dampening, k, total=True)
     want_u, want_acc = _momentum_reference(g, old, res, 0.9, dampening)
     assert torch.equal(u, want_u) and torch.equal(acc, want_acc)
-    sl = kernels.sample_slice(n, k)
-    assert torch.equal(marks.threshold, kernels.sample_threshold(want_acc[sl], k, n))
+    sl = fk.sample_slice(n, k)
+    assert torch.equal(marks.threshold, fk.sample_threshold(want_acc[sl], k, n))
     assert torch.equal(marks.mask.bool(), want_acc.abs() >= marks.threshold)
     assert float(marks.total) == pytest.approx(float(g.double().sum()), rel=1e-4, abs=1e-2)
     assert torch.equal(kernels.topk_indices(acc, k, marks[:2]), _reference_topk(want_acc, k))
     # no k (or a small tensor): the velocity and the sum only, no candidates
-    assert kernels.momentum_marked(g, old, res, torch.empty(n), torch.empty(n), 0.9, dampening) is None
+    assert fk.momentum_marked(g, old, res, torch.empty(n), torch.empty(n), 0.9, dampening) is None
 
 
 @pytest.mark.slow
@@ -228,7 +230,7 @@ def test_compiled_momentum_marked_matches_eager(monkeypatch, with_old, with_resi
         u, acc = torch.empty(n), torch.empty(n)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            marks = kernels.momentum_marked(grad, old, res, u, acc, 0.9, dampening, n // 100, total=True,
+            marks = fk.momentum_marked(grad, old, res, u, acc, 0.9, dampening, n // 100, total=True,
                                             scale=scale)
         assert not [w for w in caught if "torch.compile failed" in str(w.message)]
         results.append((u, acc, marks))
@@ -239,7 +241,7 @@ def test_compiled_momentum_marked_matches_eager(monkeypatch, with_old, with_resi
     assert torch.equal(k0.mask, k1.mask) and not bool(torch.isfinite(k1.total))
     finite = grad.clone()
     finite[~torch.isfinite(finite)] = 0
-    total = kernels.momentum_marked(finite, old, res, torch.empty(n), torch.empty(n), 0.9, dampening, n // 100,
+    total = fk.momentum_marked(finite, old, res, torch.empty(n), torch.empty(n), 0.9, dampening, n // 100,
                                     total=True).total
     assert bool(torch.isfinite(total))
 
@@ -264,9 +266,10 @@ def test_compiled_delta_decode_matches_wire(monkeypatch, k, spread, offset):
     monkeypatch.setenv("HVDGC_COMPILE", "1")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = kernels.decode_delta_indices(widths, data, k)
+        got = kernels.decode_deltas(widths, data, k)
     assert not [w for w in caught if "torch.compile failed" in str(w.message)]
     assert torch.equal(got, idx) and torch.equal(got, wire.decode_delta_indices(widths, data, k))
+    assert torch.equal(wire.decode_delta_indices(widths, data, k, unpack=wire.unpack_deltas), idx)  # eager words
 
 
 @pytest.mark.parametrize("n, k", [(1, 1), (5, 5), (1000, 10), (300_000, 3000), (300_000, 30_000)])
@@ -315,13 +318,13 @@ def test_a_scaled_residual_adds_as_the_residual_times_the_scale(n):
     g, res = torch.randn(n, generator=gen(11)), torch.randn(n, generator=gen(12)) * 0.1
     old = torch.randn(n, generator=gen(13))
     a, b = torch.empty(n), torch.empty(n)
-    ma, mb = kernels.add_marked(g, res, a, k, scale=0.37), kernels.add_marked(g, res * 0.37, b, k)
+    ma, mb = fk.add_marked(g, res, a, k, scale=0.37), fk.add_marked(g, res * 0.37, b, k)
     assert torch.equal(a, b) and (ma is None) == (mb is None)
     if ma is not None:
         assert torch.equal(ma.threshold, mb.threshold) and torch.equal(ma.mask, mb.mask)
     (ua, aa, ub, ab) = (torch.empty(n) for _ in range(4))
-    ka = kernels.momentum_marked(g, old, res, ua, aa, 0.9, 0.0, k, scale=2.5)
-    kb = kernels.momentum_marked(g, old, res * 2.5, ub, ab, 0.9, 0.0, k)
+    ka = fk.momentum_marked(g, old, res, ua, aa, 0.9, 0.0, k, scale=2.5)
+    kb = fk.momentum_marked(g, old, res * 2.5, ub, ab, 0.9, 0.0, k)
     assert torch.equal(ua, ub) and torch.equal(aa, ab) and (ka is None) == (kb is None)
     if ka is not None:
         assert torch.equal(ka.mask, kb.mask)

@@ -21,11 +21,11 @@ from hvd_gradcomp import _LAZY, config
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hvd_gradcomp"
 # What is sent and what is remembered: no Horovod, nothing from the layers above.
-CODEC_MODULES = {"settings", "stats", "codecs", "codecs.registry", "wire", "wire.format", "wire.indices", "wire.kernels", "feedback", "feedback.residuals",
-                 "feedback.policy", "feedback.registry", "feedback.momentum",
+CODEC_MODULES = {"settings", "stats", "codecs", "codecs.registry", "wire", "wire.format", "wire.indices", "feedback", "feedback.residuals",
+                 "feedback.kernels", "feedback.policy", "feedback.registry", "feedback.momentum",
                  "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
                  "codecs.compressor", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps",
-                 "codecs.clipping", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
+                 "codecs.clipping", "codecs.kernels", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod/stock.py only.
 HOROVOD_ADAPTER = PACKAGE / "horovod" / "stock.py"
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
@@ -230,10 +230,10 @@ def test_every_hvdgc_variable_is_in_the_one_table() -> None:
 # docs/ARCHITECTURE.md shows the same table (checked below); a new module needs a row here.
 LAYERS = (
     ("settings", ("settings", "stats", "codecs", "codecs.registry")),
-    ("wire", ("wire", "wire.format", "wire.indices", "wire.kernels")),
-    ("feedback", ("feedback", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
+    ("wire", ("wire", "wire.format", "wire.indices")),
+    ("feedback", ("feedback", "feedback.kernels", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
                   "feedback.frozen_momentum")),
-    ("codecs", ("codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
+    ("codecs", ("codecs.kernels", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
                 "codecs.compressor",
                 "codecs.qsgd", "codecs.topk", "codecs.powersgd")),
     ("collectives", ("collectives", "collectives.reduce", "collectives.rounds", "collectives.transport",
@@ -294,13 +294,58 @@ def test_the_layer_checker_catches_an_upward_import(tmp_path: Path) -> None:
     (pkg / "collectives" / "__init__.py").write_text("")
     (pkg / "wire" / "__init__.py").write_text("def f():\n    from ..collectives.exchange import X\n")   # lazy, still up
     (pkg / "collectives" / "exchange.py").write_text("import horovod.torch\nfrom .. import wire\n")
-    (pkg / "wire" / "kernels.py").write_text("import horovod.torch as hvd\n")
+    (pkg / "wire" / "format.py").write_text("import horovod.torch as hvd\n")
     (pkg / "launchers" / "cli.py").write_text("from .. import collectives\nfrom ..wire import f\n")
     graph = layered_graph(pkg)
     assert graph["launchers"] == {"collectives", "wire"}
     assert graph["collectives.exchange"] == {"HOROVOD", "wire"}
     assert layer_violations(graph) == ["wire (layer wire) imports collectives.exchange (layer collectives)",
-                                       "wire.kernels (layer wire) imports Horovod"]
+                                       "wire.format (layer wire) imports Horovod"]
+
+
+ARITHMETIC_NAMES = re.compile(r"qsgd|topk|top_of|marked|momentum|residual|finite|half|norm|sample|compile")
+"""Words of the codecs' and error feedback's arithmetic (hvd_gradcomp/codecs/kernels.py,
+hvd_gradcomp/feedback/kernels.py), which no name defined in ``wire/`` may hold."""
+
+
+def wire_arithmetic(package: Path) -> List[str]:
+    """What in ``package/wire`` is not the byte format: a public function or class the ``wire``
+    package does not export (its ``__all__``), a name of the codecs' or feedback's arithmetic
+    (:data:`ARITHMETIC_NAMES`), a use of ``torch.compile`` (compiling is done on demand above it,
+    :func:`hvd_gradcomp.feedback.kernels.kernel`).
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp()); (d / "wire").mkdir()
+    >>> _ = (d / "wire" / "__init__.py").write_text("__all__ = ['pack_bits']")
+    >>> _ = (d / "wire" / "kernels.py").write_text("def pack_bits(): pass\\ndef qsgd_encode(): torch.compile(f)")
+    >>> for line in wire_arithmetic(d): print(line)
+    wire/kernels.py: qsgd_encode (not in wire.__all__)
+    wire/kernels.py: qsgd_encode (arithmetic)
+    wire/kernels.py: torch.compile
+    """
+    init = ast.parse((package / "wire" / "__init__.py").read_text())
+    exported = next((set(ast.literal_eval(n.value)) for n in init.body if isinstance(n, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), set())
+    found = []
+    for path in sorted((package / "wire").glob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                if not node.name.startswith("_") and node.name not in exported:
+                    found.append(f"{rel}: {node.name} (not in wire.__all__)")
+                if ARITHMETIC_NAMES.search(node.name.lower()):
+                    found.append(f"{rel}: {node.name} (arithmetic)")
+        found += [f"{rel}: torch.compile" for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute) and n.attr == "compile" and isinstance(n.value, ast.Name)
+                  and n.value.id == "torch"]
+    return found
+
+
+def test_the_wire_holds_only_the_byte_format() -> None:
+    """``wire/`` is the byte format: every function and class it defines is its public API or a
+    helper of it; QSGD's rounding, top-k selection, error feedback's sums and finiteness checks
+    live with the codecs and feedback (hvd_gradcomp/codecs/kernels.py, hvd_gradcomp/feedback/kernels.py)."""
+    assert wire_arithmetic(PACKAGE) == []
 
 
 def test_the_architecture_page_shows_the_layers() -> None:
@@ -377,4 +422,25 @@ def test_module_paths_from_before_the_layout_still_import_with_a_warning() -> No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         for old, new in hvd_gradcomp.MOVED.items():
-            assert importlib.import_module(f"hvd_gradcomp.{old}") is importlib.import_module(f"hvd_gradcomp.{new}")
+            if isinstance(new, str):
+                assert importlib.import_module(f"hvd_gradcomp.{old}") is importlib.import_module(f"hvd_gradcomp.{new}")
+                continue
+            merged = importlib.import_module(f"hvd_gradcomp.{old}")   # a module split in two: the names of both
+            for part in new:
+                module = importlib.import_module(f"hvd_gradcomp.{part}")
+                assert all(getattr(merged, n) is v for n, v in vars(module).items() if not n.startswith("_")), part
+
+
+def test_the_split_kernels_still_import_from_the_wire_with_a_warning() -> None:
+    """``hvd_gradcomp.wire.kernels`` (the codecs' and error feedback's arithmetic, in the byte format's
+    folder until it was split) still imports, with a DeprecationWarning naming both new homes."""
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "try:\n    from hvd_gradcomp.wire.kernels import add_marked\n"
+            "except DeprecationWarning as w:\n    print(w)\n"
+            "warnings.simplefilter('ignore')\n"
+            "from hvd_gradcomp.wire.kernels import add_marked, qsgd_encode\n"
+            "from hvd_gradcomp.feedback import kernels as f; from hvd_gradcomp.codecs import kernels as c\n"
+            "print(add_marked is f.add_marked and qsgd_encode is c.qsgd_encode)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.stdout.split("\n")[:2] == ["hvd_gradcomp.wire.kernels moved to hvd_gradcomp.codecs.kernels and "
+                                          "hvd_gradcomp.feedback.kernels: import it from there", "True"], res.stderr

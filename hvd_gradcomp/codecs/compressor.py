@@ -368,7 +368,7 @@ class GradientCompressor(WireCodec):
         For a sparse payload (TopK, TopKQSGD) that is its ``(indices, values)``: the same values,
         bit for bit, that :meth:`decode_parts` returns for it (each index once; the order may
         differ), so an exchange sums this rank's own part from them instead of decoding its own
-        payload. For QSGD, its codes (:class:`~hvd_gradcomp.wire.kernels.QSGDDecoded`).
+        payload. For QSGD, its codes (:class:`~hvd_gradcomp.codecs.kernels.QSGDDecoded`).
 
         >>> from hvd_gradcomp.codecs.topk import TopKQSGD
         >>> c = TopKQSGD(ratio=0.01, bits=8)
@@ -391,7 +391,7 @@ class GradientCompressor(WireCodec):
                          check: bool = False) -> Tuple[torch.Tensor, Sent]:
         """:meth:`compress_named` for a caller that checked ``grad`` already: a named, dense, finite
         tensor of a dtype the codecs carry (the DDP hook checks a whole bucket in one pass,
-        :func:`~hvd_gradcomp.wire.kernels.all_finite`). ``check``: not checked yet, and the policy
+        :func:`~hvd_gradcomp.feedback.kernels.all_finite`). ``check``: not checked yet, and the policy
         changes no state in ``prepare`` (:attr:`Feedback.marks_input`): its pass over ``grad``
         also sums it, and the check raises before anything is committed or drawn."""
         prepared = self.prepare_named(name, grad, relay, total=check)

@@ -27,8 +27,7 @@ import torch
 
 from .. import codecs, wire
 from .. import feedback as fb
-from ..feedback import Feedback
-from ..wire import kernels
+from ..feedback import Feedback, kernels
 
 Sent = fb.Sent
 
@@ -49,7 +48,7 @@ class Encoded:
 
       - ``(indices, values)``: a sparse payload (each index once);
       - ``(None, values)``: a dense one, ``values`` flat with one entry per element;
-      - QSGD's codes (:class:`hvd_gradcomp.wire.kernels.QSGDDecoded`), subtracted in one fused pass.
+      - QSGD's codes (:class:`hvd_gradcomp.codecs.kernels.QSGDDecoded`), subtracted in one fused pass.
 
     >>> e = Encoded(4, 1, 0, 0, [torch.zeros(8, dtype=torch.uint8)], (None, torch.ones(4)))
     >>> e.sent[0] is None, e.sent[1].tolist()

@@ -8,7 +8,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .. import codecs, wire
-from ..wire import kernels
+from . import kernels
 from .. import feedback as fb
 from .contract import _head_bytes
 from .compressor import (DEFAULT_BUCKET, Encoded, GradientCompressor, PartAttribute, qsgd_ef_scale,

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 
 from .. import codecs, wire
-from ..wire import kernels
+from . import kernels
 from .. import feedback as fb
 from .compressor import (DEFAULT_BUCKET, WARMUP_PACE_RATIO, Encoded, GradientCompressor, PartAttribute, Ratio,
                          SparsityWarmup, sparsity_warmup_steps)
@@ -43,7 +43,7 @@ class TopK(GradientCompressor):
     the rest at a small ratio. The rest follow ``ratio`` (and its warm-up or schedule). Names are
     those of ``model.named_parameters()`` (under DDP, of the module it wraps), as for ``exclude``.
 
-    Selection is exact (see :func:`hvd_gradcomp.wire.kernels.topk_indices`). Values travel in the
+    Selection is exact (see :func:`hvd_gradcomp.codecs.kernels.topk_indices`). Values travel in the
     gradient's dtype; indices are delta coded with per-block bit widths, or as a bitmap when
     that is smaller (ratios above ~1/10). Under error feedback a float16/bfloat16 gradient's
     residual is float32 and can exceed the dtype's range: such values are sent clamped to the
@@ -236,7 +236,7 @@ class TopK(GradientCompressor):
                                        f"{h.total_bytes} bytes, far sparser than ratio={self.ratio}")
 
     def unpack_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
-        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
+        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_deltas)
         vals = wire.from_bytes(reader.take(h.k * h.dtype.itemsize), h.dtype)
         if not bool(torch.isfinite(vals).all()):  # encoders never send them (inputs are checked)
             raise wire.WireFormatError("corrupt payload: non-finite values")
@@ -289,7 +289,7 @@ class TopKQSGD(TopK):
         return Encoded(idx.numel(), self.bits, mode, self.bucket_size, sections, (idx, sent_vals))
 
     def unpack_sparse(self, h: wire.Header, reader: wire.SectionReader) -> Tuple[torch.Tensor, torch.Tensor]:
-        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_delta_indices)
+        idx = wire.decode_indices(reader, h.index_mode, h.k, h.numel, kernels.decode_deltas)
         return idx, qsgd._read_qsgd(reader, h.k, h.bits, h.bucket_size, h.dtype)
 
 

@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tup
 
 import torch
 
-from ..wire import kernels
+from ..feedback import kernels
 from .inflight import encode_or_flag
 from .reduce import Parts, chunk_bounds, decode_flagged, sum_parts
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..wire import kernels
+from ..feedback import kernels
 from ..auto import Auto
 from ..codecs.compressor import GradientCompressor, payload_size
 from .roads import Future, State, _allgather, _allreduce, _Plan, _scatter_reduce, _Segment, _then, _when_all

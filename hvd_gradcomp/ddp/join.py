@@ -35,7 +35,7 @@ from ..codecs.steps import state_to_cpu, state_to_device
 from ..collectives.reduce import own_dense
 from ..collectives.rounds import finish as finish_rounds
 from ..collectives.rounds import low_rank_rounds
-from ..wire import kernels
+from ..feedback import kernels
 from .roads import Future, _then
 
 State = Any   # hvd_gradcomp.ddp.GradCompState (this module is imported by it)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import codecs, wire
-from ..wire import kernels
+from ..feedback import kernels
 from ..codecs.compressor import payload_size
 from ..collectives.reduce import chunk_bounds, sparse_support
 from ..collectives.rounds import HALF, compressed_allreduce, dense_fallback, low_rank_rounds, sparse_allgather

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import feedback as fb
 from .. import codecs, wire
-from ..wire import kernels
+from ..feedback import kernels
 from ..auto import Auto
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, refuse_class
 from . import checkpoint

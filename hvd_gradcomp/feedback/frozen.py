@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..wire import kernels
+from . import kernels
 from .policy import ErrorFeedback, _clone_tensors, _RoundUndo, check_sparsity_warmup
 from .registry import frozen_variance_unsupported
 from .residuals import residual_dtype

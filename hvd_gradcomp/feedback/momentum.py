@@ -8,7 +8,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from ..wire import kernels
+from . import kernels
 from .policy import SPARSITY_WARMUP, ErrorFeedback, _clone_tensors, _RoundUndo, check_sparsity_warmup
 from .residuals import Marked, Sent, residual_dtype
 
@@ -117,7 +117,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     def prepare_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False
                        ) -> Tuple[torch.Tensor, Marked]:
         """The velocity update, the residual add and top-k's candidate compare in one pass
-        (:func:`hvd_gradcomp.wire.kernels.momentum_marked`). The new velocity is kept by :meth:`sent`,
+        (:func:`hvd_gradcomp.feedback.kernels.momentum_marked`). The new velocity is kept by :meth:`sent`,
         so a non-finite ``grad`` found after this changes nothing."""
         return self._velocity_input(name, grad, k, total)
 

@@ -86,7 +86,7 @@ class Feedback:
                        ) -> Tuple[torch.Tensor, Marked]:
         """:meth:`prepare`, plus the candidates of a top-k of k entries where the policy can find
         them in the pass that builds its result (else None: the codec finds them itself);
-        ``total``: also the sum of ``grad`` (see :class:`hvd_gradcomp.wire.kernels.Marks`)."""
+        ``total``: also the sum of ``grad`` (see :class:`hvd_gradcomp.feedback.kernels.Marks`)."""
         return self.prepare(name, grad), None
 
     def sent(self, name: str, acc: torch.Tensor, what: Sent) -> None:

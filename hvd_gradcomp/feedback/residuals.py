@@ -11,11 +11,11 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from ..wire import kernels
+from . import kernels
 
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-Sent = Union["kernels.QSGDDecoded", Tuple[Optional[torch.Tensor], torch.Tensor]]
+Sent = Union["kernels.SentCodes", Tuple[Optional[torch.Tensor], torch.Tensor]]
 """What a payload carries (see :class:`hvd_gradcomp.codecs.contract.Encoded`): ``(indices, values)``
 of a sparse payload, ``(None, values)`` of a dense one (flat), or QSGD's codes."""
 Marked = Optional["kernels.Marks"]  # see kernels.add_marked and kernels.topk_indices(marked=)
@@ -52,7 +52,7 @@ def subtract_sent(acc: torch.Tensor, sent: Any) -> None:
     if isinstance(sent, list):
         for b, e, what in sent:
             subtract_sent(acc[b:e], what)
-    elif isinstance(sent, kernels.QSGDDecoded):
+    elif isinstance(sent, kernels.SentCodes):
         sent.subtract_from(acc)  # one fused pass, no dense decoded temporary
     elif sent[0] is None:
         acc.sub_(sent[1].to(acc.dtype).view_as(acc))
@@ -141,7 +141,7 @@ class ResidualStore:
     def compensate_marked(self, name: str, grad: torch.Tensor, k: int, total: bool = False,
                           lr: Optional[float] = None) -> Tuple[torch.Tensor, Marked]:
         """:meth:`compensate`, and in the same pass the candidates of a top-k of k entries
-        (:func:`hvd_gradcomp.wire.kernels.add_marked`; None where top-k will not need them);
+        (:func:`hvd_gradcomp.feedback.kernels.add_marked`; None where top-k will not need them);
         ``total``: with the sum of ``grad`` (a finiteness check)."""
         self.check_shape(name, grad)
         res, scale = self.scaled(name, lr)
@@ -268,7 +268,7 @@ class HalfPrecision:
     half the bytes, and what the cast takes away is added to their next send.
 
     :meth:`encode` takes this rank's gradients (several tensors fused into one send), adds each
-    one's residual, and casts with :func:`hvd_gradcomp.wire.kernels.to_half_saturated`: divided by the
+    one's residual, and casts with :func:`hvd_gradcomp.feedback.kernels.to_half_saturated`: divided by the
     ``world`` ranks that sum them (so the float16 sum is the average and cannot overflow) and
     saturated at its bound. The new residual is exactly what did not go out, in gradient units:
     ``sent * world + residual == gradient + old residual`` (to float32 rounding), so a value

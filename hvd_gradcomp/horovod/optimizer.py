@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..wire import kernels
+from ..feedback import kernels
 from .. import wire
 from ..auto import Auto
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step, refuse_class

@@ -51,7 +51,7 @@ import torch
 
 from .. import codecs, settings
 from ..codecs import compressor as compressors
-from ..wire import kernels
+from ..feedback import kernels
 from ..codecs.contract import _compressible
 from ..codecs.compressor import GradientCompressor
 from ..collectives.exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks

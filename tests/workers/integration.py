@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import hvd_gradcomp as gc
 from hvd_gradcomp.codecs.compressor import qsgd_ef_scale
-from hvd_gradcomp.wire.kernels import half_bound
+from hvd_gradcomp.feedback.kernels import half_bound
 from hvd_gradcomp.stats import ByteStats  # noqa: F401  (documented attribute types)
 
 IN, HIDDEN, OUT = 64, 128, 10   # fc1.weight 8192 and fc2.weight 1280 elements: compressed
