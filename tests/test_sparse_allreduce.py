@@ -342,3 +342,9 @@ def test_imports_no_collective_library(module):
 def test_owner_budget_splits_k_in_proportion():
     assert sum(owner_budget(c, 4) for c in (400, 0, 0, 0)) == 100
     assert math.ceil(7 / 4) == owner_budget(7, 4)
+
+
+def test_a_tensor_past_int32_indices_is_refused():
+    huge = torch.zeros(1).expand(1 << 31)   # no memory behind it: refused before any pass over it
+    with pytest.raises(ValueError, match="int32"):
+        next(sparse_allreduce(TopK(), [("w", huge)], [huge], 1, 0))

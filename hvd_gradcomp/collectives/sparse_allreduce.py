@@ -96,6 +96,9 @@ from .rounds import Algorithm, Gather, Payloads, Scatter, _check_shape
 PAIR_BYTES = 8
 """Bytes of one (index, value) pair on the wire: int32 index in its region, float32 value."""
 
+MAX_NUMEL = (1 << 31) - 1
+"""The largest tensor the pairs can index (int32, relative to a region that may span it all)."""
+
 Returned = Callable[[str, torch.Tensor, torch.Tensor], None]
 """``returned(name, indices, values)``: this rank's sent values the global selection dropped."""
 
@@ -214,6 +217,9 @@ def sparse_allreduce(compressor: GradientCompressor, segments: Sequence[Tuple[st
         ([[6, 7]], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0, 7.0])
     """
     returned = returned or return_to_residual(compressor)
+    for name, grad in segments:
+        if grad.numel() > MAX_NUMEL:
+            raise ValueError(f"{name}: {grad.numel()} elements; the pairs' int32 indices reach {MAX_NUMEL}")
     bounds = [balancer.bounds(name, grad.numel()) if balancer else chunk_bounds(grad.numel(), world)
               for name, grad in segments]
     sent = [_select(compressor, name, grad, flags) for name, grad in segments]
