@@ -72,6 +72,30 @@ def wire_bytes(road: str, ranks: int, numel: int, payload: float = 0.0, itemsize
     return (p - 1) * float(payload)
 
 
+def sparse_allreduce_bytes(ranks: int, k: int, pair_bytes: int = 8) -> float:
+    """Bytes each rank sends in the sparse allreduce (:mod:`hvd_gradcomp.collectives.sparse_allreduce`,
+    issue 62; not a road :class:`hvd_gradcomp.Auto` chooses yet) of a tensor whose ranks each select
+    ``k`` values: the alltoall of its k (index, value) pairs, all but those of its own region, then
+    the ring allgather of the K pairs the owners keep, all but the next rank's:
+    ``pair_bytes * (P-1)/P * (k + K)``. With regions that receive equal shares of the pairs (a
+    balancer's aim; random indices), each owner receives k and keeps ``ceil(k / P)``, so
+    ``K = P * ceil(k / P)``: k once k is a multiple of P, P when k < P. Fewer where ranks' selections
+    overlap (an owner keeps distinct indices); each owner's ceiling over or under k/P moves K by at
+    most P - 1. Flat in P, against the allgather's ``(P-1) x payload``.
+
+    >>> sparse_allreduce_bytes(16, 16_384), sparse_allreduce_bytes(1024, 16_384)
+    (245760.0, 261888.0)
+    >>> sparse_allreduce_bytes(1024, 656)      # k < P: one pair kept per owner
+    13426.875
+    >>> sparse_allreduce_bytes(1, 16_384)
+    0.0
+    """
+    _check(SPARSE, ranks)
+    p = ranks
+    kept = p * -(-k // p)
+    return pair_bytes * (p - 1) / p * (k + kept)
+
+
 def rounds(road: str, ranks: int) -> int:
     """Latency-bound steps of the ring algorithm behind ``road`` (each pays one link latency).
 
