@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hvd_gradcomp"
 # What is sent and what is remembered: no Horovod, nothing from the layers above.
 CODEC_MODULES = {"settings", "stats", "codecs", "codecs.registry", "wire", "wire.format", "wire.indices", "feedback", "feedback.residuals",
-                 "feedback.kernels", "feedback.policy", "feedback.registry", "feedback.momentum",
+                 "feedback.kernels", "feedback.policy", "feedback.registry", "feedback.names", "feedback.momentum",
                  "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
                  "codecs.compressor", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps",
                  "codecs.clipping", "codecs.kernels", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
@@ -231,7 +231,7 @@ def test_every_hvdgc_variable_is_in_the_one_table() -> None:
 LAYERS = (
     ("settings", ("settings", "stats", "codecs", "codecs.registry")),
     ("wire", ("wire", "wire.format", "wire.indices")),
-    ("feedback", ("feedback", "feedback.kernels", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
+    ("feedback", ("feedback", "feedback.kernels", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.names", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
                   "feedback.frozen_momentum")),
     ("codecs", ("codecs.kernels", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
                 "codecs.compressor",
@@ -242,7 +242,7 @@ LAYERS = (
     ("horovod", ("horovod", "horovod.stock", "horovod.classes")),
     ("auto", ("auto", "auto.auto", "auto.policy", "auto.schedule", "auto.measure", "auto.state")),
     ("optimizers", ("horovod.elastic", "horovod.optimizer", "horovod.accumulate", "ddp", "ddp.state", "ddp.hook", "ddp.env",
-                    "ddp.accumulate", "ddp.roads", "ddp.auto", "ddp.checkpoint",
+                    "ddp.accumulate", "ddp.roads", "ddp.auto", "ddp.checkpoint", "ddp.plans", "ddp.handoff", "ddp.policy",
                     "ddp.join", "config")),
     ("integrations", ("integrations", "integrations.extras", "integrations.lightning", "integrations.accelerate")),
     ("launchers", ("launchers",)),

@@ -50,13 +50,15 @@ rank with the bad values leaves its residuals untouched and nobody hangs.
 The package's modules:
 
 * :mod:`~hvd_gradcomp.ddp.hook`: :func:`gradcomp_hook` and :func:`register`;
-* :mod:`~hvd_gradcomp.ddp.state`: :class:`GradCompState`, the hook's state, and the choice of its
-  feedback policy;
+* :mod:`~hvd_gradcomp.ddp.state`: :class:`GradCompState`, the hook's state, built of its parts:
+  :mod:`~hvd_gradcomp.ddp.plans` (each bucket's layout) and :mod:`~hvd_gradcomp.ddp.handoff` (what the
+  exchange owes the optimizer when it steps); :mod:`~hvd_gradcomp.ddp.policy`: its feedback policy;
 * :mod:`~hvd_gradcomp.ddp.roads`: how a bucket travels on ``torch.distributed``, one road per declared
   collective; :mod:`~hvd_gradcomp.ddp.auto`: Auto's road per bucket;
 * :mod:`~hvd_gradcomp.ddp.env`: :func:`compression_from_env` and the warning about ``HVDGC_*`` settings
   the script did not read;
-* :mod:`~hvd_gradcomp.ddp.accumulate`: :class:`GradientAccumulator`;
+* :mod:`~hvd_gradcomp.ddp.accumulate`: :class:`GradientAccumulator` (the one of
+  :mod:`hvd_gradcomp.horovod.accumulate`, which serves both wrappers);
 * :mod:`~hvd_gradcomp.ddp.checkpoint`: the hook's state in a checkpoint; :mod:`~hvd_gradcomp.ddp.join`:
   steps after a rank joined under ``model.join()``.
 """

@@ -1,5 +1,6 @@
 """Feedback policies by name: :data:`POLICIES` and :func:`make` (``feedback="classic"``), and
-:func:`choose`, the policy ``feedback="auto"`` picks from the wrapped optimizer.
+:func:`choose`, the policy ``feedback="auto"`` picks from the wrapped optimizer, and
+:data:`HOOK_POLICIES`, those the DDP hook can run (:func:`check_hook_policy`).
 """
 from __future__ import annotations
 
@@ -88,6 +89,28 @@ def choose(optimizer: Any, codec_is_dense: bool, contracting: bool) -> Tuple[str
         if all(float(g.get("dampening", 0.0)) < 1.0 for g in optimizer.param_groups):
             return "momentum", f"{name} with momentum"
     return "classic", name
+
+
+HOOK_POLICIES = ("none", "classic", "momentum", "frozen", "update")
+"""The policies the DDP hook can run. ``"frozen"`` and ``"update"`` move the parameters themselves: the hook
+keeps their averages apart and applies them when the optimizer steps; ``"update"`` steps each rank's
+private copy of the optimizer on its local gradient in the hook (the parameters it reads stay put until
+that step)."""
+
+
+def check_hook_policy(key: str) -> None:
+    """Refuse a policy the DDP hook cannot run (not in :data:`HOOK_POLICIES`), naming the ones it can.
+
+    >>> check_hook_policy("frozen")
+    >>> check_hook_policy("pipelined")
+    Traceback (most recent call last):
+    ...
+    ValueError: feedback='pipelined' cannot run in the DDP hook, which runs the policies 'none', 'classic', 'momentum', 'frozen', 'update': use feedback='frozen' for Adam/AdamW, 'update' for other adaptive optimizers, 'momentum' for SGD with momentum, or 'classic'
+    """
+    if key not in HOOK_POLICIES:
+        raise ValueError(f"feedback={key!r} cannot run in the DDP hook, which runs the policies "
+                         f"{', '.join(repr(k) for k in HOOK_POLICIES)}: use feedback='frozen' for Adam/AdamW, "
+                         "'update' for other adaptive optimizers, 'momentum' for SGD with momentum, or 'classic'")
 
 
 def announce(message: str) -> None:

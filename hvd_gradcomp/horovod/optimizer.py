@@ -540,7 +540,7 @@ def _name_parameters(param_groups: List[dict], named_parameters: Optional[Iterab
     all_params = [p for g in param_groups for p in g["params"]]
     if named_parameters is None:
         return {p: f"param.{i}" for i, p in enumerate(all_params)}
-    from .stock import name_map  # the one check of (name, parameter) pairs, shared with the stock road
+    from ..feedback.names import name_map  # the one check of (name, parameter) pairs, on every road
 
     mapping = name_map(named_parameters)
     missing = [i for i, p in enumerate(all_params) if p not in mapping]

@@ -54,6 +54,7 @@ from ..codecs import compressor as compressors
 from ..feedback import kernels
 from ..codecs.contract import _compressible
 from ..codecs.compressor import GradientCompressor
+from ..feedback.names import name_map  # noqa: F401  (hvd_gradcomp.horovod.name_map: the one map, re-exported)
 from ..collectives.exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks
 from ..collectives.inflight import is_average
 from ..collectives.rounds import HALF, Algorithm, dense_fallback
@@ -228,24 +229,6 @@ def compressor_of(optimizer: Any) -> Any:
 
 
 # ---------------------------------------------------------------- names
-def name_map(named_parameters: Iterable[Tuple[str, torch.Tensor]]) -> Dict[torch.Tensor, str]:
-    """``{parameter: name}`` from ``model.named_parameters()``; errors say what to pass instead.
-
-    >>> m = torch.nn.Linear(2, 2)
-    >>> sorted(name_map(m.named_parameters()).values())
-    ['bias', 'weight']
-    """
-    named = list(named_parameters)
-    if any(not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[1], torch.Tensor) for t in named):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
-                         "usually model.named_parameters()")
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"parameter names must be unique; duplicated: {dups}")
-    return {p: n for n, p in named}
-
-
 def _param_of(tensor: torch.Tensor, params: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
     return next((q for q in params if q.grad is tensor), None)
 
