@@ -65,9 +65,9 @@ from ..collectives.transport import HorovodTransport
 from .decide import Decider
 from .measure import LinkProbe, Measurements, StepClock
 from .residuals import CompressedRoads
-from .schedule import OURS_ROADS, STOCK_ROADS, Schedule
+from .schedule import OURS_ROADS, Schedule, roads_in
 from .stock import _hvd
-from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE
+from .policy import DENSE, FP16, QSGD_AR, SPARSE
 from ..codecs.qsgd import QSGD
 from ..codecs.topk import TopKQSGD
 
@@ -143,11 +143,8 @@ class Auto:
         error_feedback, seed: as for the compressors.
         named_parameters: for stock Horovod, as the compressors' (see :meth:`bind`).
 
-    Its parts, each owning its state: ``compressed`` (the compressed roads' compressors and the
-    residuals handed across roads, :mod:`~hvd_gradcomp.auto.residuals`), ``schedule`` (steps and
-    the road each takes, :mod:`~hvd_gradcomp.auto.schedule`), ``measurements``, ``clock`` and
-    ``prober`` (codec costs, step times, the link: :mod:`~hvd_gradcomp.auto.measure`) and
-    ``decider`` (decisions and verdicts, :mod:`~hvd_gradcomp.auto.decide`). Auto wires them.
+    Auto wires parts that each own their state: ``compressed`` (:mod:`~hvd_gradcomp.auto.residuals`),
+    ``schedule``, ``measurements``, ``clock``, ``prober`` (:mod:`~hvd_gradcomp.auto.measure`), ``decider``.
 
     >>> Auto()
     Auto(roads=('sparse', 'qsgd', 'fp16', 'dense'), ratio=0.01, bits=8, qsgd_bits=8, interval=200)
@@ -214,6 +211,7 @@ class Auto:
         return AutoExchange(self, op, process_set)
 
     def _configure(self, mode: str, op: Any, process_set: Any) -> None:
+        """:meth:`configure` over Horovod, once; the same ``mode`` again is a no-op."""
         if self._where is None:
             self.configure(mode, HorovodTransport(process_set), op == _hvd().Average)
         elif self._where.mode != mode:
@@ -226,12 +224,8 @@ class Auto:
         transport, or the same methods over another library)."""
         if self._where is not None:
             raise ValueError("this Auto() is already used by another optimizer or hook; give each its own")
-        # "qsgd" names QSGD's road everywhere: the compressed allreduce in ours and in the DDP
-        # hook, the allgather inside stock Horovod.
-        qsgd = QSGD_AG if mode == "stock" else QSGD_AR
-        roads = self.roads or (STOCK_ROADS if mode == "stock" else OURS_ROADS)
         self._where = _Where(mode, comm, average)
-        self.schedule.use(tuple(qsgd if r in (QSGD_AR, QSGD_AG) else r for r in roads))
+        self.schedule.use(roads_in(mode, self.roads))
         self.compressed.bind(mode != "stock", comm.rank, comm.size, average)
 
     @property
@@ -241,10 +235,7 @@ class Auto:
 
     @property
     def start_steps(self) -> int:
-        """Steps of Auto's start: exploring, the decision's step, ``warmup_steps`` untimed and
-        ``explore_steps`` timed steps of the decision, and the verdict's step (a benchmark that
-        excludes Auto's start from its timing warms up this many steps). With every road
-        explored: fewer when roads are skipped (``explore_within``).
+        """Steps of Auto's start (:meth:`hvd_gradcomp.auto.schedule.Schedule.start_steps`).
 
         >>> Auto().start_steps   # sparse 2 warm-up + 2, qsgd 1 + 2; fp16, dense: 1; 1 + 1 + 2 + 1
         14
@@ -323,10 +314,9 @@ class Auto:
         durations = self.clock.durations.get(roads[0])
         if not durations or not self.costs:
             return
-        least = self.compressed.least_payload
         probes, skipped = self.decider.skip_slow_roads(
             comm, step, roads, min(durations), self.prober.measure(comm, roads, step), self.prober.adopt,
-            lambda r: [(c.numel, c.itemsize, c.payload.get(r, least(r, c.numel))) for c in self.costs.values()])
+            lambda road: self.compressed.sends(road, self.costs.values()))
         self.prober.keep(step, probes)
         self.schedule.skip(skipped)
 
@@ -338,30 +328,20 @@ class Auto:
         return self.decider.decide(comm, step, roads, self.costs, probes, self.prober.adopt, self.skipped)
 
     def verify(self) -> None:
-        """Compare the timed steps after the last decision with what it is verified against and
-        keep it unless one of those was more than ``hysteresis`` faster
-        (:meth:`hvd_gradcomp.auto.decide.Decider.verify`): a collective, called on every rank at
-        the same step."""
+        """Keep the last decision unless the clock says otherwise (:meth:`hvd_gradcomp.auto.decide.Decider.verify`):
+        a collective, called on every rank at the same step."""
         self.decider.verify(self._where.comm, self.step, self.clock.durations.get("plan"), list(self.costs))
 
     # ------------------------------------------------------------ report / checkpoints
     def report(self) -> Dict[str, Any]:
-        """Decisions, measured costs and the link, for logs and the benchmark.
-
-        ``tensors[name]``: the road, the codec milliseconds and payload bytes measured per road,
-        the modelled milliseconds per road and the exposed wait of the last exchange.
-        ``verdicts``: each verification (:meth:`verify`): the step, the milliseconds per step of
-        the decisions and of what they were compared with, and what was kept. ``skipped``: the
-        roads not explored (``explore_within``), with the milliseconds their bytes alone would
-        take per step and the first road's measured step.
-        """
+        """Decisions, measured costs and the link, for logs and the benchmark (what each entry
+        holds: :func:`hvd_gradcomp.auto.state.report`)."""
         ranks = None if self._where is None else self._where.comm.size
         return state.report(self.schedule, self.measurements, self.decider, self.link, ranks)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Both compressors' residuals and random state, the step, the decisions, the measured
-        costs and the roads skipped (residuals differ per rank: one file per rank, as for the
-        compressors; see :func:`hvd_gradcomp.auto.state.state_dict`)."""
+        """Both compressors' residuals and random state, the step, the decisions, the measured costs
+        and the roads skipped: one file per rank, as for the compressors (:func:`hvd_gradcomp.auto.state.state_dict`)."""
         return state.state_dict(self.compressed, self.schedule, self.measurements, self.decider)
 
     def check_state(self, state_: Any) -> None:

@@ -4,7 +4,7 @@ whatever road that takes: nothing is lost or sent twice across switches.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -13,7 +13,7 @@ from ..codecs.compressor import payload_size
 from ..codecs.qsgd import QSGD
 from ..codecs.topk import TopKQSGD
 from ..collectives.reduce import chunk_bounds
-from .policy import QSGD_AG, QSGD_AR, SPARSE
+from .policy import QSGD_AG, QSGD_AR, SPARSE, TensorCosts
 
 
 class CompressedRoads:
@@ -81,6 +81,11 @@ class CompressedRoads:
         for res, start, scale in extra:
             flat[start:start + res.numel()].add_(res.to(flat.device), alpha=scale)
         return flat.to(grad.dtype).view(grad.shape)
+
+    def sends(self, road: str, costs: Iterable[TensorCosts]) -> List[Tuple[int, int, float]]:
+        """(numel, itemsize, payload bytes) of each tensor on ``road``: measured, else
+        :meth:`least_payload` (what :func:`hvd_gradcomp.auto.policy.transfer_seconds` takes)."""
+        return [(c.numel, c.itemsize, c.payload.get(road, self.least_payload(road, c.numel))) for c in costs]
 
     def least_payload(self, road: str, numel: int) -> float:
         """A road's payload bytes for a tensor it has not sent yet, never more than it will be:

@@ -13,6 +13,19 @@ OURS_ROADS = (SPARSE, QSGD_AR, FP16, DENSE)   # exploration order: the dense roa
 STOCK_ROADS = (SPARSE, QSGD_AG, FP16, DENSE)  # residuals are flushed when exploration ends
 
 
+def roads_in(mode: str, roads: Optional[Sequence[str]] = None) -> Tuple[str, ...]:
+    """The roads (``roads``, default all) as named where Auto runs: "qsgd" names QSGD's road
+    everywhere, the compressed allreduce in hvd_gradcomp's optimizer and in the DDP hook, the
+    allgather inside stock Horovod.
+
+    >>> roads_in("stock", ["qsgd", "dense"])
+    ('qsgd-ag', 'dense')
+    """
+    qsgd = QSGD_AG if mode == "stock" else QSGD_AR
+    roads = roads or (STOCK_ROADS if mode == "stock" else OURS_ROADS)
+    return tuple(qsgd if r in (QSGD_AR, QSGD_AG) else r for r in roads)
+
+
 class Schedule:
     """Steps begun, the exploring plan and the phase of each step; the same on every rank.
 
@@ -74,7 +87,10 @@ class Schedule:
         return warm + (1 if first and self.warmup_steps else 0), measured
 
     def start_steps(self, roads: Sequence[str]) -> int:
-        """Steps of Auto's start on ``roads``, every one explored (see :attr:`Auto.start_steps`)."""
+        """Steps of Auto's start on ``roads``: exploring, the decision's step, ``warmup_steps``
+        untimed and ``explore_steps`` timed steps of the decision, and the verdict's step (a
+        benchmark that excludes Auto's start from its timing warms up this many steps). With
+        every road explored: fewer when roads are skipped (``explore_within``)."""
         return len(self.exploring_plan(roads)) + 1 + self.warmup_steps + self.explore_steps + 1
 
     # ------------------------------------------------------------ steps

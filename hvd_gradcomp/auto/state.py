@@ -22,6 +22,13 @@ def report(schedule: Schedule, costs: Measurements, decider: Decider, link: Opti
            ranks: Optional[int]) -> Dict[str, Any]:
     """:meth:`hvd_gradcomp.auto.Auto.report` (``ranks``: None before Auto is configured).
 
+    ``tensors[name]``: the road, the codec milliseconds and payload bytes measured per road,
+    the modelled milliseconds per road and the exposed wait of the last exchange.
+    ``verdicts``: each verification (:meth:`hvd_gradcomp.auto.Auto.verify`): the step, the
+    milliseconds per step of the decisions and of what they were compared with, and what was
+    kept. ``skipped``: the roads not explored (``explore_within``), with the milliseconds their
+    bytes alone would take per step and the first road's measured step.
+
     >>> from hvd_gradcomp.auto import Auto
     >>> Auto().report()["summary"]
     'step 0: no tensor yet; link not probed yet'
