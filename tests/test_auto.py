@@ -401,3 +401,57 @@ def test_verification_keeps_decisions_a_road_alone_beats_by_less_than_the_hyster
     (v,) = auto.verdicts
     assert v["kept"] == kept and auto.decisions == ({"w": "sparse", "v": "dense"} if kept == "plan" else
                                                     {"w": "dense", "v": "dense"})
+
+
+# ---------------------------------------------------------------- structure: parts, not mixins
+def foreign_reads(source: str) -> Dict[str, list]:
+    """Per class of ``source``: the ``self.<name>`` it reads but neither assigns nor defines (a
+    mixin reading what another class sets). A part owns what it reads.
+
+    >>> foreign_reads("class A:\\n    def __init__(self):\\n        self.a = 1\\n    def f(self):\\n        return self.a + self.b")
+    {'A': ['b']}
+    """
+    import ast
+
+    found = {}
+    for cls in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
+        defined = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        for n in cls.body:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+            defined |= {t.id for t in targets if isinstance(t, ast.Name)}
+        on_self = [n for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                   and n.value.id == "self"]
+        assigned = {n.attr for n in on_self if isinstance(n.ctx, ast.Store)}
+        reads = sorted({n.attr for n in on_self if isinstance(n.ctx, ast.Load)} - assigned - defined)
+        if reads:
+            found[cls.name] = reads
+    return found
+
+
+def test_the_ownership_check_catches_a_mixin():
+    mixin = ("class Schedule:\n    def exploring(self):\n        return self.step <= len(self._setup.schedule)\n"
+             "class Auto(Schedule):\n    def __init__(self):\n        self.step = 0\n")
+    assert foreign_reads(mixin) == {"Schedule": ["_setup", "step"]}
+
+
+def test_auto_is_built_of_parts_that_own_what_they_read():
+    """Auto is one class of one file (no mixins) and holds its parts; no class of hvd_gradcomp.auto
+    reads an attribute of ``self`` it does not assign or define (so no part reads what another sets)."""
+    import inspect
+    from pathlib import Path
+
+    import hvd_gradcomp.auto as auto_pkg
+    from hvd_gradcomp.auto.decide import Decider
+    from hvd_gradcomp.auto.measure import LinkProbe, Measurements, StepClock
+    from hvd_gradcomp.auto.residuals import CompressedRoads
+    from hvd_gradcomp.auto.schedule import Schedule
+
+    files = {inspect.getsourcefile(c) for c in gc.Auto.__mro__ if c.__module__.startswith("hvd_gradcomp")}
+    assert len(files) <= 3 and gc.Auto.__mro__ == (gc.Auto, object), gc.Auto.__mro__
+    auto = gc.Auto()
+    parts = {"compressed": CompressedRoads, "schedule": Schedule, "measurements": Measurements,
+             "clock": StepClock, "prober": LinkProbe, "decider": Decider}
+    assert {name: type(getattr(auto, name)) for name in parts} == parts
+    assert len({id(getattr(auto, name)) for name in parts}) == len(parts)   # each its own
+    for path in sorted(Path(auto_pkg.__file__).parent.glob("*.py")):
+        assert foreign_reads(path.read_text()) == {}, path.name
