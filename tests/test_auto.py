@@ -380,7 +380,8 @@ def test_the_probe_is_sized_to_the_link(monkeypatch):
     def pilot(numel):
         pilots.append(numel)
         return 4 * numel / 1.25e7   # 100 Mbit/s
-    assert auto.prober.size(pilot, auto._setup.comm, auto.step) == pytest.approx(1.25e7 * 0.05 / 4, rel=1e-6) and pilots == [1 << 16]
+    size = auto.prober.size(pilot, auto._setup.comm, auto.step)
+    assert size == pytest.approx(1.25e7 * 0.05 / 4, rel=1e-6) and pilots == [1 << 16]
     auto.link = Link(1.25e9)   # 10 Gbit/s: the full probe, no pilot
     assert auto.prober.size(pilot, auto._setup.comm, auto.step) == 1 << 20 == auto.probe_numel and len(pilots) == 1
     auto.link = Link(1e5)      # never below the pilot's size
@@ -408,7 +409,8 @@ def foreign_reads(source: str) -> Dict[str, list]:
     """Per class of ``source``: the ``self.<name>`` it reads but neither assigns nor defines (a
     mixin reading what another class sets). A part owns what it reads.
 
-    >>> foreign_reads("class A:\\n    def __init__(self):\\n        self.a = 1\\n    def f(self):\\n        return self.a + self.b")
+    >>> foreign_reads("class A:\\n    def __init__(self):\\n        self.a = 1\\n"
+    ...               "    def f(self):\\n        return self.a + self.b")
     {'A': ['b']}
     """
     import ast

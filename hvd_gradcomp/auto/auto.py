@@ -56,8 +56,7 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import policy, state, stock
-from ..codecs.contract import _compressible
+from . import policy, state
 from ..codecs.compressor import payload_size
 from ..collectives.exchange import (DenseExchange, FusedAllgatherExchange, Pending,
                                     ScatterReduceExchange, TimedExchange)
@@ -66,7 +65,7 @@ from .decide import Decider
 from .measure import LinkProbe, Measurements, StepClock
 from .residuals import CompressedRoads
 from .schedule import OURS_ROADS, Schedule, roads_in
-from .stock import _hvd
+from .stock import StockCtx, StockProtocol, _hvd
 from .policy import DENSE, FP16, QSGD_AR, SPARSE
 from ..codecs.qsgd import QSGD
 from ..codecs.topk import TopKQSGD
@@ -144,7 +143,8 @@ class Auto:
         named_parameters: for stock Horovod, as the compressors' (see :meth:`bind`).
 
     Auto wires parts that each own their state: ``compressed`` (:mod:`~hvd_gradcomp.auto.residuals`),
-    ``schedule``, ``measurements``, ``clock``, ``prober`` (:mod:`~hvd_gradcomp.auto.measure`), ``decider``.
+    ``schedule``, ``measurements``, ``clock``, ``prober`` (:mod:`~hvd_gradcomp.auto.measure`), ``decider``,
+    ``stock`` (:mod:`~hvd_gradcomp.auto.stock`).
 
     >>> Auto()
     Auto(roads=('sparse', 'qsgd', 'fp16', 'dense'), ratio=0.01, bits=8, qsgd_bits=8, interval=200)
@@ -167,7 +167,7 @@ class Auto:
         self.prober = LinkProbe(probe_numel)
         self.decider = Decider(float(hysteresis), float(explore_within))
         self._where: Optional[_Where] = None
-        self._names: Optional[Dict[torch.Tensor, str]] = None   # stock Horovod's names (bind)
+        self.stock = StockProtocol()   # inside stock hvd.DistributedOptimizer: compress/decompress
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -187,8 +187,7 @@ class Auto:
     decisions = _part("decider", "decisions", "Tensor name -> road, identical on every rank.")
     history = _part("decider", "history", "Switches: (step, name, from, to).")
     verdicts = _part("decider", "verdicts", "Each verification: the times compared, what was kept.")
-    costs = _part("measurements", "costs", "Tensor name -> its measured :class:`~hvd_gradcomp.auto.policy.TensorCosts`.")
-    last_wait_s = _part("measurements", "last_wait_s", "Tensor name -> the exposed wait of its last exchange.")
+    costs = _part("measurements", "costs", "Tensor name -> its measured costs (:class:`~.policy.TensorCosts`).")
     link = _part("prober", "link", "The link measured at the last probe (None before).", settable=True)
 
     def __repr__(self) -> str:
@@ -244,8 +243,7 @@ class Auto:
 
     # ------------------------------------------------------------ error feedback across roads
     def owes(self, name: str, road: str) -> bool:
-        """Whether a road other than ``road`` holds a residual of ``name`` (which
-        :meth:`flush_residuals` would add to its next send)."""
+        """Whether a road other than ``road`` holds a residual of ``name`` (:meth:`flush_residuals` adds it)."""
         return self.compressed.owes(name, road)
 
     def flush_residuals(self, name: str, grad: torch.Tensor, road: str) -> torch.Tensor:
@@ -291,9 +289,8 @@ class Auto:
         self.decider.keep_only(names)
 
     def restart(self) -> None:
-        """Explore again from the first road (the DDP hook, when DDP changed its buckets while
-        Auto explored): the step count and the step times start over, measurements stay; every
-        road is explored again, unless the first road's steps show it too slow once more."""
+        """Explore every road again, the steps and step times from zero, measurements kept (the DDP
+        hook, when DDP changed its buckets while Auto explored)."""
         self.schedule.restart()
         self.clock.reset()
 
@@ -307,9 +304,8 @@ class Auto:
         self.measurements.record(name, road, numel, itemsize, codec_s, wait_s, payload, counted)
 
     def _skip_slow_roads(self) -> None:
-        """After the first road's exploring steps: probe the link and explore no further the roads
-        too slow to win (:meth:`hvd_gradcomp.auto.decide.Decider.skip_slow_roads`); the probe is
-        kept for a decision at this same step."""
+        """Probe the link, explore no further the roads too slow to win (:meth:`Decider.skip_slow_roads
+        <hvd_gradcomp.auto.decide.Decider.skip_slow_roads>`); the probe is kept for a decision at this step."""
         comm, roads, step = self._where.comm, self.schedule.roads, self.step
         durations = self.clock.durations.get(roads[0])
         if not durations or not self.costs:
@@ -341,12 +337,11 @@ class Auto:
 
     def state_dict(self) -> Dict[str, Any]:
         """Both compressors' residuals and random state, the step, the decisions, the measured costs
-        and the roads skipped: one file per rank, as for the compressors (:func:`hvd_gradcomp.auto.state.state_dict`)."""
+        and the roads skipped: one file per rank, as for the compressors (:func:`.state.state_dict`)."""
         return state.state_dict(self.compressed, self.schedule, self.measurements, self.decider)
 
     def check_state(self, state_: Any) -> None:
-        """Raise ``ValueError`` naming what keeps ``state_`` from loading (:meth:`load_state_dict` checks
-        everything before it changes anything; so does ``GradientAccumulator.load_state_dict``)."""
+        """Raise ``ValueError`` naming what keeps ``state_`` from loading (:meth:`load_state_dict` checks first)."""
         state.check_state(state_, self.compressed)
 
     def load_state_dict(self, state_: Dict[str, Any]) -> None:
@@ -357,32 +352,26 @@ class Auto:
     def bind(self, named_parameters: Any) -> "Auto":
         """Use these names for the gradients stock Horovod hands to compress() (as the
         compressors' ``bind``); without it the names come from Horovod's optimizer. Returns self."""
-        from ..horovod.stock import name_map
-
-        self._names = name_map(named_parameters)
+        self.stock.bind(named_parameters)
         return self
 
     def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
         """Inside stock ``hvd.DistributedOptimizer``: the tensor's road (see :mod:`hvd_gradcomp.horovod`).
         Anywhere else (e.g. hvd_gradcomp's fused small tensors) the tensor passes unchanged."""
-        from ..horovod.stock import find_horovod_call
-
-        if not _compressible(tensor):
-            return tensor, None
-        call = find_horovod_call(tensor, self._names)
+        call = self.stock.call_of(tensor)
         if call is None:
             return tensor, None
         self._configure("stock", call.op, call.process_set)
         self.note_optimizer(call.optimizer, call.process_set.rank())
         road = self.road_for(call.name)
         tensor = self.flush_residuals(call.name, tensor, road)
-        return stock.send(call, road, tensor, self.sparse if road == SPARSE else self.qsgd)
+        return self.stock.send(call, road, tensor, self.sparse if road == SPARSE else self.qsgd)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Inverse of :meth:`compress`: inside Horovod, the averaged (or summed) gradient."""
         if ctx is None:
             return tensor
-        out, codec_s, wait = stock.receive(tensor, ctx)
+        out, codec_s, wait = self.stock.receive(tensor, ctx)
         self.record(ctx.name, ctx.road, ctx.like.numel(), ctx.like.element_size(), codec_s, wait, ctx.payload)
         return out
 
@@ -401,7 +390,7 @@ def _check_settings(explore_steps: Any, warmup_steps: Any, interval: Any, probe_
                          f"math.inf explores every road), got {explore_within!r}")
 
 
-_StockCtx = stock.StockCtx   # the name from before stock.py
+_StockCtx = StockCtx   # the name from before stock.py
 
 
 def _check_roads(roads: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:

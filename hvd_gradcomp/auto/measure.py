@@ -22,7 +22,8 @@ class Measurements:
     """Per tensor: codec seconds (the least of the last ``SAMPLES``) and payload bytes per road,
     and the exposed wait of its last exchange.
 
-    >>> c = Measurements(); c.record("w", "dense", 1000, 4, 0.002, 0.0, 4000); c.record("w", "dense", 1000, 4, 0.001, 0.0, 4000)
+    >>> c = Measurements()
+    >>> c.record("w", "dense", 1000, 4, 0.002, 0.0, 4000); c.record("w", "dense", 1000, 4, 0.001, 0.0, 4000)
     >>> c.costs["w"].codec_s
     {'dense': 0.001}
     """
