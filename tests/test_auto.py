@@ -3,6 +3,7 @@ across road switches, in hvd_gradcomp's optimizer and in stock Horovod's (one jo
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from typing import Any, Dict
 
@@ -186,7 +187,7 @@ def _run_clocked(monkeypatch, auto: gc.Auto, step_time, steps: int, decide=None)
     clock = [0.0]
     monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
     monkeypatch.setattr(transport_mod, "_hvd", lambda: _FakeHvd())   # Auto's mean and broadcast
-    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     if decide is not None:
         monkeypatch.setattr(auto, "decide", lambda: decide(auto))
     for _ in range(steps):
@@ -247,8 +248,8 @@ def test_start_up_costs_of_a_road_stay_out_of_its_measured_costs(monkeypatch, ex
     clock, uses = [0.0], Counter()
     monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
     monkeypatch.setattr(transport_mod, "_hvd", lambda: _FakeHvd())   # Auto's mean and broadcast
-    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(auto, "_probe", lambda: _LINK_PROBE)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(auto.prober, "measure", lambda *a: _LINK_PROBE)
     exploring = len(auto._setup.schedule)
     assert exploring == 2 * (1 + explore_steps) + 3   # warm-up steps for sparse (2, the first road) and qsgd
     for _ in range(exploring + 3 + explore_steps):   # exploration, decision, an untimed step, verification
@@ -309,8 +310,8 @@ def test_roads_whose_bytes_alone_outlast_the_first_roads_step_are_not_explored(m
     clock, taken, probes = [0.0], [], []
     monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
     monkeypatch.setattr(transport_mod, "_hvd", lambda: _FakeHvd())   # Auto's mean and broadcast
-    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(auto, "_probe", lambda: probes.append(auto.step) or _probe_at(rate))
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(auto.prober, "measure", lambda *a: probes.append(auto.step) or _probe_at(rate))
     steady = {**_STEADY_STEP, "sparse": sparse_step}
     explored = [r for r in ("sparse", "qsgd", "fp16", "dense") if r not in skipped]
     exploring = sum({"sparse": 4, "qsgd": 3}.get(r, 1) for r in explored)   # sparse, the first road: 2 warm-ups
@@ -350,8 +351,8 @@ def test_a_skipped_dense_road_stays_open_to_the_decisions(monkeypatch):
     clock, link = [0.0], [1.25e7]
     monkeypatch.setattr(auto_mod, "_hvd", lambda: _FakeHvd())
     monkeypatch.setattr(transport_mod, "_hvd", lambda: _FakeHvd())   # Auto's mean and broadcast
-    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(auto, "_probe", lambda: _probe_at(link[0]))
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(auto.prober, "measure", lambda *a: _probe_at(link[0]))
     for step in range(1, 13):
         if step == 9:
             link[0] = 1.25e10   # 100 Gbit/s from here on
@@ -379,14 +380,15 @@ def test_the_probe_is_sized_to_the_link(monkeypatch):
     def pilot(numel):
         pilots.append(numel)
         return 4 * numel / 1.25e7   # 100 Mbit/s
-    assert auto._probe_size(pilot) == pytest.approx(1.25e7 * 0.05 / 4, rel=1e-6) and pilots == [1 << 16]
+    size = auto.prober.size(pilot, auto._setup.comm, auto.step)
+    assert size == pytest.approx(1.25e7 * 0.05 / 4, rel=1e-6) and pilots == [1 << 16]
     auto.link = Link(1.25e9)   # 10 Gbit/s: the full probe, no pilot
-    assert auto._probe_size(pilot) == 1 << 20 == auto.probe_numel and len(pilots) == 1
+    assert auto.prober.size(pilot, auto._setup.comm, auto.step) == 1 << 20 == auto.probe_numel and len(pilots) == 1
     auto.link = Link(1e5)      # never below the pilot's size
-    assert auto._probe_size(pilot) == 1 << 16
+    assert auto.prober.size(pilot, auto._setup.comm, auto.step) == 1 << 16
     small = gc.Auto(probe_numel=1 << 12)   # a probe no larger than the pilot is taken as set, unsized
     small._configure("ours", "average", _FakeSet())
-    assert small._probe_size(pilot) == 1 << 12 and len(pilots) == 1
+    assert small.prober.size(pilot, small._setup.comm, small.step) == 1 << 12 and len(pilots) == 1
 
 
 @pytest.mark.parametrize("dense_alone,kept", [(0.28, "plan"), (0.26, "dense")])
@@ -400,3 +402,58 @@ def test_verification_keeps_decisions_a_road_alone_beats_by_less_than_the_hyster
     (v,) = auto.verdicts
     assert v["kept"] == kept and auto.decisions == ({"w": "sparse", "v": "dense"} if kept == "plan" else
                                                     {"w": "dense", "v": "dense"})
+
+
+# ---------------------------------------------------------------- structure: parts, not mixins
+def foreign_reads(source: str) -> Dict[str, list]:
+    """Per class of ``source``: the ``self.<name>`` it reads but neither assigns nor defines (a
+    mixin reading what another class sets). A part owns what it reads.
+
+    >>> foreign_reads("class A:\\n    def __init__(self):\\n        self.a = 1\\n"
+    ...               "    def f(self):\\n        return self.a + self.b")
+    {'A': ['b']}
+    """
+    import ast
+
+    found = {}
+    for cls in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
+        defined = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        for n in cls.body:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+            defined |= {t.id for t in targets if isinstance(t, ast.Name)}
+        on_self = [n for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                   and n.value.id == "self"]
+        assigned = {n.attr for n in on_self if isinstance(n.ctx, ast.Store)}
+        reads = sorted({n.attr for n in on_self if isinstance(n.ctx, ast.Load)} - assigned - defined)
+        if reads:
+            found[cls.name] = reads
+    return found
+
+
+def test_the_ownership_check_catches_a_mixin():
+    mixin = ("class Schedule:\n    def exploring(self):\n        return self.step <= len(self._setup.schedule)\n"
+             "class Auto(Schedule):\n    def __init__(self):\n        self.step = 0\n")
+    assert foreign_reads(mixin) == {"Schedule": ["_setup", "step"]}
+
+
+def test_auto_is_built_of_parts_that_own_what_they_read():
+    """Auto is one class of one file (no mixins) and holds its parts; no class of hvd_gradcomp.auto
+    reads an attribute of ``self`` it does not assign or define (so no part reads what another sets)."""
+    import inspect
+    from pathlib import Path
+
+    import hvd_gradcomp.auto as auto_pkg
+    from hvd_gradcomp.auto.decide import Decider
+    from hvd_gradcomp.auto.measure import LinkProbe, Measurements, StepClock
+    from hvd_gradcomp.auto.residuals import CompressedRoads
+    from hvd_gradcomp.auto.schedule import Schedule
+
+    files = {inspect.getsourcefile(c) for c in gc.Auto.__mro__ if c.__module__.startswith("hvd_gradcomp")}
+    assert len(files) <= 3 and gc.Auto.__mro__ == (gc.Auto, object), gc.Auto.__mro__
+    auto = gc.Auto()
+    parts = {"compressed": CompressedRoads, "schedule": Schedule, "measurements": Measurements,
+             "clock": StepClock, "prober": LinkProbe, "decider": Decider}
+    assert {name: type(getattr(auto, name)) for name in parts} == parts
+    assert len({id(getattr(auto, name)) for name in parts}) == len(parts)   # each its own
+    for path in sorted(Path(auto_pkg.__file__).parent.glob("*.py")):
+        assert foreign_reads(path.read_text()) == {}, path.name

@@ -51,32 +51,24 @@ Decisions and measurements: :meth:`Auto.report`.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .. import feedback as fb
-from . import policy
-from ..codecs.contract import _compressible
+from . import policy, state
 from ..codecs.compressor import payload_size
-from ..collectives.exchange import (AllgatherExchange, DenseExchange, FusedAllgatherExchange, Pending,
-                                    ScatterReduceExchange, TimedExchange, allreducible, wait_done)
-from ..feedback import residual_dtype
-from ..collectives.reduce import chunk_bounds
+from ..collectives.exchange import (DenseExchange, FusedAllgatherExchange, Pending,
+                                    ScatterReduceExchange, TimedExchange)
 from ..collectives.transport import HorovodTransport
-from .measure import RoadMeasure
-from .schedule import OURS_ROADS, STOCK_ROADS, RoadSchedule, _Setup
-from .state import AutoState
-from .policy import DENSE, FP16, QSGD_AG, QSGD_AR, SPARSE, Link, TensorCosts
+from .decide import Decider
+from .measure import LinkProbe, Measurements, StepClock
+from .residuals import CompressedRoads
+from .schedule import OURS_ROADS, Schedule, roads_in
+from .stock import StockCtx, StockProtocol, _hvd
+from .policy import DENSE, FP16, QSGD_AR, SPARSE
 from ..codecs.qsgd import QSGD
 from ..codecs.topk import TopKQSGD
-
-
-def _hvd():
-    import horovod.torch as hvd
-    return hvd
 
 
 HorovodComm = HorovodTransport
@@ -84,7 +76,48 @@ HorovodComm = HorovodTransport
 for code that imported it from here)."""
 
 
-class Auto(RoadSchedule, RoadMeasure, AutoState):
+@dataclass(frozen=True)
+class _Where:
+    """Where Auto runs, set once (:meth:`Auto.configure`): ``mode``, its collectives, and whether
+    the exchange averages."""
+
+    mode: str
+    comm: Any
+    average: bool
+
+
+class _Setup(NamedTuple):
+    """What ``auto._setup`` reads (None before Auto is configured; the DDP hook checks it): where
+    it runs, with its roads and exploring plan (:class:`hvd_gradcomp.auto.schedule.Schedule`)."""
+
+    mode: str
+    comm: Any
+    average: bool
+    roads: Tuple[str, ...]
+    schedule: Tuple[str, ...]   # the road of each exploring step
+    measured: Tuple[bool, ...]  # per exploring step: False for a codec road's warm-up steps
+
+    @property
+    def ranks(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+
+def _part(part: str, name: str, doc: str, settable: bool = False) -> property:
+    """A property of Auto that is ``name`` of its part ``part`` (read-only unless ``settable``)."""
+    def get(self: Any) -> Any:
+        return getattr(getattr(self, part), name)
+
+    def put(self: Any, value: Any) -> None:
+        setattr(getattr(self, part), name, value)
+
+    return property(get, put if settable else None, doc=doc)
+
+
+class Auto:
     """Automatic road per tensor: dense, fp16, QSGD or TopKQSGD, measured and re-decided.
 
     Args:
@@ -109,6 +142,10 @@ class Auto(RoadSchedule, RoadMeasure, AutoState):
         error_feedback, seed: as for the compressors.
         named_parameters: for stock Horovod, as the compressors' (see :meth:`bind`).
 
+    Auto wires parts that each own their state: ``compressed`` (:mod:`~hvd_gradcomp.auto.residuals`),
+    ``schedule``, ``measurements``, ``clock``, ``prober`` (:mod:`~hvd_gradcomp.auto.measure`), ``decider``,
+    ``stock`` (:mod:`~hvd_gradcomp.auto.stock`).
+
     >>> Auto()
     Auto(roads=('sparse', 'qsgd', 'fp16', 'dense'), ratio=0.01, bits=8, qsgd_bits=8, interval=200)
     """
@@ -120,43 +157,38 @@ class Auto(RoadSchedule, RoadMeasure, AutoState):
                  seed: Optional[int] = None, named_parameters: Any = None) -> None:
         # exempt="fp32": Auto's small tensors keep the dense road on every wrapper (in the DDP hook
         # they would otherwise go float16 in the buckets that take a compressed road only).
-        self.sparse = TopKQSGD(ratio=ratio, bits=bits, error_feedback=error_feedback, seed=seed, exempt="fp32")
-        self.qsgd = QSGD(bits=qsgd_bits, error_feedback=error_feedback, seed=seed, exempt="fp32")
+        self.compressed = CompressedRoads(
+            TopKQSGD(ratio=ratio, bits=bits, error_feedback=error_feedback, seed=seed, exempt="fp32"),
+            QSGD(bits=qsgd_bits, error_feedback=error_feedback, seed=seed, exempt="fp32"))
         self.roads = _check_roads(roads)
-        for arg, value, low in (("explore_steps", explore_steps, 1), ("warmup_steps", warmup_steps, 0),
-                                ("interval", interval, 1), ("probe_numel", probe_numel, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
-            raise ValueError(f"hysteresis must be a number in [0, 1) (a fraction), got {hysteresis!r}")
-        if isinstance(explore_within, bool) or not isinstance(explore_within, (int, float)) or not explore_within >= 1:
-            raise ValueError(f"explore_within must be a number >= 1 (a multiple of the first road's step; "
-                             f"math.inf explores every road), got {explore_within!r}")
-        self.explore_within = float(explore_within)
-        self.explore_steps, self.warmup_steps, self.interval = explore_steps, warmup_steps, interval
-        self.hysteresis, self.probe_numel = float(hysteresis), probe_numel
-        self.step = 0                       # steps begun (the first exchange of a step starts it)
-        self.decisions: Dict[str, str] = {}  # tensor name -> road, identical on every rank
-        self.costs: Dict[str, TensorCosts] = {}
-        self.link: Optional[Link] = None
-        self.history: List[Tuple[int, str, Optional[str], str]] = []  # (step, name, from, to)
-        self.last_wait_s: Dict[str, float] = {}
-        self.verdicts: List[Dict[str, Any]] = []   # each verification: the times compared, what was kept
-        # roads not explored (see _skip_slow_roads): road -> its transfer and the first road's step, ms
-        self.skipped: Dict[str, Dict[str, float]] = {}
-        self._fresh_probe: Optional[Tuple[int, Tuple[float, ...]]] = None   # (step, probes) for decide()
-        self._probed_numel = probe_numel   # values of the last probe's large collectives (_probe_size)
-        self._counts: Dict[str, int] = {}
-        self._step_t0: Optional[float] = None
-        self._durations: Dict[str, List[float]] = {}   # step seconds: per road (exploring), "plan", "before"
-        self._baseline: Dict[str, float] = {}          # what the plan is verified against
-        self._previous: Dict[str, str] = {}            # the decisions before the last re-decision
-        self._samples: Dict[Tuple[str, str], Deque[float]] = {}
-        self._setup: Optional[_Setup] = None
-        self._names: Optional[Dict[torch.Tensor, str]] = None
-        self._noted = False   # see note_optimizer
+        _check_settings(explore_steps, warmup_steps, interval, probe_numel, hysteresis, explore_within)
+        self.schedule = Schedule(warmup_steps, explore_steps, interval)
+        self.measurements, self.clock = Measurements(), StepClock()
+        self.prober = LinkProbe(probe_numel)
+        self.decider = Decider(float(hysteresis), float(explore_within))
+        self._where: Optional[_Where] = None
+        self.stock = StockProtocol()   # inside stock hvd.DistributedOptimizer: compress/decompress
         if named_parameters is not None:
             self.bind(named_parameters)
+
+    sparse = _part("compressed", "sparse", "The sparse road's TopKQSGD.")
+    qsgd = _part("compressed", "qsgd", "The qsgd road's QSGD.")
+    explore_steps = _part("schedule", "explore_steps", "As the argument.")
+    warmup_steps = _part("schedule", "warmup_steps", "As the argument.")
+    interval = _part("schedule", "interval", "As the argument.")
+    hysteresis = _part("decider", "hysteresis", "As the argument.")
+    explore_within = _part("decider", "explore_within", "As the argument.")
+    probe_numel = _part("prober", "probe_numel", "As the argument.")
+    step = _part("schedule", "step", "Steps begun (the first exchange of a step begins it).", settable=True)
+    exploring = _part("schedule", "exploring", "Whether the current step explores.")
+    warming_up = _part("schedule", "warming_up", "In a codec road's unmeasured warm-up steps: nothing is recorded.")
+    measuring = _part("schedule", "measuring", "Codec times count now (on GPU: taken with the device synchronised).")
+    skipped = _part("schedule", "skipped", "Roads not explored: road -> its transfer and the first road's step, ms.")
+    decisions = _part("decider", "decisions", "Tensor name -> road, identical on every rank.")
+    history = _part("decider", "history", "Switches: (step, name, from, to).")
+    verdicts = _part("decider", "verdicts", "Each verification: the times compared, what was kept.")
+    costs = _part("measurements", "costs", "Tensor name -> its measured costs (:class:`~.policy.TensorCosts`).")
+    link = _part("prober", "link", "The link measured at the last probe (None before).", settable=True)
 
     def __repr__(self) -> str:
         return (f"Auto(roads={self.roads or OURS_ROADS}, ratio={self.sparse.ratio}, bits={self.sparse.bits}, "
@@ -166,22 +198,10 @@ class Auto(RoadSchedule, RoadMeasure, AutoState):
     policy_settled = True
 
     def note_optimizer(self, optimizer: Any, rank: int) -> None:
-        """Say once, on rank 0, when ``optimizer`` has a feedback recipe of its own (momentum
-        correction for SGD with momentum, ``frozen`` for Adam/AdamW, see
-        :func:`hvd_gradcomp.feedback.choose`) that Auto's compressed roads do not apply: their error
-        feedback is classic, since a tensor may change road at any re-decision and those recipes
-        keep state tied to one road. Called by the optimizers and the DDP hook."""
-        if self._noted or rank != 0 or optimizer is None:
-            return
-        self._noted = True
-        key, _ = fb.choose(optimizer, False, True)
-        if key in ("classic", "none"):
-            return
-        name = fb.plain_class(optimizer).__name__
-        fb.announce(f"{self!r} with {name}: error feedback on its compressed roads is classic (on gradients), "
-                    f"not the recipe a fixed compressor applies for {name} (feedback '{key}'). Where it picks a "
-                    f"compressed road (a slow link), compression=hvd_gradcomp.TopKQSGD(ratio={self.sparse.ratio}, "
-                    f"bits={self.sparse.bits}) trains closer to uncompressed (docs/AUTO.md, docs/STUDY.md).")
+        """Say once, on rank 0, when ``optimizer`` has a feedback recipe of its own that Auto's
+        compressed roads do not apply (:meth:`hvd_gradcomp.auto.residuals.CompressedRoads.note_optimizer`).
+        Called by the optimizers and the DDP hook."""
+        self.compressed.note_optimizer(optimizer, rank, repr(self))
 
     # ------------------------------------------------------------ set-up
     def make_exchange(self, op: Any, process_set: Any) -> "AutoExchange":
@@ -190,9 +210,10 @@ class Auto(RoadSchedule, RoadMeasure, AutoState):
         return AutoExchange(self, op, process_set)
 
     def _configure(self, mode: str, op: Any, process_set: Any) -> None:
-        if self._setup is None:
+        """:meth:`configure` over Horovod, once; the same ``mode`` again is a no-op."""
+        if self._where is None:
             self.configure(mode, HorovodTransport(process_set), op == _hvd().Average)
-        elif self._setup.mode != mode:
+        elif self._where.mode != mode:
             raise ValueError("this Auto() is already used by another optimizer; give each optimizer its own")
 
     def configure(self, mode: str, comm: Any, average: bool) -> None:
@@ -200,125 +221,176 @@ class Auto(RoadSchedule, RoadMeasure, AutoState):
         (inside ``hvd.DistributedOptimizer``) or ``"ddp"`` (the DDP hook); ``comm``: its
         collectives (a :class:`hvd_gradcomp.collectives.transport.Control`: Horovod's or ``torch.distributed``'s
         transport, or the same methods over another library)."""
-        if self._setup is not None:
+        if self._where is not None:
             raise ValueError("this Auto() is already used by another optimizer or hook; give each its own")
-        allowed = STOCK_ROADS if mode == "stock" else OURS_ROADS
-        roads = self.roads or allowed
-        # "qsgd" names QSGD's road everywhere: the compressed allreduce in ours and in the DDP
-        # hook, the allgather inside stock Horovod.
-        roads = tuple((QSGD_AG if mode == "stock" else QSGD_AR) if r in (QSGD_AR, QSGD_AG) else r for r in roads)
-        # A codec road first runs warmup_steps unmeasured steps, then explore_steps measured ones
-        # (least sample counts). Its first calls pay one-off costs that spread over two steps
-        # (torch.compile at the first call, again at the first with new shapes or with a
-        # residual; buffers; Horovod negotiating new names): a 1 Gbit/s benchmark whose first
-        # road measured them ran 12% slower than its best fixed setting, one warm-up step plus
-        # the least of two samples leaves them out. fp16 and dense run once, measured: a cast
-        # compiles nothing, their first-use cost (a negotiation) is small against their step, and
-        # on a slow link each of their steps is the slowest of the run.
-        self._setup = _Setup(mode, comm, average, roads, (), ())
-        self._plan()
-        self.sparse.stream = self.qsgd.stream = comm.rank  # independent noise per rank
+        self._where = _Where(mode, comm, average)
+        self.schedule.use(roads_in(mode, self.roads))
+        self.compressed.bind(mode != "stock", comm.rank, comm.size, average)
+
+    @property
+    def _setup(self) -> Optional[_Setup]:
+        w, s = self._where, self.schedule
+        return None if w is None else _Setup(w.mode, w.comm, w.average, s.roads, s.plan, s.measured)
+
+    @property
+    def start_steps(self) -> int:
+        """Steps of Auto's start (:meth:`hvd_gradcomp.auto.schedule.Schedule.start_steps`).
+
+        >>> Auto().start_steps   # sparse 2 warm-up + 2, qsgd 1 + 2; fp16, dense: 1; 1 + 1 + 2 + 1
+        14
+        """
+        return self.schedule.start_steps(self.roads or OURS_ROADS)
 
     # ------------------------------------------------------------ error feedback across roads
     def owes(self, name: str, road: str) -> bool:
-        """Whether a road other than ``road`` holds a residual of ``name`` (which
-        :meth:`flush_residuals` would add to its next send)."""
-        s = self._setup
-        return ((road != SPARSE and self.sparse.residuals.residual(name) is not None)
-                or (road not in (QSGD_AR, QSGD_AG) and self.qsgd.residuals.residual(name) is not None)
-                or (road != QSGD_AR and s.mode != "stock"
-                    and self.qsgd.relay_residuals.residual(f"{name}#reduced{s.rank}") is not None))
+        """Whether a road other than ``road`` holds a residual of ``name`` (:meth:`flush_residuals` adds it)."""
+        return self.compressed.owes(name, road)
 
     def flush_residuals(self, name: str, grad: torch.Tensor, road: str) -> torch.Tensor:
         """``grad`` plus whatever residual another road left for ``name`` (then dropped there)."""
-        s = self._setup
-        extra = []
-        if road != SPARSE:
-            extra.append((self.sparse.residuals.pop(name), 0, 1.0))
-        if road not in (QSGD_AR, QSGD_AG):
-            extra.append((self.qsgd.residuals.pop(name), 0, 1.0))
-        if road != QSGD_AR and s.mode != "stock":
-            # The residual of this rank's reduced chunk belongs to the average at that chunk:
-            # sent from this rank alone it is averaged again, hence the factor P.
-            chunk = self.qsgd.relay_residuals.pop(f"{name}#reduced{s.rank}")
-            scale = float(s.ranks) if s.average else 1.0
-            start = chunk_bounds(grad.numel(), s.ranks)[s.rank]
-            extra.append((chunk, start, scale))
-        extra = [e for e in extra if e[0] is not None]
-        if not extra:
-            return grad
-        flat = grad.reshape(-1).to(residual_dtype(grad.dtype), copy=True)
-        for res, start, scale in extra:
-            flat[start:start + res.numel()].add_(res.to(flat.device), alpha=scale)
-        return flat.to(grad.dtype).view(grad.shape)
+        return self.compressed.flush(name, grad, road)
+
+    # ------------------------------------------------------------ steps
+    def road_for(self, name: str) -> str:
+        """Begin a step on the first exchange of it (deciding when due), and give ``name``'s road."""
+        step = self.schedule.count(name)
+        if step > self.schedule.step:
+            self.start_step(step)
+        return self.road_of(name)
+
+    def road_of(self, name: str) -> str:
+        """The road ``name`` takes in the current step."""
+        return self.schedule.exploring_road if self.schedule.exploring else self.decider.road_of(name)
+
+    def start_step(self, step: Optional[int] = None) -> None:
+        """Begin exchange step ``step`` (default: the next one), deciding or verifying when due:
+        a collective when it decides, called on every rank at the same step. The optimizers call
+        it through :meth:`road_for`; the DDP hook at the first bucket of each step. All exchanges
+        of the previous step are done on every rank: the link is idle."""
+        schedule = self.schedule
+        schedule.begin(step)
+        step = schedule.step
+        self.clock.lap(schedule.phase(step - 1) if self.clock.running and step > 1 else None)
+        if schedule.probe_due:
+            self._skip_slow_roads()
+            self.clock.restart()   # the probe is not part of the next step's time
+        due = schedule.due
+        if due in ("first decision", "decide"):
+            self.decider.open(self.clock.take(), schedule.roads, first=due == "first decision")
+            self.decide()
+            self.clock.restart()   # the probe is not part of the next step's time
+        elif due == "verify":
+            self.verify()
+
+    def keep_only(self, names: Sequence[str]) -> None:
+        """Forget the measurements and decisions of tensors not in ``names`` (the DDP hook's
+        buckets of its first iteration, before DDP rebuilt them); same on every rank."""
+        self.measurements.keep_only(names)
+        self.decider.keep_only(names)
+
+    def restart(self) -> None:
+        """Explore every road again, the steps and step times from zero, measurements kept (the DDP
+        hook, when DDP changed its buckets while Auto explored)."""
+        self.schedule.restart()
+        self.clock.reset()
+
+    # ------------------------------------------------------------ measure and decide
+    def record(self, name: str, road: str, numel: int, itemsize: int, codec_s: float, wait_s: float,
+               payload: float, measured: bool = True) -> None:
+        """One finished exchange: its codec seconds, its exposed wait, its payload bytes.
+        ``measured=False``: the codec time was taken without synchronising the device (GPU, not
+        measuring): only the wait counts. Nothing but the wait in a warm-up step (:attr:`warming_up`)."""
+        counted = measured and not self.schedule.warming_up
+        self.measurements.record(name, road, numel, itemsize, codec_s, wait_s, payload, counted)
+
+    def _skip_slow_roads(self) -> None:
+        """Probe the link, explore no further the roads too slow to win (:meth:`Decider.skip_slow_roads
+        <hvd_gradcomp.auto.decide.Decider.skip_slow_roads>`); the probe is kept for a decision at this step."""
+        comm, roads, step = self._where.comm, self.schedule.roads, self.step
+        durations = self.clock.durations.get(roads[0])
+        if not durations or not self.costs:
+            return
+        probes, skipped = self.decider.skip_slow_roads(
+            comm, step, roads, min(durations), self.prober.measure(comm, roads, step), self.prober.adopt,
+            lambda road: self.compressed.sends(road, self.costs.values()))
+        self.prober.keep(step, probes)
+        self.schedule.skip(skipped)
+
+    def decide(self) -> Dict[str, str]:
+        """Probe the link, average the measurements over ranks, decide every tensor's road on
+        rank 0 and broadcast: a collective, called on every rank at the same step."""
+        comm, roads, step = self._where.comm, self.schedule.roads, self.step
+        probes = self.prober.take(step) or self.prober.measure(comm, roads, step)
+        return self.decider.decide(comm, step, roads, self.costs, probes, self.prober.adopt, self.skipped)
+
+    def verify(self) -> None:
+        """Keep the last decision unless the clock says otherwise (:meth:`hvd_gradcomp.auto.decide.Decider.verify`):
+        a collective, called on every rank at the same step."""
+        self.decider.verify(self._where.comm, self.step, self.clock.durations.get("plan"), list(self.costs))
+
+    # ------------------------------------------------------------ report / checkpoints
+    def report(self) -> Dict[str, Any]:
+        """Decisions, measured costs and the link, for logs and the benchmark (what each entry
+        holds: :func:`hvd_gradcomp.auto.state.report`)."""
+        ranks = None if self._where is None else self._where.comm.size
+        return state.report(self.schedule, self.measurements, self.decider, self.link, ranks)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Both compressors' residuals and random state, the step, the decisions, the measured costs
+        and the roads skipped: one file per rank, as for the compressors (:func:`.state.state_dict`)."""
+        return state.state_dict(self.compressed, self.schedule, self.measurements, self.decider)
+
+    def check_state(self, state_: Any) -> None:
+        """Raise ``ValueError`` naming what keeps ``state_`` from loading (:meth:`load_state_dict` checks first)."""
+        state.check_state(state_, self.compressed)
+
+    def load_state_dict(self, state_: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`, checked first (:meth:`check_state`)."""
+        state.load_state_dict(state_, self.compressed, self.schedule, self.measurements, self.decider)
 
     # ------------------------------------------------------------ stock Horovod's protocol
     def bind(self, named_parameters: Any) -> "Auto":
         """Use these names for the gradients stock Horovod hands to compress() (as the
         compressors' ``bind``); without it the names come from Horovod's optimizer. Returns self."""
-        from ..horovod.stock import name_map
-
-        self._names = name_map(named_parameters)
+        self.stock.bind(named_parameters)
         return self
 
     def compress(self, tensor: torch.Tensor, name: Optional[str] = None) -> Tuple[torch.Tensor, Any]:
         """Inside stock ``hvd.DistributedOptimizer``: the tensor's road (see :mod:`hvd_gradcomp.horovod`).
         Anywhere else (e.g. hvd_gradcomp's fused small tensors) the tensor passes unchanged."""
-        from ..horovod.stock import find_horovod_call
-
-        if not _compressible(tensor):
-            return tensor, None
-        call = find_horovod_call(tensor, self._names)
+        call = self.stock.call_of(tensor)
         if call is None:
             return tensor, None
         self._configure("stock", call.op, call.process_set)
         self.note_optimizer(call.optimizer, call.process_set.rank())
         road = self.road_for(call.name)
         tensor = self.flush_residuals(call.name, tensor, road)
-        t0 = time.perf_counter()
-        if road == DENSE:
-            out, inner = allreducible(tensor), None   # decompress() casts back
-            payload = out.numel() * out.element_size()
-        elif road == FP16:
-            out, inner = _hvd().Compression.fp16.compress(tensor)
-            payload = out.numel() * out.element_size()
-        else:
-            exchange = AllgatherExchange(self.sparse if road == SPARSE else self.qsgd, call.op, call.process_set)
-            inner = (exchange, exchange.start(call.name, tensor))
-            out, payload = allreducible(tensor.new_empty(0)), inner[1].bytes_sent
-        ctx = _StockCtx(call.name, road, inner, tensor, time.perf_counter() - t0, payload)
-        return out, ctx
+        return self.stock.send(call, road, tensor, self.sparse if road == SPARSE else self.qsgd)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Inverse of :meth:`compress`: inside Horovod, the averaged (or summed) gradient."""
         if ctx is None:
             return tensor
-        wait = 0.0
-        if ctx.road in (SPARSE, QSGD_AG):
-            wait = wait_done(ctx.inner[1].handle)
-        t0 = time.perf_counter()
-        if ctx.road == DENSE:
-            out = tensor.to(ctx.like.dtype)
-        elif ctx.road == FP16:
-            out = _hvd().Compression.fp16.decompress(tensor, ctx.inner)
-        else:
-            exchange, pending = ctx.inner
-            out = torch.empty(pending.shape, dtype=pending.dtype, device=ctx.like.device)
-            exchange.finish(pending, out)
-        self.record(ctx.name, ctx.road, ctx.like.numel(), ctx.like.element_size(),
-                    ctx.codec_s + time.perf_counter() - t0, wait, ctx.payload)
+        out, codec_s, wait = self.stock.receive(tensor, ctx)
+        self.record(ctx.name, ctx.road, ctx.like.numel(), ctx.like.element_size(), codec_s, wait, ctx.payload)
         return out
 
-@dataclass
-class _StockCtx:
-    """decompress()'s context inside stock Horovod: the road and what is in flight on it."""
 
-    name: str
-    road: str
-    inner: Any
-    like: torch.Tensor
-    codec_s: float
-    payload: float
+def _check_settings(explore_steps: Any, warmup_steps: Any, interval: Any, probe_numel: Any, hysteresis: Any,
+                    explore_within: Any) -> None:
+    """Raise ``ValueError`` naming the first of Auto's step and probe settings out of range."""
+    for arg, value, low in (("explore_steps", explore_steps, 1), ("warmup_steps", warmup_steps, 0),
+                            ("interval", interval, 1), ("probe_numel", probe_numel, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
+    if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
+        raise ValueError(f"hysteresis must be a number in [0, 1) (a fraction), got {hysteresis!r}")
+    if isinstance(explore_within, bool) or not isinstance(explore_within, (int, float)) or not explore_within >= 1:
+        raise ValueError(f"explore_within must be a number >= 1 (a multiple of the first road's step; "
+                         f"math.inf explores every road), got {explore_within!r}")
+
+
+_StockCtx = StockCtx   # the name from before stock.py
 
 
 def _check_roads(roads: Optional[Sequence[str]]) -> Optional[Tuple[str, ...]]:
