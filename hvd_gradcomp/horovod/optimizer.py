@@ -43,135 +43,29 @@ import functools
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
 from ..feedback import kernels
-from .. import wire
 from ..auto import Auto
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step, refuse_class
-from ..collectives.exchange import DenseExchange, HalfExchange, JoinGuard, Pending, SparseExchange, choose_exchange
-from ..collectives.inflight import is_average
-from ..collectives.rounds import HALF, Algorithm, dense_fallback
-from ..collectives.rounds import finish as finish_rounds
+from ..collectives.exchange import DenseExchange, JoinGuard, Pending, SparseExchange, choose_exchange
 from ..codecs.steps import state_to_cpu, state_to_device
+from .exchanges import StepExchanges
+from .hooks import GradientHooks
+from .small import SmallTensors
 from .stock import bind_noise_stream, in_state_broadcast, warn_unread_settings
+from .watch import ChangeWatch
 from ..stats import ByteStats
 
+_SmallTensors = SmallTensors   # the old name: benchmarks/step_probe.py times its finish()
 
-
-class _ChangeWatch:
-    """Each gradient as backward left it (tensor, version): user code changing it before the exchange
-    is finished is refused at synchronize() (see :meth:`changed`)."""
-
-    def __init__(self, names: Dict[torch.Tensor, str]) -> None:
-        self._names = names   # the optimizer's, which add_param_group extends
-        self._final: Dict[torch.Tensor, Optional[Tuple[torch.Tensor, int]]] = {}
-
-    def watch(self, p: torch.Tensor) -> None:
-        """Note ``p``'s gradient as final; at the end of this backward pass (an autograd engine callback,
-        after the early decodes of :meth:`_GradCompOptimizer._progress` have written what they write),
-        its version is taken."""
-        if not self._final:
-            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
-        self._final[p] = None
-
-    def backward_done(self) -> None:
-        for p in self._final:
-            self._final[p] = None if p.grad is None else (p.grad, p.grad._version)
-
-    def changed(self) -> Optional[str]:
-        """The name of a gradient that user code changed between ``backward()`` and ``step()`` without
-        ``synchronize()`` first (``clip_grad_norm_``, a loss scaler's ``unscale_``, a hand-made decay),
-        or None. One read of a version counter per parameter.
-
-        Why: until ``synchronize()`` a gradient's ``p.grad`` holds this rank's gradient or, where its
-        exchange was already decoded during backward, the average: which of the two depends on timing.
-        Clipping there measured a different norm on each rank and scaled the averages already written
-        by a different factor, so the replicas drifted apart, silently; what it did to the local
-        gradients was lost (they had been sent)."""
-        changed = next((p for p, seen in self._final.items()
-                        if seen is not None and (p.grad is not seen[0] or p.grad._version != seen[1])), None)
-        self._final.clear()
-        return None if changed is None else self._names.get(changed, "?")
-
-    @staticmethod
-    def refuse(name: str) -> None:
-        raise RuntimeError(
-            f"hvd_gradcomp.DistributedOptimizer: the gradient of {name!r} was changed after backward() and before "
-            "step() (clip_grad_norm_, a loss scaler's unscale_, or other code writing p.grad) while its exchange "
-            "was still open. Until synchronize() p.grad holds this rank's gradient or the average, depending on "
-            "timing, so such code scales each rank differently and the replicas drift apart. Call "
-            "opt.synchronize(), then change the averaged gradients, then `with opt.skip_synchronize(): "
-            "opt.step()` (Horovod's pattern), or clip with GradientAccumulator(opt, steps=..., max_grad_norm=...); "
-            "with a TopK compressor bound each rank's gradient with its clip= instead "
-            "(docs/PRECISION_AND_CLIPPING.md). This step's exchange was finished; the optimizer did not step.")
-
-    def taken(self) -> bool:
-        """Whether this backward pass's versions were taken (its end callback ran)."""
-        return bool(self._final) and next(iter(self._final.values())) is not None
-
-    def clear(self) -> None:
-        self._final.clear()
 
 
 def _count(stats: ByteStats, name: str, raw_bytes: int, pending: Pending) -> None:
     """Where this road counts bytes: once per tensor (or fused group), when its exchange finished."""
     stats.record(name, raw_bytes, pending.bytes_sent - pending.framing_bytes, pending.framing_bytes)
-
-
-@dataclass
-class _Fused:
-    """One fused exchange of :class:`_SmallTensors`: its parameters, the algorithm, and its allreduces
-    with the exchange that carries each."""
-
-    params: List[torch.Tensor]
-    run: Algorithm
-    pendings: List[Tuple[Any, Pending]]
-
-
-class _SmallTensors:
-    """The tensors exchanged uncompressed (small, a dtype the wire cannot encode, or excluded by the
-    compressor's policy): :func:`~hvd_gradcomp.collectives.rounds.dense_fallback` on Horovod, one
-    allreduce per dtype (:class:`~hvd_gradcomp.collectives.exchange.DenseExchange`) and one of the
-    float16 casts (:class:`~hvd_gradcomp.collectives.exchange.HalfExchange`) for those the compressor
-    sends as float16."""
-
-    def __init__(self, compression: Any, names: Dict[torch.Tensor, str], dense: DenseExchange, joins: JoinGuard) -> None:
-        self.compression, self._names, self._dense, self._joins = compression, names, dense, joins
-        self._half = HalfExchange(dense.process_set)
-
-    def start(self, params: List[torch.Tensor], min_compress_numel: int, record: Callable[[str, int, Pending], None],
-              tag: str = "") -> List[_Fused]:
-        """One allreduce per dtype for all ``params``: fewer, larger messages. ``record(name, raw
-        bytes, pending)`` counts each; ``tag``: part of the exchanges' names, for a second fused
-        exchange in the same step."""
-        if not params:
-            return []
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ours = self.compression if isinstance(self.compression, GradientCompressor) else None
-        grads = [p.grad for p in params]
-        # While ranks are inside hvd.join() (they add zeros): averaged over the ranks still training
-        joined = self._joins.joined() if ours is not None else 0
-        run = dense_fallback(ours, [(self._names[p], p.grad) for p in params], grads,
-                             joined or self._dense.process_set.size(), min_compress_numel, is_average(self._dense.op))
-        pendings = []
-        for request in next(run).requests:
-            road = self._half if request.tag == HALF else self._dense
-            name = f"fused{tag}.{request.tag}"
-            pending = road.start(name, request.tensor) if road is self._half else road.start(name, request.tensor, joined)
-            record(pending.name, request.raw_bytes, pending)
-            pendings.append((road, pending))
-        return [_Fused(params, run, pendings)]
-
-    def finish(self, fused: List[_Fused]) -> None:
-        """Wait for :meth:`start`'s allreduces; the algorithm writes each average into ``p.grad``."""
-        for f in fused:
-            finish_rounds(f.run, [road.result(pending) for road, pending in f.pendings])
 
 
 def _all_finite(params: List[torch.Tensor], known: Dict[torch.Tensor, Optional[torch.Tensor]]) -> bool:
@@ -222,7 +116,7 @@ def sync_after_join(self: Any, root_rank: int) -> None:
     hvd = require_horovod("sync_after_join")
     if not self._included:
         return
-    if self._pending or self._sparse_pending or self._early_fused is not None:
+    if self._exchanges.busy():
         raise RuntimeError("sync_after_join() was called with exchanges in flight: call it after step() (or "
                            "synchronize()), once hvd.join() has returned on every rank")
     # The state first: Horovod creates a missing one by a step of zero gradients, which weight decay would
@@ -238,7 +132,11 @@ def sync_after_join(self: Any, root_rank: int) -> None:
 
 
 class _GradCompOptimizer(torch.optim.Optimizer):
-    """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
+    """Mixed into the user's optimizer class by :func:`DistributedOptimizer`; built of parts it owns: the
+    hooks (:class:`~hvd_gradcomp.horovod.hooks.GradientHooks`), this step's exchanges
+    (:class:`~hvd_gradcomp.horovod.exchanges.StepExchanges`, with the small-tensor fuser
+    :class:`~hvd_gradcomp.horovod.small.SmallTensors`), the change watch
+    (:class:`~hvd_gradcomp.horovod.watch.ChangeWatch`) and the join guard."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  process_set, min_compress_numel, sparse_as_dense):
@@ -253,66 +151,44 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         self.min_compress_numel = max(min_compress_numel, process_set.size() if self._included else 1)
         self._auto_names = named_parameters is None
         self._parameter_names = _name_parameters(self.param_groups, named_parameters)
-        if isinstance(compression, GradientCompressor):
-            compression._claim(self, process_set.size() if self._included else None)
-            compression.road_clips = True   # clip=: synchronize() clips the whole step (clips_whole_step)
-            bind_noise_stream(compression)  # independent rounding noise on each rank
-            # The feedback policy ("auto") is chosen from this optimizer's class and settings.
-            # A rank outside the process set has no rank in it (and compresses nothing): it stays quiet.
-            compression.attach(self, self._parameter_names, process_set.rank() if self._included else -1)
-        elif isinstance(compression, Auto):
-            compression.note_optimizer(self, process_set.rank() if self._included else -1)
-        warn_unread_settings(compression, backward_passes_per_step,
-                             f"DistributedOptimizer(compression={compression!r}, "
-                             f"backward_passes_per_step={backward_passes_per_step})")
+        _bind_compression(self, compression, backward_passes_per_step)
         # Ranks inside hvd.join() counted once per step, asynchronously (see JoinGuard): the steps after
         # a join go dense among the ranks still training (gc.Auto refuses them).
         self._join = JoinGuard(process_set, falls_back=not isinstance(compression, Auto),
                                counts=isinstance(compression, (GradientCompressor, Auto)))
-        self._compressed = choose_exchange(compression, op, process_set, self._join)
-        self._dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor)
-                                    else compression)
-        self._sparse = SparseExchange(op, process_set)
-        self._small_road = _SmallTensors(compression, self._parameter_names, self._dense, self._join)
-        self._delay: Dict[torch.Tensor, int] = {}
-        self._pending: Dict[torch.Tensor, Pending] = {}
-        self._sparse_pending: Dict[torch.Tensor, Pending] = {}
-        self._densified: List[torch.Tensor] = []   # sparse gradients exchanged dense (sparse_as_dense)
-        self._small: Optional[List[torch.Tensor]] = None   # tensors of the fused allreduce (see _hook)
-        self._small_ready = 0
-        self._early_fused: Optional[List[_Fused]] = None
-        self._synchronized = False
-        self._should_synchronize = True
         # Bytes this rank hands to Horovod: one ledger, the compressor's own when it has one.
         self.comm_stats = compression.stats if isinstance(compression, GradientCompressor) else ByteStats()
-        self._record = functools.partial(_count, self.comm_stats)
+        record = functools.partial(_count, self.comm_stats)
+        dense = DenseExchange(op, process_set, None if isinstance(compression, GradientCompressor) else compression)
+        small = SmallTensors(compression, self._parameter_names, dense, self._join, self.min_compress_numel, record)
+        self._exchanges = StepExchanges(choose_exchange(compression, op, process_set, self._join),
+                                        SparseExchange(op, process_set), small, record, self._parameter_names,
+                                        sparse_as_dense)
+        self._hooks = GradientHooks(backward_passes_per_step, self._hook)
+        self._synchronized = False
+        self._should_synchronize = True
         self.comm_wait_s = 0.0          # time synchronize() spent waiting for the network
-        self.exchange_timing = self._compressed  # .codec_s / .codec_sync_s / .wait_s, all steps
+        self.exchange_timing = self._exchanges.compressed  # .codec_s / .codec_sync_s / .wait_s, all steps
         self.last_local_norm: Optional[torch.Tensor] = None   # this rank's gradient norm before clip= (a tensor)
-        self._hook_handles: List[Any] = []
-        self._changes = _ChangeWatch(self._parameter_names)   # user code changing a gradient before synchronize()
+        self._changes = ChangeWatch(self._parameter_names)   # user code changing a gradient before synchronize()
         if self._included:
-            self._register_hooks()
+            self._hooks.register(self.param_groups)
+
+    # What tests, tools and horovod/elastic.py read of the exchanges (they are the part's).
+    _compressed = property(lambda self: self._exchanges.compressed,
+                           lambda self, road: setattr(self._exchanges, "compressed", road))
+    _pending = property(lambda self: self._exchanges.pending)
+    _early_fused = property(lambda self: self._exchanges.early_fused)
 
     # ------------------------------------------------------------ hooks
-    def _register_hooks(self) -> None:
-        self._hook_handles = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    self._delay[p] = self.backward_passes_per_step
-                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hook))
-
     def remove_hooks(self) -> None:
         """Detach this optimizer from the parameters (before wrapping them in a new one)."""
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles = []
+        self._hooks.remove()
         if isinstance(self.compression, GradientCompressor):
             self.compression.detach()
 
     def _hook(self, p: torch.Tensor) -> None:
-        if p in self._pending or p in self._sparse_pending:
+        if self._exchanges.started(p):
             self._changes.backward_done()   # this error, not the watch's, names what went wrong
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step "
@@ -320,54 +196,19 @@ class _GradCompOptimizer(torch.optim.Optimizer):
                 "backward_passes_per_step to accumulate gradients locally, or call step() more often.")
         self._synchronized = False
         self._join.begin()   # the step's count of ranks still training, read before its first collective
-        self._delay[p] -= 1
-        if self._delay[p] == 0:
-            self._changes.watch(p)
-        if self._delay[p] == 0 and clips_whole_step(self.compression):
+        if not self._hooks.count(p):
+            return
+        self._changes.watch(p)
+        if clips_whole_step(self.compression):
             return   # clip=: the global norm needs every gradient, so synchronize() starts the exchanges
-        if self._delay[p] == 0 and (p.grad.is_sparse or not self._is_small(p)):
-            self._start(p)
+        if self._exchanges.gradient_final(p, self._hooks.params):
             self._progress()
-        elif self._delay[p] == 0 and not self.sparse_as_dense:
-            self._small_ready += 1
-            if self._small is None:   # this step's: requires_grad may have changed since the last
-                self._small = [q for q in self._delay if self._is_small(q) and q.requires_grad]
-            if self._small_ready == len(self._small):
-                # Every small gradient is final: their fused allreduce leaves now, overlapping the
-                # rest of backward, instead of from synchronize(). (A step where one has no gradient
-                # never gets here: synchronize() starts it, with zeros for the missing ones.)
-                self._early_fused = self._small_road.start(self._small, self.min_compress_numel, self._record)
 
     def _progress(self) -> None:
         """Decode the exchanges already done while backward goes on, instead of all at synchronize()."""
-        for pending in self._pending.values():
-            if not pending.finished:
-                self._compressed.progress(pending)
+        self._exchanges.progress()
         if self._changes.taken():
             self._changes.backward_done()   # called after backward: what it wrote is this optimizer's, not user code's
-
-    def _is_small(self, p: torch.Tensor) -> bool:
-        """Exchanged uncompressed: small, of a dtype the wire cannot encode (float64: it travels as it
-        is, as on stock Horovod's road), or excluded by the compressor's policy."""
-        if p.dtype not in wire.DTYPES or p.numel() < self.min_compress_numel:
-            return True
-        return isinstance(self.compression, GradientCompressor) and \
-            not self.compression.compresses(self._parameter_names[p])
-
-    def _start(self, p: torch.Tensor) -> None:
-        if p.grad is None:  # unused on this rank: others may have a gradient, so send zeros
-            p.grad = torch.zeros_like(p)
-        name = self._parameter_names[p]
-        if p.grad.is_sparse:
-            if not self.sparse_as_dense:  # already small: Horovod's sparse allreduce, uncompressed
-                self._sparse_pending[p] = self._sparse.start(name, p.grad)
-                return
-            p.grad = p.grad.to_dense()
-            self._densified.append(p)
-            if self._is_small(p):
-                return  # joins the fused allreduce of small tensors
-        pending = self._pending[p] = self._compressed.start(name, p.grad)
-        pending.out = p.grad   # final for this step: an exchange may write the average early
 
     # ------------------------------------------------------------ synchronize / step
     def synchronize(self) -> None:
@@ -382,69 +223,23 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             return
         t0 = time.perf_counter()
         changed = self._changes.changed()   # refused once the exchanges are finished: every rank takes part
-        self._adopt_unfrozen()
+        # Parameters unfrozen since: hooked from now on, exchanged now (backward is over: their gradient is final)
+        self._hooks.adopt(self.param_groups)
         if clips_whole_step(self.compression):   # this rank's whole step, compressed or small tensors (not sparse ones)
             self.last_local_norm = self.compression.clip_local(
-                [p.grad for p in self._delay if p.grad is not None and not p.grad.is_sparse])
-        small = []
-        for p in self._delay:
-            if p in self._pending or p in self._sparse_pending:
-                continue
-            if p.grad is None and not p.requires_grad:
-                continue   # frozen since this optimizer was built: not exchanged, not stepped, as in PyTorch
-            if self._is_small(p) and not (p.grad is not None and p.grad.is_sparse):
-                small.append(p)
-            else:  # partial window (flush) or a parameter without gradient this step
-                self._start(p)
-        small += [p for p in self._densified if p not in self._pending and p not in small]
-        if self._early_fused is None:
-            fused = self._small_road.start(small, self.min_compress_numel, self._record)
-        else:   # launched during backward; a parameter adopted just now goes in a fused exchange of its own
-            early = {p for f in self._early_fused for p in f.params}
-            fused = self._early_fused + self._small_road.start([p for p in small if p not in early],
-                                                               self.min_compress_numel, self._record, tag="late")
-        for pending in self._pending.values():
-            if not pending.finished:
-                self._compressed.advance(pending)
-        for p, pending in self._pending.items():
-            if not pending.finished:
-                self._compressed.finish(pending, p.grad)
-            # Counted once finished: the QSGD road adds its allgather's bytes in advance().
-            self._record(pending.name, p.numel() * p.element_size(), pending)
-        self._small_road.finish(fused)
-        for p, pending in self._sparse_pending.items():
-            self._sparse.finish(pending, p.grad)
-            self._record(pending.name, pending.bytes_sent, pending)
+                [p.grad for p in self._hooks.params() if p.grad is not None and not p.grad.is_sparse])
+        exchanged, known = self._exchanges.finish(self._hooks.params())
         self._join.end_step()
         if isinstance(self.compression, GradientCompressor):
-            known = {p: pending.finite for p, pending in self._pending.items()}
-            self.compression.end_round(self._all_finite([*self._pending, *self._sparse_pending,
-                                                         *(p for f in fused for p in f.params)], known))
-        for p in self._densified:  # the optimizer (SparseAdam, ...) expects the sparse layout back
-            p.grad = p.grad.to_sparse()
-        self._densified.clear()
-        self._pending.clear()
-        self._sparse_pending.clear()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
-        self._early_fused, self._small, self._small_ready = None, None, 0
+            self.compression.end_round(self._all_finite(exchanged, known))
+        self._exchanges.end_step()
+        self._hooks.rearm()
         self.comm_stats.end_step()
         self.comm_wait_s += time.perf_counter() - t0
         self._synchronized = True
         if changed is not None:
             self._synchronized = False
             self._changes.refuse(changed)
-
-    def _adopt_unfrozen(self) -> None:
-        """Parameters with ``requires_grad=False`` when this optimizer was built that have a gradient now
-        (a layer unfrozen to fine-tune it): hooked from now on, and exchanged by this synchronize()
-        (backward is over: their gradient is final). Without this each rank stepped them on its own
-        gradient and the ranks drifted apart, silently (stock ``hvd.DistributedOptimizer`` does that)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p not in self._delay:
-                    self._delay[p] = self.backward_passes_per_step
-                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hook))
 
     _all_finite = staticmethod(_all_finite)   # an attribute: benchmarks/step_probe.py times it
     sync_after_join = sync_after_join
@@ -499,14 +294,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         names = getattr(self, "_parameter_names", None)
         if names is None:
             return   # torch's __init__ adding the first groups: named next, in __init__
-        for q in self.param_groups[-1]["params"]:
-            if q not in names:
-                if not self._auto_names:
-                    raise ValueError(f"a parameter of shape {tuple(q.shape)} added to the optimizer has no name in the "
-                                     "named_parameters this DistributedOptimizer was built with: pass "
-                                     "model.named_parameters() of the whole model (it may hold parameters the "
-                                     "optimizer has not yet)")
-                names[q] = f"param.{len(names)}"   # the same on every rank adding the same groups
+        _name_added(names, self.param_groups[-1]["params"], self._auto_names)
         if isinstance(self.compression, GradientCompressor):
             self.compression.bind_groups(self, names)
 
@@ -514,12 +302,8 @@ class _GradCompOptimizer(torch.optim.Optimizer):
         """Torch's ``load_state_dict``, after dropping exchanges left in flight (an elastic reset
         interrupted a step) and undoing what they changed in the compressor, as Horovod does."""
         super(self.__class__, self).load_state_dict(state_dict)
-        self._pending.clear()
-        self._sparse_pending.clear()
-        self._densified.clear()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
-        self._early_fused, self._small, self._small_ready = None, None, 0
+        self._exchanges.clear()
+        self._hooks.rearm()
         self._synchronized = False
         self._should_synchronize = True
         self._join.reset()
@@ -528,11 +312,40 @@ class _GradCompOptimizer(torch.optim.Optimizer):
             self.compression.abandon_round()
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._pending or self._sparse_pending or self._early_fused is not None:
+        if self._exchanges.busy():
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(): the gradients in flight "
                                  "would be lost. Call step() (or synchronize()) first.")
         return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _bind_compression(opt: torch.optim.Optimizer, compression: Any, backward_passes_per_step: int) -> None:
+    """Claim ``compression`` for ``opt`` and bind its feedback policy to ``opt``'s groups and names."""
+    included, process_set = opt._included, opt.process_set
+    if isinstance(compression, GradientCompressor):
+        compression._claim(opt, process_set.size() if included else None)
+        compression.road_clips = True   # clip=: synchronize() clips the whole step (clips_whole_step)
+        bind_noise_stream(compression)  # independent rounding noise on each rank
+        # The feedback policy ("auto") is chosen from this optimizer's class and settings.
+        # A rank outside the process set has no rank in it (and compresses nothing): it stays quiet.
+        compression.attach(opt, opt._parameter_names, process_set.rank() if included else -1)
+    elif isinstance(compression, Auto):
+        compression.note_optimizer(opt, process_set.rank() if included else -1)
+    warn_unread_settings(compression, backward_passes_per_step,
+                         f"DistributedOptimizer(compression={compression!r}, "
+                         f"backward_passes_per_step={backward_passes_per_step})")
+
+
+def _name_added(names: Dict[torch.Tensor, str], params: List[torch.Tensor], auto_names: bool) -> None:
+    """Name the parameters of a group added after the optimizer was built (``add_param_group``)."""
+    for q in params:
+        if q not in names:
+            if not auto_names:
+                raise ValueError(f"a parameter of shape {tuple(q.shape)} added to the optimizer has no name in the "
+                                 "named_parameters this DistributedOptimizer was built with: pass "
+                                 "model.named_parameters() of the whole model (it may hold parameters the "
+                                 "optimizer has not yet)")
+            names[q] = f"param.{len(names)}"   # the same on every rank adding the same groups
 
 
 def _name_parameters(param_groups: List[dict], named_parameters: Optional[Iterable]) -> Dict[torch.Tensor, str]:
