@@ -234,7 +234,7 @@ def test_frozen_variance_drops_adams_momentum_once_the_rate_has_stayed_the_same(
     # a checkpoint carries the rule's state: a resumed run drops the momentum at the same step
     restored = gc.FrozenVariance(warmup=4, momentum=True)
     restored.load_state_dict(c.feedback.state_dict())
-    assert restored.momentum is None and restored._flat == c.feedback._flat
+    assert restored.momentum is None and restored.state_dict()["flat"] == c.feedback.state_dict()["flat"]
     assert set(restored.velocity) == set(c.feedback.velocity)
 
 
@@ -305,7 +305,7 @@ def test_frozen_variance_under_a_schedule_follows_the_scale_as_at_a_constant_rat
             p.grad = g.clone()
         else:
             p.grad = exchange([c], "w", [g]).view_as(p)
-            factor = c.feedback._scale_factor("w")
+            factor = c.feedback._scales.factor("w")
             if follow_scale is None:
                 assert factor is None
             elif follow_scale == "down":
