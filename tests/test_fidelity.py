@@ -155,7 +155,7 @@ def frozen_reference(w, grads, opts, warmup, floor=0.1, gamma=None, momentum=Fal
         with torch.no_grad():
             p.mul_(1 - lr * wd)
             factor = {"down": (s_freeze / s).clamp(min=1.0), "both": s_freeze / s, None: torch.tensor(1.0)}[follow]
-            # no more than Adam's largest answer to one gradient, 1/sqrt(1 - b2) (FrozenVariance._step_bound)
+            # no more than Adam's largest answer to one gradient, 1/sqrt(1 - b2) (AdamBinding.step_bound)
             u = ((m if momentum else g) * factor.sqrt() / denom).clamp(-(1 - b2) ** -0.5, (1 - b2) ** -0.5)
             p.sub_(u * (lr / (1 - b1 ** t) if momentum else lr))
             if sched is not None:
