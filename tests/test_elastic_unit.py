@@ -1,4 +1,4 @@
-"""``StepState.follow_world`` (an ``hvd.elastic`` reset changed the number of ranks) without ranks: QSGD's
+"""``GradientCompressor.follow_world`` (an ``hvd.elastic`` reset changed the number of ranks) without ranks: QSGD's
 relay residuals, kept per chunk of the ranks, are dropped with a warning giving their norm; the others stay."""
 from __future__ import annotations
 

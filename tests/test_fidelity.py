@@ -155,7 +155,7 @@ def frozen_reference(w, grads, opts, warmup, floor=0.1, gamma=None, momentum=Fal
         with torch.no_grad():
             p.mul_(1 - lr * wd)
             factor = {"down": (s_freeze / s).clamp(min=1.0), "both": s_freeze / s, None: torch.tensor(1.0)}[follow]
-            # no more than Adam's largest answer to one gradient, 1/sqrt(1 - b2) (FrozenVariance._step_bound)
+            # no more than Adam's largest answer to one gradient, 1/sqrt(1 - b2) (AdamBinding.step_bound)
             u = ((m if momentum else g) * factor.sqrt() / denom).clamp(-(1 - b2) ** -0.5, (1 - b2) ** -0.5)
             p.sub_(u * (lr / (1 - b1 ** t) if momentum else lr))
             if sched is not None:
@@ -234,7 +234,7 @@ def test_frozen_variance_drops_adams_momentum_once_the_rate_has_stayed_the_same(
     # a checkpoint carries the rule's state: a resumed run drops the momentum at the same step
     restored = gc.FrozenVariance(warmup=4, momentum=True)
     restored.load_state_dict(c.feedback.state_dict())
-    assert restored.momentum is None and restored._flat == c.feedback._flat
+    assert restored.momentum is None and restored.state_dict()["flat"] == c.feedback.state_dict()["flat"]
     assert set(restored.velocity) == set(c.feedback.velocity)
 
 
@@ -305,7 +305,7 @@ def test_frozen_variance_under_a_schedule_follows_the_scale_as_at_a_constant_rat
             p.grad = g.clone()
         else:
             p.grad = exchange([c], "w", [g]).view_as(p)
-            factor = c.feedback._scale_factor("w")
+            factor = c.feedback._scales.factor("w")
             if follow_scale is None:
                 assert factor is None
             elif follow_scale == "down":

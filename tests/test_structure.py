@@ -24,6 +24,7 @@ PACKAGE = ROOT / "hvd_gradcomp"
 CODEC_MODULES = {"settings", "stats", "codecs", "codecs.registry", "wire", "wire.format", "wire.indices", "feedback", "feedback.residuals",
                  "feedback.kernels", "feedback.policy", "feedback.registry", "feedback.names", "feedback.momentum",
                  "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
+                 "feedback.frozen_adam", "feedback.frozen_denom",
                  "codecs.compressor", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps",
                  "codecs.clipping", "codecs.kernels", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod/stock.py only.
@@ -232,12 +233,12 @@ LAYERS = (
     ("settings", ("settings", "stats", "codecs", "codecs.registry")),
     ("wire", ("wire", "wire.format", "wire.indices")),
     ("feedback", ("feedback", "feedback.kernels", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.names", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
-                  "feedback.frozen_momentum")),
+                  "feedback.frozen_momentum", "feedback.frozen_adam", "feedback.frozen_denom")),
     ("codecs", ("codecs.kernels", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
                 "codecs.compressor",
                 "codecs.qsgd", "codecs.topk", "codecs.powersgd")),
     ("collectives", ("collectives", "collectives.reduce", "collectives.rounds", "collectives.transport",
-                     "collectives.inflight", "collectives.exchange", "collectives.fused",
+                     "collectives.inflight", "collectives.exchange", "collectives.fused", "collectives.fused_group",
                      "collectives.sparse_allreduce", "collectives.simulate")),
     ("horovod", ("horovod", "horovod.stock", "horovod.classes")),
     ("auto", ("auto", "auto.auto", "auto.policy", "auto.schedule", "auto.measure", "auto.decide", "auto.residuals",
@@ -398,6 +399,20 @@ def oversized(package: Path, max_module: int = MAX_MODULE_LINES, max_class: int 
 def test_no_module_or_class_past_the_size_limits() -> None:
     assert oversized(PACKAGE) == [], (f"split these along their responsibilities (modules <= {MAX_MODULE_LINES} "
                                       f"lines, classes <= {MAX_CLASS_LINES}; docs/ARCHITECTURE.md)")
+
+
+HEADROOM_CLASS_LINES = MAX_CLASS_LINES * 5 // 6
+
+
+@pytest.mark.xfail(strict=False, reason="being split on other branches: _GradCompOptimizer (horovod/optimizer.py), "
+                                        "GradCompState (ddp/state.py), GradientCompressor (codecs/compressor.py)")
+def test_the_largest_class_leaves_headroom_under_the_cap() -> None:
+    """No class is over 5/6 of the cap (250 of 300 lines). Why: a cap that classes are cut to just pass
+    stops meaning anything; a class parked at 291 lines grows past 300 with its next feature, and is
+    then split in a hurry, along whatever seam makes it pass rather than along its problem's."""
+    assert HEADROOM_CLASS_LINES == 250
+    big = oversized(PACKAGE, max_module=sys.maxsize, max_class=HEADROOM_CLASS_LINES)
+    assert big == [], f"split these along their responsibilities (classes <= {HEADROOM_CLASS_LINES} lines)"
 
 
 def test_the_size_check_catches_a_long_class(tmp_path: Path) -> None:

@@ -1,24 +1,24 @@
 """The fused allgather of sparse payloads (TopK, TopKQSGD): several tensors' payloads per Horovod
-allgather, behind one index per rank that plays the envelope's part (see :class:`_Group`), decoded
-while backward goes on (see :class:`FusedAllgatherExchange`). The allgather of one tensor each
+allgather, behind one index per rank that plays the envelope's part (the group and its index:
+:mod:`hvd_gradcomp.collectives.fused_group`), decoded while backward goes on (see
+:class:`FusedAllgatherExchange`). The allgather of one tensor each
 (the stock-Horovod road) is :class:`hvd_gradcomp.collectives.exchange.AllgatherExchange`; both take this
 rank's own part as its encoder carried it (:func:`encode_carried`).
 """
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any, List, Optional, Tuple
 
 import torch
 
 from .. import wire
 from ..codecs.compressor import GradientCompressor
-from .inflight import FLAG_NONFINITE, Envelope, Pending, _begin, _confirm, _hvd, check_steps, encode_or_flag, is_average
+from .fused_group import FUSE_MAGIC as FUSE_MAGIC, Fusion, GroupReader, _Group, _head_bytes
+from .inflight import Pending, _begin, _confirm, _hvd, encode_or_flag, is_average
 from .reduce import Parts, add_part, finite_at_indices, own_dense, sparse_support, sum_parts, sums_in_place
 
 
-FUSE_MAGIC = 0x47434655  # "GCFU"
 # FusedAllgatherExchange._prepare on (False: groups wait for their allgather untouched). Private:
 # benchmarks/step_probe.py --ab and the tests compare both paths.
 _PREPARE = True
@@ -37,10 +37,6 @@ _CARRIED = True
 DEFAULT_FUSION_BYTES = 8 << 20
 
 
-_FUSE_BASE = 5     # int64s before the per-member entries: magic, n, prefix bytes, part bytes, step
-_FUSE_MEMBER = 4   # int64s per member: payload bytes, header bytes, flags (FLAG_NONFINITE), crc32 of its name
-
-
 def encode_carried(compressor: GradientCompressor, name: str, grad: torch.Tensor
                    ) -> Tuple[Optional[torch.Tensor], Optional[Tuple[torch.Tensor, torch.Tensor]]]:
     """(payload, this rank's part as its encoder carried it) by
@@ -50,63 +46,18 @@ def encode_carried(compressor: GradientCompressor, name: str, grad: torch.Tensor
     return payload, carried if isinstance(carried, tuple) and _CARRIED else None
 
 
-def _head_bytes(shape: torch.Size) -> int:
-    return wire.padded(wire.HEADER_BYTES + 8 * len(shape))
-
-
-def _name_id(name: str) -> int:
-    return zlib.crc32(name.encode())
-
-
-class _Group:
-    """Sparse payloads that travel in one allgather, with the index that lets receivers split it.
-
-    The index plays the role of the envelope (:func:`seal`) for the whole group: it carries
-    the sender's exchange step once and a non-finite flag per member (a member whose gradient
-    held NaN/Inf sends no payload and a zeroed header slot, and decodes to NaN).
-    """
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.members: List[Pending] = []
-        self.payloads: List[Optional[torch.Tensor]] = []
-        self.raw_bytes = 0
-        self.handle: Any = None
-        self.decoded = False
-        self.prepared = False   # own payloads decoded (see FusedAllgatherExchange._prepare)
-        self.joined = 0         # ranks still training while others are in hvd.join(): an allreduce, see _launch
-
-    def prefix_bytes(self) -> int:
-        """Size of each rank's prefix: known to every rank from the tensors' shapes alone."""
-        return 8 * (_FUSE_BASE + _FUSE_MEMBER * len(self.members)) + sum(_head_bytes(p.shape) for p in self.members)
-
-    def blob(self, step: int, device: torch.device) -> torch.Tensor:
-        """prefix (int64: magic, n, prefix bytes, part bytes, step, then (payload bytes, header
-        bytes, flags, name id) per member, then a copy of each payload's header) + the payloads."""
-        heads = [torch.zeros(_head_bytes(p.shape), dtype=torch.uint8, device=device) if pl is None
-                 else pl[:_head_bytes(p.shape)] for p, pl in zip(self.members, self.payloads)]
-        sent = [pl for pl in self.payloads if pl is not None]
-        prefix = self.prefix_bytes()
-        index = [FUSE_MAGIC, len(self.members), prefix, prefix + sum(pl.numel() for pl in sent), step % (1 << 32)]
-        for p, pl, h in zip(self.members, self.payloads, heads):
-            index += [0 if pl is None else pl.numel(), h.numel(), FLAG_NONFINITE if pl is None else 0, _name_id(p.name)]
-        index_bytes = torch.tensor(index, dtype=torch.int64).view(torch.uint8).to(device)
-        return torch.cat([index_bytes, *heads, *sent])
-
-
 class FusedAllgatherExchange:
     """Sparse payloads fused into fewer, larger allgathers, as Horovod's tensor fusion does for
     allreduce: each allgather pays Horovod's negotiation once for many tensors.
 
     Payloads are encoded as each gradient is ready (the hook) and join the open group; the
     group is launched once it holds ``fusion_bytes`` of raw gradient, or once it holds as many
-    tensors as the last step had (so the last group of backward does not wait for
-    ``synchronize()``), or at ``synchronize()``. These rules depend only on tensor sizes and
-    counts, the same on every rank; a rank whose group holds other tensors (a different
-    backward order) fails with an error naming them. Each rank's part of the allgather starts
-    with an index (sizes, the sender's exchange step, a non-finite flag per tensor and a copy of
-    every payload header: the group's envelope, see :class:`_Group`), read to the host in one
-    copy per rank: no header is read twice. Completed groups are decoded in ``progress()`` while
+    tensors as the last step had, or at ``synchronize()`` (:class:`Fusion`); a rank whose group
+    holds other tensors (a different backward order) fails with an error naming them. Each
+    rank's part of the allgather starts with an index (sizes, the sender's exchange step, a
+    non-finite flag per tensor and a copy of every payload header: the group's envelope, see
+    :class:`_Group`), read to the host in one copy per rank: no header is read twice
+    (:class:`GroupReader`). Completed groups are decoded in ``progress()`` while
     backward goes on; every rank decodes the same bytes in rank order, so gradients are
     bit-identical everywhere. When the caller names the output (``p.out``, the
     parameter's ``.grad``, whose gradient is final once its exchange started) the average is
@@ -124,27 +75,18 @@ class FusedAllgatherExchange:
                  fusion_bytes: int = DEFAULT_FUSION_BYTES) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
         self.fusion_bytes = fusion_bytes
-        self._open: Optional[_Group] = None
-        self._groups_this_step = 0
-        self._started = 0
-        self._expected: Optional[int] = None
+        # Its parts: the group being filled and when it leaves; the allgathers read back.
+        self._fusion, self._reader = Fusion(), GroupReader(compressor, process_set)
 
     def start(self, name: str, grad: torch.Tensor) -> Pending:
         _begin(self)
         payload, own = encode_carried(self.compressor, name, grad)
-        if self._open is None:
-            self._open = _Group(self._groups_this_step)
-            self._groups_this_step += 1
-        g = self._open
+        g = self._fusion.group()
         p = Pending(name, grad.shape, grad.dtype, None, bytes_sent=0 if payload is None else payload.numel(),
                     group=g, device=grad.device)
         if own is not None:   # this rank's part, not decoded from its payload (see _prepare)
             p.own = own
-        g.members.append(p)
-        g.payloads.append(payload)
-        g.raw_bytes += grad.numel() * grad.element_size()
-        self._started += 1
-        if g.raw_bytes >= self.fusion_bytes or self._started == self._expected:
+        if self._fusion.add(g, p, payload, grad.numel() * grad.element_size(), self.fusion_bytes):
             self._launch(g)
         return p
 
@@ -163,8 +105,7 @@ class FusedAllgatherExchange:
             g.handle = _hvd().allgather_async(blob, name=f"hvdgc.fag.{g.index}", process_set=self.process_set)
         for m in g.members:
             m.handle = g.handle
-        if self._open is g:
-            self._open = None
+        self._fusion.launched(g)
 
     def progress(self, p: Pending) -> None:
         """Decode the whole group as soon as its allgather is done, else prepare it; never blocks."""
@@ -234,8 +175,7 @@ class FusedAllgatherExchange:
 
     def advance(self, p: Pending) -> None:
         """At synchronize(): launch the group still open; the step's tensor count is learnt."""
-        if self._started:
-            self._expected, self._started, self._groups_this_step = self._started, 0, 0
+        self._fusion.step_done()
         g = p.group
         if g.handle is None:
             self._launch(g)
@@ -249,7 +189,7 @@ class FusedAllgatherExchange:
         if g.joined:
             parts, spent = _joined_parts(g, blob, is_average(self.op)), [0.0] * n
         else:
-            parts, spent = self._gathered_parts(g, blob)
+            parts, spent = self._reader.parts(g, blob)
         g.decoded = True
         g.payloads = []
         for i, member in enumerate(g.members):
@@ -277,63 +217,6 @@ class FusedAllgatherExchange:
         # Python's cyclic GC runs: with zero_grad(set_to_none=True) several steps of gradients
         # would stay alive, and every new step's gradients fault in fresh pages.
         g.members = []
-
-    def _gathered_parts(self, g: _Group, blob: torch.Tensor) -> Tuple[List[Parts], List[float]]:
-        """Every member's parts from the allgather's ``blob``, in rank order, and the seconds spent on each."""
-        names = [m.name for m in g.members]
-        n, prefix = len(g.members), g.prefix_bytes()
-        ranks = self._split_ranks(blob, names, prefix)
-        check_steps(self.compressor, ", ".join(names), [index[4] for _, _, index in ranks])
-        spent = [0.0] * n
-        parts: List[Parts] = [[] for _ in range(n)]
-        me = self.process_set.rank()
-        for rank, (pos, raw, index) in enumerate(ranks):
-            if index[1] != n or index[2] != prefix:
-                raise RuntimeError(f"fused allgather of {names}: rank {rank} sent a group of {index[1]} tensors "
-                                   f"(index {index[:3]}): ranks disagree on the tensors fused together (a "
-                                   "different backward order?)")
-            head_pos, body = 8 * (_FUSE_BASE + _FUSE_MEMBER * n), pos + prefix
-            for i, member in enumerate(g.members):
-                at = _FUSE_BASE + _FUSE_MEMBER * i
-                size_i, head_i, flags_i, id_i = index[at:at + _FUSE_MEMBER]
-                if id_i != _name_id(member.name):
-                    raise RuntimeError(f"fused allgather of {names}: rank {rank} sent another tensor where this rank "
-                                       f"has {member.name!r}: ranks disagree on the tensors fused together (a layer "
-                                       "used on some ranks only, whose gradient joins another fusion group there?)")
-                t0 = time.perf_counter()
-                if flags_i & FLAG_NONFINITE:
-                    parts[i].append((None, Envelope(index[4], None, blob.device).nan(member.shape.numel())))
-                elif rank == me and member.own is not None:
-                    parts[i].append(member.own)   # see _prepare
-                    member.own = None
-                else:
-                    h = wire.parse_header(raw[head_pos:head_pos + head_i], size_i)
-                    if h.shape != tuple(member.shape):
-                        raise RuntimeError(f"{member.name}: rank {rank} sent a payload of shape {h.shape}, expected "
-                                           f"{tuple(member.shape)}: ranks disagree on the tensors fused together")
-                    parts[i].append(self.compressor.decode_parts(blob[body:body + size_i], h))
-                spent[i] += time.perf_counter() - t0
-                head_pos, body = head_pos + head_i, body + size_i
-        return parts, spent
-
-    def _split_ranks(self, blob: torch.Tensor, names: List[str], prefix: int) -> List[Tuple[int, bytes, List[int]]]:
-        """Each rank's part of a fused allgather as (start, its prefix bytes on the host, its index):
-        the one device-to-host copy per rank. Only the fixed fields are checked here, so that the
-        steps are compared (:func:`check_steps`) before the group's make-up is."""
-        out, pos, words = [], 0, _FUSE_BASE + _FUSE_MEMBER * len(names)
-        for rank in range(self.process_set.size()):
-            raw = blob[pos:pos + prefix].cpu().numpy().tobytes()
-            have = min(len(raw) // 8, words)
-            index = torch.frombuffer(bytearray(raw[:8 * have]), dtype=torch.int64).tolist() if have else []
-            if have < _FUSE_BASE or index[0] != FUSE_MAGIC or not 8 * _FUSE_BASE <= index[3] <= blob.numel() - pos:
-                raise RuntimeError(f"fused allgather of {names}: rank {rank}'s part is truncated or corrupt: ranks "
-                                   "disagree on this exchange (run the same hvd-gradcomp version on every rank)")
-            out.append((pos, raw, index))
-            pos += index[3]
-        if pos != blob.numel():
-            raise RuntimeError(f"fused allgather of {names}: {blob.numel() - pos} bytes left after "
-                               f"{self.process_set.size()} ranks' parts")
-        return out
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         g = p.group

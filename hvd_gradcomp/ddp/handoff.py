@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..wire import kernels
+from ..feedback import kernels
 from .roads import _Segment
 
 StepArgs = Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]

@@ -18,7 +18,7 @@ sparse payloads' sizes would disagree. So, while ``model.join()`` is active (:fu
   still training with ``False``;
 * when every rank has joined, after DDP's own broadcast of parameters and buffers from the rank that
   trained last (``post_hook``), every rank takes that rank's shared hook state (the exchange counter,
-  the compressor's :meth:`~hvd_gradcomp.codecs.steps.StepState.shared_state`) and, given
+  the compressor's :meth:`~hvd_gradcomp.codecs.compressor.GradientCompressor.shared_state`) and, given
   ``register(optimizer=...)``, its optimizer state; each keeps its own residuals.
 """
 # No `from __future__ import annotations`: as in hvd_gradcomp.ddp.

@@ -8,18 +8,19 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import kernels
-from .policy import ErrorFeedback, _clone_tensors, _RoundUndo, check_sparsity_warmup
+from .policy import ErrorFeedback, _RoundUndo, check_sparsity_warmup
 from .registry import frozen_variance_unsupported
-from .residuals import residual_dtype
+from .frozen_adam import AdamBinding
+from .frozen_denom import FrozenDenominator
 from .frozen_momentum import FLAT_RATE_STEPS, WHILE_DENSE, MomentumChoice
-from .frozen_scale import FOLLOW_SCALE, ScaleFollower, _squared_norm
-from .frozen_warmup import CLIP_DETECT_TOLERANCE, SCALED_GRADIENT_RATIO, WarmupWindow
+from .frozen_scale import FOLLOW_SCALE, ScaleFollower
+from .frozen_warmup import CLIP_DETECT_TOLERANCE, SCALED_GRADIENT_RATIO, DenseWarmup
 
 __all__ = ["FrozenVariance", "check_frozen_variance", "FOLLOW_SCALE", "WHILE_DENSE", "FLAT_RATE_STEPS",
            "CLIP_DETECT_TOLERANCE", "SCALED_GRADIENT_RATIO"]
 
 
-class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
+class FrozenVariance(_RoundUndo, ErrorFeedback):
     """Adam and AdamW with their second moment frozen after a dense warm-up (1-bit Adam, Tang et
     al. 2021), then each rank's update direction sent through error feedback (``feedback="frozen"``).
 
@@ -44,13 +45,15 @@ class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
     * ``momentum``: ``False`` sends the gradient; ``True`` sends each rank's
       ``u = b1*u + (1-b1)*g`` and moves by ``-lr * D / (1 - b1**t)`` (at ratio 1: exactly Adam with
       ``v`` frozen); ``"while dense"`` keeps it while a sparsity warm-up sends more than ``1 - b1``
-      of a tensor (:meth:`_dense_share`); ``None`` keeps it until a tensor's rate has stayed the
+      of a tensor (:func:`~hvd_gradcomp.feedback.frozen_momentum.dense_share`); ``None`` keeps it until a tensor's rate has stayed the
       same :data:`FLAT_RATE_STEPS` steps. Why ``False``: sending the momentum made the loss jump
       after the freeze on models with shared, frozen or intermittent layers.
     * ``sparsity_warmup``: DGC's falling share after the freeze (default 0: none, for the same reason).
 
     Why ``v`` is frozen rather than error feedback on gradients or "update", and the measurements
-    behind every default: docs/FEEDBACK.md (``frozen``) and docs/STUDY.md.
+    behind every default: docs/FEEDBACK.md (``frozen``) and docs/STUDY.md. Its parts, each with its own
+    state: :class:`DenseWarmup`, :class:`FrozenDenominator`, :class:`MomentumChoice`, :class:`ScaleFollower`
+    and the wrapped Adam, :class:`AdamBinding`.
 
     Like "update", the change is applied when the exchange finishes (in ``synchronize()``), so
     clipping ``p.grad`` between ``synchronize()`` and ``step()`` does not reach it: use the
@@ -78,27 +81,29 @@ class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
                  window: Optional[int] = 50, max_warmup: int = 1000, momentum: Optional[bool] = False,
                  follow_scale: Optional[str] = "down") -> None:
         super().__init__()
-        # This rank's b2-average of its gradient's mean square and its value when v was frozen: see _follow_scale.
+        # The parts, each with its own state (checked in this order): this rank's gradient scale since
+        # the freeze, Adam's momentum kept or not, the dense warm-up and what it saw, the wrapped Adam.
         self._scales = ScaleFollower(follow_scale)
-        _check_settings(momentum, warmup, max_warmup, window)
-        self.momentum, self.max_warmup, self.window = momentum, max_warmup, window
-        self._warmup = WarmupWindow()   # the rates, Adam's v, idle steps and clipping seen during the warm-up
+        self._momentum = MomentumChoice(momentum)
+        self._warmup = DenseWarmup(warmup, max_warmup, window)
         self.sparsity_warmup = check_sparsity_warmup(sparsity_warmup, "FrozenVariance")
-        if not 0.0 <= floor <= 1.0:
-            raise ValueError(f"FrozenVariance floor must be in [0, 1] (share of the mean of sqrt(v)), got {floor!r}")
-        self.warmup, self.floor = warmup, floor
-        self._bound: Dict[str, Tuple[torch.Tensor, Dict[str, Any], Any]] = {}
-        self.velocity: Dict[str, torch.Tensor] = {}
-        self.denom: Dict[str, torch.Tensor] = {}
-        self.steps: Dict[str, int] = {}
+        self._denoms = FrozenDenominator(floor)
+        self._adam = AdamBinding()
+        self.steps: Dict[str, int] = {}   # Adam's steps of each frozen tensor (a round store)
         self._undo = None  # see _RoundUndo
 
+    # The parts' settings and round stores ("velocity", "scale": the dicts themselves, replaced entry by entry)
+    warmup = property(lambda self: self._warmup.warmup)
+    max_warmup = property(lambda self: self._warmup.max_warmup)
+    window = property(lambda self: self._warmup.window)
+    floor = property(lambda self: self._denoms.floor)
+    denom = property(lambda self: self._denoms.denom)
+    momentum = property(lambda self: self._momentum.momentum,
+                        lambda self, value: setattr(self._momentum, "momentum", value))
     follow_scale = property(lambda self: self._scales.follow_scale,
                             lambda self, value: setattr(self._scales, "follow_scale", value))
-    # "scale" is a round store (_round_stores): the dict itself, replaced entry by entry
+    velocity = property(lambda self: self._momentum.velocity)
     scale = property(lambda self: self._scales.scale)
-    scale_at_freeze = property(lambda self: self._scales.scale_at_freeze)
-    _flat = property(lambda self: self._warmup.flat)
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
              optimizer: Any = None) -> None:
@@ -106,84 +111,48 @@ class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
             return
         check_frozen_variance(optimizer)
         super().bind(name, group, param, optimizer)
-        self._bound[name] = (param, group, optimizer)
+        self._adam.bind(name, param, group, optimizer)
 
     def dense(self, name: str) -> bool:
-        if name in self.denom:
-            return False
-        if name not in self._bound:
-            return False  # not bound (yet): prepare() says what is missing
-        param, group, optimizer = self._bound[name]
-        state = optimizer.state.get(param, {})
-        if self.window is not None and "exp_avg_sq" in state and not group.get("amsgrad") \
-                and state["exp_avg_sq"].dtype in (torch.float32, torch.float64):
-            # Not from a float16/bfloat16 v (a half-precision model's Adam state): each step's squared
-            # gradient, recovered as v_t - b2 * v_(t-1), is lost to rounding there (a spurious "scaled
-            # by the user's code" warning showed it); Adam's own v is frozen instead (see _frozen_v).
-            self._warmup.track(name, state, group, self.window)
-        t = int(state.get("step", 0))
-        rising = self._warmup.lr_rising(name, t, float(group["lr"]))
-        if t < self.warmup or "exp_avg_sq" not in state or (rising and t < self._longest_warmup):
-            return True
-        idle = self._warmup.idle.get(name)
-        if idle is not None and t - int(idle) < self.warmup:
-            return True   # fewer than warmup steps with a gradient (a layer unused at first): see dense_average
-        return not bool(state["exp_avg_sq"].any())  # no gradient yet: nothing to freeze
+        if name in self.denom or name not in self._adam:
+            return False  # frozen, or not bound (yet): prepare() says what is missing
+        return self._warmup.dense(name, self._adam.state(name), self._adam.group(name))
 
     def needs_optimizer_state(self, name: str) -> bool:
         """Adam's state of ``name`` is what is frozen: a tensor outside the bound optimizer cannot be."""
-        return name not in self._bound
-
-    @property
-    def _longest_warmup(self) -> int:
-        return max(self.warmup, self.max_warmup)
+        return name not in self._adam
 
     def dense_local(self, name: str, grad: torch.Tensor) -> None:
         """A warm-up step's own gradient (a tensor not frozen yet goes dense: :meth:`dense`): its scale is
         followed from the first step (see :meth:`_follow_scale`)."""
-        if name in self._bound and name not in self.denom:
+        if name in self._adam and name not in self.denom:
             self._follow_scale(name, grad)
 
     def _follow_scale(self, name: str, grad: torch.Tensor) -> None:
-        """Average this rank's gradient mean square over about ``window`` steps (weight ``1 / window``,
-        the span the frozen ``v`` averages; ``window=None``: Adam's ``1 - b2``), from the tensor's first
-        step on, at any rate (:meth:`ScaleFollower.averaged`). Nothing with ``follow_scale=None``: the
-        average would never be read (:meth:`_scale_factor`), and it costs a pass over the gradient."""
-        if self.follow_scale is None:
-            return
-        weight = 1.0 / self.window if self.window is not None else 1.0 - float(self._bound[name][1]["betas"][1])
-        self._replace("scale", name, self._scales.averaged(name, grad, weight))
-
-    def _scale_factor(self, name: str) -> Optional[torch.Tensor]:
-        """How much longer this rank's step of ``name`` is than with ``v`` frozen for good
-        (:meth:`ScaleFollower.factor`); None while the scale has not moved since the freeze."""
-        return self._scales.factor(name)
+        """This rank's gradient scale, followed from the tensor's first step on (:meth:`ScaleFollower.averaged`)."""
+        scale = self._scales.averaged(name, grad, self.window, self._adam.group(name)["betas"][1])
+        if scale is not None:
+            self._replace("scale", name, scale)
 
     def dense_average(self, name: str, avg: torch.Tensor) -> None:
-        """Keep the squared norm of a warm-up step's average as exchanged (see :meth:`WarmupWindow.unscale`),
-        and count the warm-up steps whose average was all zero, which :meth:`dense` does not count as
-        warm-up (:meth:`WarmupWindow.count_idle`). On the device, no host sync here."""
-        if name in self.denom:
-            return   # frozen: the warm-up is over
-        self._warmup.count_idle(name, avg)
-        if name in self._warmup.last_v and self.window is not None:
-            param, _, optimizer = self._bound[name]
-            t = int(optimizer.state.get(param, {}).get("step", 0)) + 1   # the Adam step about to use it
-            self._warmup.delivered[name] = (t, _squared_norm(avg))
+        """A warm-up step's average as exchanged, for the Adam step about to use it (:meth:`DenseWarmup.averaged`)."""
+        if name not in self.denom:   # else frozen: the warm-up is over
+            self._warmup.averaged(name, avg, lambda: self._adam.step(name) + 1)
 
-    def _freeze(self, name: str) -> None:
-        self._warmup.say_if_clipped(name)
-        param, group, optimizer = self._bound[name]
-        state = optimizer.state[param]
-        b1, b2 = group["betas"]
-        t = int(state["step"])
-        v = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
-        v = v.detach().to(residual_dtype(param.dtype)).reshape(-1)
-        root = self._warmup.frozen_v(name, v, b2, t, self.window).sqrt()
-        self.denom[name] = root.clamp(min=self.floor * float(root.mean())).add_(group["eps"])
+    def _freeze(self, name: str, grad: torch.Tensor) -> None:
+        group, t = self._adam.group(name), self._adam.step(name)
+        self._denoms.freeze(name, self._warmup.frozen_v(name, self._adam.second_moment(name), group["betas"][1], t),
+                            group["eps"])
+        self._denoms.refuse_scaled(name, grad, group["eps"])   # a loss-scaled gradient: before the rest changes
         if self._keeps_momentum(name, t):
-            self.velocity[name] = state["exp_avg"].detach().to(root.dtype).reshape(-1).clone()
+            self.velocity[name] = self._adam.first_moment(name).to(self.denom[name].dtype).reshape(-1).clone()
         self.steps[name] = t
+
+    def _keeps_momentum(self, name: str, t: int) -> bool:
+        """Whether ``name`` sends Adam's momentum at step ``t`` (:meth:`MomentumChoice.keeps`)."""
+        share = self.share_sent
+        return self._momentum.keeps(t, self._warmup.rate_since(name), None if share is None else lambda: share(name),
+                                    self._adam.group(name)["betas"][0])
 
     def prepare(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         if self.needs_optimizer_state(name):   # the DDP hook sends such a tensor dense instead
@@ -192,79 +161,29 @@ class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
                                "hvd_gradcomp.ddp.register(..., optimizer=opt)")
         self.residuals.check_shape(name, grad)
         if name not in self.denom:
-            self._freeze(name)
-            self._check_scale(name, grad)
-            param, _, optimizer = self._bound[name]
-            optimizer.state[param]["exp_avg"].zero_()  # from now on it moves nothing but weight decay
+            self._freeze(name, grad)
+            self._adam.clear_first_moment(name)
         self._scales.mark_freeze(name)
         self._follow_scale(name, grad)
-        u = self._direction(name, grad)
+        t, group = self.steps[name], self._adam.group(name)
+        self._warmup.note_rate(name, t, float(group["lr"]))
+        u = self._momentum.direction(name, grad, self.denom[name].dtype, group["betas"][0],
+                                     lambda: self._keeps_momentum(name, t), self)   # what is divided by denom
         # What goes out is the update direction u / denom, not u: top-k then picks the coordinates
         # that would move most, and the residual is kept in the units of movement.
         acc, res = self.residuals.buffer(name, u), self.residuals.residual(name, self._lr(name))
-        factor = self._scale_factor(name)
+        factor = self._scales.factor(name)
         if factor is not None:
             u = u * factor.to(u.dtype)
-        step = torch.div(u, self.denom[name], out=acc)
-        bound = self._step_bound(name)
-        if bound is not None:
-            step.clamp_(-bound, bound)
+        step = self._denoms.step(name, u, acc, self._adam.step_bound(name))
         return step if res is None else step.add_(res)
-
-    def _step_bound(self, name: str) -> Optional[float]:
-        """The most one gradient may add to a coordinate's movement (in units of ``lr``):
-        ``1 / sqrt(1 - b2)``, the most Adam moves a coordinate in answer to one gradient, however
-        large (its ``v`` takes at least ``(1 - b2) * g**2`` of it, so ``|g| / sqrt(v) <= 1 / sqrt(1 - b2)``);
-        None for ``b2 == 1``.
-
-        Why: with ``v`` frozen, a coordinate whose gradient was (almost) zero during the warm-up
-        (an embedding row of a rare token, a tied head's row) has the floor for ``denom``; its first
-        large gradient afterwards moved it ``|g| / denom`` times the rate (311,810x in
-        tests/test_frozen_bound.py), and the tied-embedding recipe at lr 8e-3 diverged ~80 steps
-        after the freeze (docs/RECIPES.md, "Before the fixes"). Adam's own bound leaves every
-        ordinary step alone.
-
-        >>> fv = FrozenVariance()
-        >>> fv._bound["w"] = (None, {"betas": (0.9, 0.99)}, None)
-        >>> round(fv._step_bound("w"), 6)
-        10.0
-        """
-        b2 = float(self._bound[name][1]["betas"][1])
-        return None if b2 >= 1.0 else (1.0 - b2) ** -0.5
-
-    def _check_scale(self, name: str, grad: torch.Tensor) -> None:
-        """Refuse gradients far larger than the warm-up's (a loss scaler's scaled gradients): the
-        update is applied before the scaler unscales, so it would be that many times too large.
-        Called once per tensor, at its first compressed step, before any state changes."""
-        rms_g = float(grad.detach().float().pow(2).mean().sqrt())
-        rms_v = float((self.denom[name] - self._bound[name][1]["eps"]).pow(2).mean().sqrt())
-        if rms_v > 0 and rms_g > SCALED_GRADIENT_RATIO * rms_v:
-            del self.denom[name], self.steps[name]
-            self.velocity.pop(name, None)
-            raise ValueError(
-                f"feedback='frozen': the gradient of {name!r} is {rms_g / rms_v:.3g}x larger than during Adam's "
-                "dense warm-up; is it scaled by a loss scaler (torch.amp.GradScaler)? This policy applies the "
-                "update in synchronize(), before the scaler unscales. Use bf16 autocast without a scaler, or "
-                "build the compressor with feedback='classic'.")
 
     def received(self, name: str, avg: torch.Tensor, support: Optional[torch.Tensor] = None) -> None:
         if not kernels.all_finite(avg):
             return  # passed on as it is: the loss scaler skips this step on every rank
-        param, group, _ = self._bound[name]
         self._remember(name)
         t = self.steps[name] = self.steps[name] + 1
-        lr = float(group["lr"])
-        # Adam's bias correction, of the first moment only
-        scale = -lr / (1.0 - group["betas"][0] ** t) if name in self.velocity else -lr
-        if group.get("maximize", False):
-            scale = -scale
-        # The wrapped optimizer decays the parameter after this (decoupled weight decay,
-        # p *= 1 - lr*wd): pre-divide so the result is p*(1 - lr*wd) + step, as in AdamW.
-        decay = 1.0 - lr * float(group.get("weight_decay", 0.0))
-        if decay > 0.0:
-            scale /= decay
-        with torch.no_grad():
-            param.add_(avg.view(param.shape).to(param.dtype), alpha=scale)
+        self._adam.move(name, avg, t, momentum=name in self.velocity)
         avg.zero_()
 
     def received_terms(self, name: str) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
@@ -279,8 +198,8 @@ class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
         # is not known here, so the user is told once rather than the default guessed. The frozen v
         # follows the gradients where they shrink (see the class docstring)
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor (more while the learning "
-                f"rate still rises, at most {self._longest_warmup}), "
-                + _MOMENTUM_SAID[self.momentum] + _FOLLOW_SCALE_SAID[self.follow_scale]
+                f"rate still rises, at most {self._warmup.longest}), "
+                + self._momentum.describe() + self._scales.describe()
                 + f"; for a run much longer than {4 * self.warmup} steps, freeze "
                 "later: feedback=FrozenVariance(warmup=a quarter of the run's steps) (docs/STUDY_RUN_LENGTH.md)")
 
@@ -288,23 +207,15 @@ class FrozenVariance(MomentumChoice, _RoundUndo, ErrorFeedback):
         # The warm-up's window (running average, Adam's last v) and the rates seen are saved too, so
         # a run resumed inside the warm-up freezes the same v at the same step as one that never
         # stopped (two gradient-sized tensors per tensor still in its warm-up; none after it).
-        parts = {"velocity": _clone_tensors(self.velocity), "denom": _clone_tensors(self.denom),
-                 "steps": dict(self.steps), "warmup": self.warmup, "floor": self.floor,
-                 "sparsity_warmup": self.sparsity_warmup, "window": self.window,
-                 "max_warmup": self.max_warmup, "momentum": self.momentum,
-                 **self._warmup.state_dict(), **self._scales.state_dict()}
+        parts = {"steps": dict(self.steps), "sparsity_warmup": self.sparsity_warmup, **self._momentum.state_dict(),
+                 **self._denoms.state_dict(), **self._warmup.state_dict(), **self._scales.state_dict()}
         return {**super().state_dict(), **{k: parts.pop(k) for k in _STATE_ORDER if k in parts}, **parts}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.velocity = _clone_tensors(state.get("velocity", {}))
-        self.denom = _clone_tensors(state.get("denom", {}))
+        self._momentum.load_state_dict(state)
+        self._denoms.load_state_dict(state)
         self.steps = dict(state.get("steps", {}))
-        self.warmup, self.floor = int(state.get("warmup", self.warmup)), float(state.get("floor", self.floor))
-        self.window = state.get("window", self.window)
-        self.max_warmup = int(state.get("max_warmup", self.max_warmup))
-        # Checkpoints from before the choice was saved: this policy's (tensors frozen then have a velocity)
-        self.momentum = state.get("momentum", self.momentum)
         self._scales.load_state_dict(state)
         self._warmup.load_state_dict(state)
         self.sparsity_warmup = int(state.get("sparsity_warmup", self.sparsity_warmup))
@@ -317,38 +228,6 @@ _STATE_ORDER = ("velocity", "denom", "steps", "warmup", "floor", "sparsity_warmu
                 "clipping_seen", "scale", "scale_at_freeze", "idle")
 """The order :meth:`FrozenVariance.state_dict` writes its own keys in (as it always has, so a saved
 checkpoint's bytes do not change with where each part of the state is kept)."""
-
-_MOMENTUM_SAID = {
-    True: "each rank's momentum through error feedback (1-bit Adam style)",
-    False: "each rank's gradient through error feedback, whose residual takes the first moment's place",
-    None: "each rank's momentum through error feedback (1-bit Adam style) while the learning rate "
-          f"changes, its gradient once the rate has stayed the same {FLAT_RATE_STEPS} steps (error "
-          "feedback's residual then takes the first moment's place: docs/STUDY.md, transformer-const)",
-    WHILE_DENSE: "each rank's momentum through error feedback while the sparsity warm-up sends more than "
-                 "1 - b1 of a tensor, its gradient after (whose residual takes the first moment's place)"}
-"""What :meth:`FrozenVariance.describe` says of each ``momentum`` choice."""
-_FOLLOW_SCALE_SAID = {"down": ", the frozen v following the gradients' scale where it shrinks (docs/STUDY.md)",
-                      "both": ", the frozen v following the gradients' scale", None: ", v frozen for good"}
-"""What :meth:`FrozenVariance.describe` says of each ``follow_scale`` choice."""
-
-
-def _check_settings(momentum: Any, warmup: Any, max_warmup: Any, window: Any) -> None:
-    """:class:`FrozenVariance`'s checks of these arguments, in its constructor's order."""
-    if momentum is not None and not isinstance(momentum, bool) and momentum != WHILE_DENSE:
-        raise ValueError(f"FrozenVariance momentum must be None (Adam's first moment kept while the learning rate "
-                         f"changes), {WHILE_DENSE!r} (kept while the sparsity warm-up sends more than 1 - b1 of "
-                         f"a tensor), True (always kept) or False (never: error feedback's residual sums the "
-                         f"gradients), got {momentum!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-        raise ValueError(f"FrozenVariance warmup must be an int >= 1 (dense Adam steps before v is frozen), "
-                         f"got {warmup!r}")
-    if isinstance(max_warmup, bool) or not isinstance(max_warmup, int) or max_warmup < 1:
-        raise ValueError(f"FrozenVariance max_warmup must be an int >= 1 (the most dense steps while the learning "
-                         f"rate still rises; never fewer than warmup), got {max_warmup!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
-        raise ValueError(f"FrozenVariance window must be an int >= 2 (the warm-up's last steps that the frozen v "
-                         f"averages) or None (Adam's own v), got {window!r}")
-
 
 def check_frozen_variance(optimizer: Any) -> None:
     """Raise unless ``optimizer`` is Adam or AdamW without coupled weight decay (what

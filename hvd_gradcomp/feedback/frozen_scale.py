@@ -31,10 +31,15 @@ class ScaleFollower:
         self.scale: Dict[str, torch.Tensor] = {}
         self.scale_at_freeze: Dict[str, torch.Tensor] = {}
 
-    def averaged(self, name: str, grad: torch.Tensor, weight: float) -> torch.Tensor:
-        """The next value of ``scale[name]``: ``grad``'s mean square averaged in with ``weight``,
-        started at the first value. A non-finite gradient (a step the loss scaler skips) leaves the
-        average as it was."""
+    def averaged(self, name: str, grad: torch.Tensor, window: Optional[int], b2: Any) -> Optional[torch.Tensor]:
+        """The next value of ``scale[name]``: ``grad``'s mean square averaged over about ``window`` steps
+        (weight ``1 / window``, the span the frozen ``v`` averages; ``window=None``: Adam's ``1 - b2``),
+        started at the first value, at any rate. A non-finite gradient (a step the loss scaler skips)
+        leaves the average as it was. None with ``follow_scale=None``: the average would never be
+        read (:meth:`factor`), and it costs a pass over the gradient."""
+        if self.follow_scale is None:
+            return None
+        weight = 1.0 / window if window is not None else 1.0 - float(b2)
         ms = _squared_norm(grad) / max(grad.numel(), 1)
         old = self.scale.get(name)
         if old is None:
@@ -69,6 +74,10 @@ class ScaleFollower:
         ratio = torch.where(ok, then / torch.where(ok, now, torch.ones_like(now)), torch.ones_like(now))
         return (ratio.clamp(min=1.0) if self.follow_scale == "down" else ratio).sqrt()
 
+    def describe(self) -> str:
+        """What ``follow_scale`` does, in words (see :meth:`FrozenVariance.describe`)."""
+        return _FOLLOW_SCALE_SAID[self.follow_scale]
+
     def state_dict(self) -> Dict[str, Any]:
         return {"follow_scale": self.follow_scale, "scale": _clone_tensors(self.scale),
                 "scale_at_freeze": _clone_tensors(self.scale_at_freeze)}
@@ -81,6 +90,11 @@ class ScaleFollower:
         # the same tensor when the scale has not moved since the freeze (see factor)
         self.scale_at_freeze = {n: self.scale[n] if n in self.scale and torch.equal(t, self.scale[n]) else t.detach().clone()
                                 for n, t in state.get("scale_at_freeze", {}).items()}
+
+
+_FOLLOW_SCALE_SAID = {"down": ", the frozen v following the gradients' scale where it shrinks (docs/STUDY.md)",
+                      "both": ", the frozen v following the gradients' scale", None: ", v frozen for good"}
+"""What :meth:`ScaleFollower.describe` says of each ``follow_scale`` choice."""
 
 
 def _squared_norm(t: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,19 @@
 """What :class:`hvd_gradcomp.feedback.frozen.FrozenVariance` watches during a tensor's dense warm-up: the
 learning rates seen, the window of squared averaged gradients recovered from Adam's ``v``, the
 steps without a gradient, and the user's code (or a loss scaler) scaling the gradients between
-the exchange and the optimizer step.
+the exchange and the optimizer step (:class:`WarmupWindow`); and when the warm-up ends, and the
+second moment it then freezes (:class:`DenseWarmup`).
 """
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 
 from .policy import _clone_tensors
+from .frozen_scale import _squared_norm
 
 CLIP_DETECT_TOLERANCE = 1e-2
 """A squared gradient sum recovered from Adam's ``v`` this far from the exchanged one's (relative)
@@ -85,6 +87,11 @@ class WarmupWindow:
             idle = self.idle.get(name)
             self.idle[name] = zero if idle is None else idle + zero.to(idle.device)
 
+    def deliver(self, name: str, t: int, avg: torch.Tensor) -> None:
+        """Keep the squared norm of ``name``'s average as exchanged for Adam's step ``t``, before the
+        user's code sees it (see :meth:`unscale`). On the device, no host sync here."""
+        self.delivered[name] = (t, _squared_norm(avg))
+
     def unscale(self, name: str, t: int, squared: torch.Tensor) -> None:
         """Undo, in the squared gradient of Adam's step ``t``, a scaling done by the user's code
         between the exchange and that step: ``clip_grad_norm_`` in Horovod's pattern
@@ -152,14 +159,14 @@ class WarmupWindow:
         if least is None or self.clipping_seen or not float(least) < 1.0 - CLIP_DETECT_TOLERANCE:
             return
         self.clipping_seen = True
-        # stacklevel 3: the policy's prepare(), which calls _freeze(), which calls this
+        # stacklevel 4: the policy's prepare(), which calls _freeze(), which calls DenseWarmup.frozen_v, which calls this
         warnings.warn(
             f"feedback='frozen': during Adam's dense warm-up the gradients of {name!r} were scaled (down to "
             f"{float(least) ** 0.5:.3g}x) between the exchange and the optimizer step, as clip_grad_norm_ does. The "
             "second moment is frozen from the gradients as exchanged, and from now on such code does not reach "
             "the compressed tensors (their update is applied from the exchange; p.grad holds zeros): to bound "
             "the gradients, use the compressor's clip= (e.g. TopKQSGD(ratio=0.01, bits=8, clip=1.0)), which "
-            "clips each rank's gradient before it is sent.", RuntimeWarning, stacklevel=3)
+            "clips each rank's gradient before it is sent.", RuntimeWarning, stacklevel=4)
 
     def state_dict(self) -> Dict[str, Any]:
         # The window (running average, Adam's last v) and the rates seen: two gradient-sized tensors
@@ -182,3 +189,89 @@ class WarmupWindow:
         # Checkpoints from before idle steps were counted: those steps count as warm-up, as they did.
         self.idle = _clone_tensors(state.get("idle", {}))
         self.clipping_seen = bool(state.get("clipping_seen", False))
+
+
+class DenseWarmup:
+    """When a tensor under :class:`hvd_gradcomp.feedback.frozen.FrozenVariance` leaves its dense warm-up
+    (``warmup``, ``max_warmup``: see the policy's docstring) and the second moment it then freezes
+    (``window``), from what its :class:`WarmupWindow` (``seen``) saw.
+
+    >>> w = torch.nn.Parameter(torch.ones(4)); opt = torch.optim.AdamW([w], lr=0.1)
+    >>> warm = DenseWarmup(warmup=1)
+    >>> warm.dense("w", opt.state[w], opt.param_groups[0])      # no Adam step yet
+    True
+    >>> w.grad = torch.full((4,), 0.5); opt.step()
+    >>> warm.dense("w", opt.state[w], opt.param_groups[0])
+    False
+    """
+
+    def __init__(self, warmup: int = 100, max_warmup: int = 1000, window: Optional[int] = 50) -> None:
+        _check_settings(warmup, max_warmup, window)
+        self.warmup, self.max_warmup, self.window = warmup, max_warmup, window
+        self.seen = WarmupWindow()
+
+    @property
+    def longest(self) -> int:
+        """The most dense steps of a tensor while the learning rate still rises."""
+        return max(self.warmup, self.max_warmup)
+
+    def dense(self, name: str, state: Dict[str, Any], group: Dict[str, Any]) -> bool:
+        """Whether ``name``, not frozen yet, goes dense this step (``state``, ``group``: its Adam's); asked
+        once a step or more, the same answer on every rank (replicated state only)."""
+        if self.window is not None and "exp_avg_sq" in state and not group.get("amsgrad") \
+                and state["exp_avg_sq"].dtype in (torch.float32, torch.float64):
+            # Not from a float16/bfloat16 v (a half-precision model's Adam state): each step's squared
+            # gradient, recovered as v_t - b2 * v_(t-1), is lost to rounding there (a spurious "scaled
+            # by the user's code" warning showed it); Adam's own v is frozen instead (see frozen_v).
+            self.seen.track(name, state, group, self.window)
+        t = int(state.get("step", 0))
+        rising = self.seen.lr_rising(name, t, float(group["lr"]))
+        if t < self.warmup or "exp_avg_sq" not in state or (rising and t < self.longest):
+            return True
+        idle = self.seen.idle.get(name)
+        if idle is not None and t - int(idle) < self.warmup:
+            return True   # fewer than warmup steps with a gradient (a layer unused at first): see averaged
+        return not bool(state["exp_avg_sq"].any())  # no gradient yet: nothing to freeze
+
+    def averaged(self, name: str, avg: torch.Tensor, next_step: Callable[[], int]) -> None:
+        """A warm-up step's average as exchanged: its squared norm kept for Adam's coming step
+        (``next_step()``; see :meth:`WarmupWindow.unscale`), and an all-zero one counted
+        (:meth:`WarmupWindow.count_idle`). On the device, no host sync here."""
+        self.seen.count_idle(name, avg)
+        if name in self.seen.last_v and self.window is not None:
+            self.seen.deliver(name, next_step(), avg)
+
+    def frozen_v(self, name: str, v: torch.Tensor, b2: float, t: int) -> torch.Tensor:
+        """The second moment to freeze at Adam's step ``t`` (``v``: Adam's own; :meth:`WarmupWindow.frozen_v`),
+        once the user has been told of the gradients scaled during the warm-up (:meth:`WarmupWindow.say_if_clipped`)."""
+        self.seen.say_if_clipped(name)
+        return self.seen.frozen_v(name, v, b2, t, self.window)
+
+    def note_rate(self, name: str, t: int, lr: float) -> None:
+        self.seen.note_rate(name, t, lr)
+
+    def rate_since(self, name: str) -> Optional[Tuple[float, int]]:
+        """``name``'s learning rate and the step it was first seen at (None: not seen)."""
+        return self.seen.flat.get(name)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"warmup": self.warmup, "window": self.window, "max_warmup": self.max_warmup, **self.seen.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.warmup = int(state.get("warmup", self.warmup))
+        self.window = state.get("window", self.window)
+        self.max_warmup = int(state.get("max_warmup", self.max_warmup))
+        self.seen.load_state_dict(state)
+
+
+def _check_settings(warmup: Any, max_warmup: Any, window: Any) -> None:
+    """:class:`DenseWarmup`'s checks of its arguments (``FrozenVariance``'s words), in its constructor's order."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"FrozenVariance warmup must be an int >= 1 (dense Adam steps before v is frozen), "
+                         f"got {warmup!r}")
+    if isinstance(max_warmup, bool) or not isinstance(max_warmup, int) or max_warmup < 1:
+        raise ValueError(f"FrozenVariance max_warmup must be an int >= 1 (the most dense steps while the learning "
+                         f"rate still rises; never fewer than warmup), got {max_warmup!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+        raise ValueError(f"FrozenVariance window must be an int >= 2 (the warm-up's last steps that the frozen v "
+                         f"averages) or None (Adam's own v), got {window!r}")

@@ -16,12 +16,12 @@ broadcast from rank 0 after a reset). Building an ``hvd_gradcomp.DistributedOpti
 * **sync** (after every reset but a removal-only one, on every rank, a collective): the optimizer's state
   from rank 0 (Horovod's), then rank 0's compressor *shared* state (the exchange step, the random streams'
   counts, ``frozen``'s ``v`` and warm-up, momentum correction's last average, PowerSGD's ``Q``: what
-  every rank holds alike, see ``StepState.shared_state``) on every rank. **Each rank keeps its own
+  every rank holds alike, see ``GradientCompressor.shared_state``) on every rank. **Each rank keeps its own
   residuals**: a rank that survived keeps what it committed, a rank that joins starts at zero; the
   residuals of a rank that left are gone with it (what it had computed and not yet sent: never applied).
   Each rank's noise stream is set to its new rank (independent noise after renumbering). When the
   number of ranks changed, QSGD's relay residuals (per chunk of the ranks) are dropped, with a warning
-  saying how much they held (``StepState.follow_world``; after a removal-only reset, which Horovod does
+  saying how much they held (``GradientCompressor.follow_world``; after a removal-only reset, which Horovod does
   not follow by a sync, the QSGD road does it at its next exchange). The out-of-step check (``RankDivergenceError``) is on again from the
   first sync: every rank is at rank 0's exchange step.
 

@@ -303,7 +303,7 @@ def param_group_added_later(wrapper: str, kind: str, tag: str, at: int = 2, step
         name = f"{tag}.{opt_name}.fc1.weight"
         out[opt_name] = {"policy": fb.key, "fc1_moved": not torch.equal(fc1_before, flat_params(model.fc1)),
                          "momentum_read": fb._coefficients(name)[0] if opt_name == "sgd" else None,
-                         "bound": name in getattr(fb, "_bound", {}) if opt_name == "adamw" else None,
+                         "bound": not fb.needs_optimizer_state(name) if opt_name == "adamw" else None,
                          "params_equal_across_ranks": all_ranks_equal(flat_params(model))}
         opt.remove_hooks()
     model = make_model()
