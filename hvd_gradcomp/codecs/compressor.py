@@ -120,6 +120,9 @@ def sparsity_warmup_steps(steps: int, ratio: float, pace: str = "same") -> int:
     return math.ceil(steps * math.log(start / ratio) / math.log(start / WARMUP_PACE_RATIO))
 
 
+_ASK = object()   # prepare_named(k=...): not given, ask the codec
+
+
 class Prepared(NamedTuple):
     """A tensor's input to its codec, built by the feedback policy (:meth:`GradientCompressor.prepare_named`)
     and not yet encoded; ``total``: the sum of its gradient when the policy took it in the same
@@ -382,24 +385,26 @@ class GradientCompressor(WireCodec):
         if not name:
             raise ValueError("compress_named needs a non-empty tensor name")
         policy = self._relay_policy() if relay else self.feedback
-        late = self.clip is None and policy.marks_input and self._selects(name, grad.numel()) is not None
+        k = self._selects(name, grad.numel())   # asked once per tensor: prepare_named takes it
+        late = self.clip is None and policy.marks_input and k is not None
         if not late:
             _check_finite(grad, name)
-        return self._compress_finite(name, grad, relay, check=late)
+        return self._compress_finite(name, grad, relay, check=late, k=k)
 
     def _compress_finite(self, name: str, grad: torch.Tensor, relay: bool = False,
-                         check: bool = False) -> Tuple[torch.Tensor, Sent]:
+                         check: bool = False, k: Any = _ASK) -> Tuple[torch.Tensor, Sent]:
         """:meth:`compress_named` for a caller that checked ``grad`` already: a named, dense, finite
         tensor of a dtype the codecs carry (the DDP hook checks a whole bucket in one pass,
         :func:`~hvd_gradcomp.feedback.kernels.all_finite`). ``check``: not checked yet, and the policy
         changes no state in ``prepare`` (:attr:`Feedback.marks_input`): its pass over ``grad``
         also sums it, and the check raises before anything is committed or drawn."""
-        prepared = self.prepare_named(name, grad, relay, total=check)
+        prepared = self.prepare_named(name, grad, relay, total=check, k=k)
         if check and (prepared.total is None or not bool(torch.isfinite(prepared.total))):
             _check_finite(grad, name)  # exact; a finite sum proved it already
         return self.send_prepared(prepared)
 
-    def prepare_named(self, name: str, grad: torch.Tensor, relay: bool = False, total: bool = False) -> Prepared:
+    def prepare_named(self, name: str, grad: torch.Tensor, relay: bool = False, total: bool = False,
+                      k: Any = _ASK) -> Prepared:
         """The first half of :meth:`_compress_finite`: the policy builds the codec's input (no state
         changes yet when :attr:`Feedback.marks_input`); ``total``: also sum ``grad`` in that pass
         where the policy can. A caller may prepare several tensors, check them all, then
@@ -407,7 +412,8 @@ class GradientCompressor(WireCodec):
         policy = self._relay_policy() if relay else self.feedback
         if not relay:
             grad = self.owed_half(name, grad)
-        k = self._selects(name, grad.numel())
+        if k is _ASK:   # how many values a top-k codec selects (None: not a top-k codec)
+            k = self._selects(name, grad.numel())
         if k is None:
             acc, marked = policy.prepare(name, self._clipping.clipped(grad)), None
         else:  # a top-k codec: its candidates are marked in the pass that builds acc

@@ -42,7 +42,7 @@ def encode_carried(compressor: GradientCompressor, name: str, grad: torch.Tensor
     """(payload, this rank's part as its encoder carried it) by
     :meth:`GradientCompressor.compress_carried`: the part only for a sparse payload, so that
     it need not be decoded here; (None, None) when the gradient held NaN/Inf."""
-    payload, carried = encode_or_flag(lambda: compressor.compress_carried(name, grad)) or (None, None)
+    payload, carried = encode_or_flag(compressor.compress_carried, name, grad) or (None, None)
     return payload, carried if isinstance(carried, tuple) and _CARRIED else None
 
 

@@ -127,10 +127,12 @@ def unseal(blob: torch.Tensor) -> List[Envelope]:
     return out
 
 
-def encode_or_flag(encode: Callable[[], Any]) -> Any:
-    """``encode()``, or None when the gradient held NaN/Inf (the codec then changed nothing)."""
+def encode_or_flag(encode: Callable[..., Any], *args: Any) -> Any:
+    """``encode(*args)``, or None when the gradient held NaN/Inf (the codec then changed nothing).
+    Pass the compressor's method and its arguments, not a lambda: the call then goes straight from
+    here to the codec, as a reader following it expects (``scripts/call_climbs.py``)."""
     try:
-        return encode()
+        return encode(*args)
     except FloatingPointError:
         return None
 

@@ -231,7 +231,7 @@ def _chunks(compressor: Any, name: str, grad: torch.Tensor, bounds: List[int], f
     """This rank's payload of each chunk of ``grad``; all ``None`` when it held NaN/Inf (``flags``)."""
     if not flags:   # the driver checked the input: no second pass over it
         return compressor._compress_chunks_finite(name, grad, bounds)
-    return encode_or_flag(lambda: compressor.compress_chunks(name, grad, bounds)) or [None] * (len(bounds) - 1)
+    return encode_or_flag(compressor.compress_chunks, name, grad, bounds) or [None] * (len(bounds) - 1)
 
 
 def _check_shape(payloads: Payloads, world: int, segments: int) -> None:
@@ -267,7 +267,7 @@ def sparse_allgather(compressor: Any, segments: Sequence[Tuple[str, torch.Tensor
         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 6.0, 7.0]
     """
     if sends is None:
-        sends = [encode_or_flag(lambda n=name, g=grad: compressor.compress_carried(n, g)) or (None, None)
+        sends = [encode_or_flag(compressor.compress_carried, name, grad) or (None, None)
                  for name, grad in segments]
     gathered = yield Gather([payload for payload, _ in sends], "gather")
     _check_shape(gathered, world, len(segments))
