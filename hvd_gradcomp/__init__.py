@@ -28,7 +28,7 @@ _LAZY = {
     "Auto": "auto.auto",
     "QSGD": "horovod.classes", "TopK": "horovod.classes", "TopKQSGD": "horovod.classes", "PowerSGD": "horovod.classes",
     "HorovodIntegrationError": "horovod.stock",
-    "GradientCompressor": "codecs.compressor", "SparsityWarmup": "codecs.compressor", "Encoded": "codecs.contract",
+    "GradientCompressor": "codecs.compressor", "SparsityWarmup": "codecs.compressor", "Encoded": "codecs.interface",
     "HorovodCompressor": "horovod.classes",   # a codec of your own serves stock hvd.DistributedOptimizer with it
     "ResidualStore": "feedback.residuals", "FrozenVariance": "feedback.frozen", "MomentumCorrection": "feedback.momentum",
     "ByteStats": "stats",
@@ -46,7 +46,7 @@ __all__ = [*_LAZY, "__version__"]
 _KERNELS = ("codecs.kernels", "feedback.kernels")   # the codecs' arithmetic, error feedback's
 MOVED = {
     "kernels": _KERNELS, "wire.kernels": _KERNELS,
-    "compressors": "codecs.compressor", "compressor_codec": "codecs.contract",
+    "compressors": "codecs.compressor", "compressor_codec": "codecs.interface",
     "compressor_exempt": "codecs.exempt", "compressor_policy": "codecs.binding", "compressor_state": "codecs.steps",
     "qsgd": "codecs.qsgd", "topk": "codecs.topk", "powersgd": "codecs.powersgd",
     "momentum": "feedback.momentum", "frozen": "feedback.frozen", "frozen_warmup": "feedback.frozen_warmup",
@@ -55,7 +55,8 @@ MOVED = {
     "inflight": "collectives.inflight", "exchange": "collectives.exchange", "fused": "collectives.fused",
     "optimizer": "horovod.optimizer", "accumulate": "horovod.accumulate", "policy": "auto.policy",
     "auto_schedule": "auto.schedule", "auto_measure": "auto.measure", "auto_state": "auto.state",
-    "ddp_roads": "ddp.roads", "ddp_auto": "ddp.auto",
+    "ddp_roads": "ddp.exchanges", "ddp_auto": "ddp.auto",
+    "codecs.contract": "codecs.interface", "ddp.roads": "ddp.exchanges",   # renamed: one word per concept
 }
 
 

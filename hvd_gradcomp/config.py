@@ -68,7 +68,7 @@ class CompressionConfig:
         if self.compression == "fp16":
             from .horovod import require_horovod  # only here: the other settings also serve DDP without Horovod
             return require_horovod("compression 'fp16'").Compression.fp16
-        if self.compression == "auto":   # ratio and bits are TopKQSGD's on the sparse road
+        if self.compression == "auto":   # ratio and bits are TopKQSGD's on Auto's sparse road
             from . import Auto
             return Auto(ratio=self.ratio, bits=self.bits, error_feedback=ef, seed=self.seed)
         # a compressor from the registry (hvd_gradcomp.codecs), given the settings it takes

@@ -1,6 +1,6 @@
 """The one byte ledger: what each rank hands to its collectives, per tensor, per step and per run.
 
-Every road counts into one :class:`ByteStats` (a compressor's ``stats``; the optimizer's and the
+Every driver counts into one :class:`ByteStats` (a compressor's ``stats``; the optimizer's and the
 DDP state's ``comm_stats`` are that same object), at the one place where it hands bytes to a
 collective (docs/ARCHITECTURE.md, "Where bytes are counted"). Each record has three parts:
 
@@ -8,7 +8,7 @@ collective (docs/ARCHITECTURE.md, "Where bytes are counted"). Each record has th
 * ``payload``: what stands for the gradient on the wire: a codec's payloads (header and sections,
   :mod:`hvd_gradcomp.wire`), PowerSGD's factors, a float16 cast, or the tensor itself when it
   travels uncompressed;
-* ``framing``: what a road adds to carry payloads: Horovod's envelopes (step and NaN flag) and the
+* ``framing``: what a driver adds to carry payloads: Horovod's envelopes (step and NaN flag) and the
   fused allgather's index, the DDP hook's sizes, flags and padding to equal-sized buffers.
 
 ``bytes_out`` (what went to the collectives) is payload plus framing; ``ratio`` is raw over it.
@@ -52,9 +52,9 @@ class ByteStats:
     """Cumulative bytes per run and per tensor name, and per step (see the module docstring).
 
     ``per_tensor[name]`` is ``[raw, sent, framing]`` (framing charged to that name: a fused
-    allgather's index is charged to its group's first tensor); the road's own framing records
+    allgather's index is charged to its group's first tensor); the driver's own framing records
     carry names in parentheses (``"(sizes+padding)"``). ``step`` is the step being recorded;
-    :meth:`end_step` closes it (the roads call it, once per exchange step).
+    :meth:`end_step` closes it (the drivers call it, once per exchange step).
     """
 
     bytes_in: int = 0
@@ -69,7 +69,7 @@ class ByteStats:
 
     def record(self, name: str, raw: int, payload: int, framing: int = 0, step: Optional[int] = None) -> None:
         """Count bytes handed to a collective for ``name``; ``step``: the exchange step they belong
-        to, when the road knows it (the DDP hook's callbacks may finish after the next step began),
+        to, when the driver knows it (the DDP hook's callbacks may finish after the next step began),
         else the step being recorded."""
         self.bytes_in += raw
         self.payload_bytes += payload
@@ -83,13 +83,13 @@ class ByteStats:
         self._names_now.add(name)
 
     def recorded_in_step(self, name: str) -> bool:
-        """Whether ``name`` was counted in the step being recorded (a road that is not told where
+        """Whether ``name`` was counted in the step being recorded (a driver that is not told where
         steps end: a tensor counted twice begins the next)."""
         return name in self._names_now
 
     def end_step(self, next_step: Optional[int] = None) -> None:
         """Close the step being recorded: :attr:`last_step` reads it from now on. ``next_step``: the
-        number of the step that follows (a road that numbers its own steps), else one more."""
+        number of the step that follows (a driver that numbers its own steps), else one more."""
         self.step = self.step + 1 if next_step is None else next_step
         self._names_now.clear()
         for old in [s for s in self._by_step if s < self.step - 2]:

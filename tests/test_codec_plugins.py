@@ -149,7 +149,7 @@ def test_a_payload_layout_of_a_codecs_own_is_read_once_registered():
 
 
 def test_a_codec_written_against_the_old_private_names_still_works_with_a_warning():
-    """``_encode``/``_decode``/``_decode_sparse`` were the codec methods before the contract was public
+    """``_encode``/``_decode``/``_decode_sparse`` were the codec methods before the interface was public
     (``pack``/``unpack``/``unpack_sparse``): such a class is warned at its definition and works."""
     import torch
 

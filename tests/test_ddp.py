@@ -338,7 +338,7 @@ def test_exit_waits_until_worker_threads_release_the_hooks_callbacks():
     waits for that (a thread taking the GIL during interpreter shutdown aborts the process)."""
     import threading
 
-    from hvd_gradcomp.ddp import roads as ddp  # the roads' callbacks and the exit handler
+    from hvd_gradcomp.ddp import exchanges as ddp  # the exchanges' callbacks and the exit handler
 
     f = torch.futures.Future()
     g = ddp._then(f, lambda done: done.value() * 2)

@@ -25,7 +25,7 @@ CODEC_MODULES = {"settings", "stats", "codecs", "codecs.registry", "wire", "wire
                  "feedback.kernels", "feedback.policy", "feedback.registry", "feedback.names", "feedback.momentum",
                  "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
                  "feedback.frozen_adam", "feedback.frozen_denom",
-                 "codecs.compressor", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps",
+                 "codecs.compressor", "codecs.interface", "codecs.exempt", "codecs.binding", "codecs.steps",
                  "codecs.clipping", "codecs.kernels", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod/stock.py only.
 HOROVOD_ADAPTER = PACKAGE / "horovod" / "stock.py"
@@ -234,7 +234,7 @@ LAYERS = (
     ("wire", ("wire", "wire.format", "wire.indices")),
     ("feedback", ("feedback", "feedback.kernels", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.names", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
                   "feedback.frozen_momentum", "feedback.frozen_adam", "feedback.frozen_denom")),
-    ("codecs", ("codecs.kernels", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
+    ("codecs", ("codecs.kernels", "codecs.interface", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
                 "codecs.compressor",
                 "codecs.qsgd", "codecs.topk", "codecs.powersgd")),
     ("collectives", ("collectives", "collectives.reduce", "collectives.rounds", "collectives.transport",
@@ -245,7 +245,7 @@ LAYERS = (
               "auto.stock", "auto.state")),
     ("optimizers", ("horovod.elastic", "horovod.optimizer", "horovod.small", "horovod.watch", "horovod.hooks",
                     "horovod.exchanges", "horovod.accumulate", "ddp", "ddp.state", "ddp.hook", "ddp.env",
-                    "ddp.accumulate", "ddp.roads", "ddp.auto", "ddp.checkpoint", "ddp.plans", "ddp.handoff", "ddp.policy",
+                    "ddp.accumulate", "ddp.exchanges", "ddp.auto", "ddp.checkpoint", "ddp.plans", "ddp.handoff", "ddp.policy",
                     "ddp.join", "config")),
     ("integrations", ("integrations", "integrations.extras", "integrations.lightning", "integrations.accelerate")),
     ("launchers", ("launchers",)),

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..codecs.compressor import GradientCompressor
-from ..codecs.contract import _compressible
+from ..codecs.interface import _compressible
 from ..collectives.exchange import AllgatherExchange, allreducible, wait_done
 from .policy import DENSE, FP16, QSGD_AG, SPARSE
 

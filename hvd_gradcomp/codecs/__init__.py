@@ -3,7 +3,7 @@
 * :mod:`~hvd_gradcomp.codecs.registry`: the registry of compressors by name (:func:`register`,
   :func:`build`, entry points) and the collective and nature each class declares; plain Python, no
   torch (:mod:`hvd_gradcomp.config` and the launcher read it). Its names are importable from here;
-* :mod:`~hvd_gradcomp.codecs.contract`: the contract a codec implements (``pack``/``unpack``, ``Encoded``);
+* :mod:`~hvd_gradcomp.codecs.interface`: the interface a codec implements (``pack``/``unpack``, ``Encoded``);
 * :mod:`~hvd_gradcomp.codecs.compressor`: ``GradientCompressor``, the feedback policy around a codec, built
   from :mod:`~hvd_gradcomp.codecs.exempt`, :mod:`~hvd_gradcomp.codecs.binding` and
   :mod:`~hvd_gradcomp.codecs.steps`;

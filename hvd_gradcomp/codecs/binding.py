@@ -234,7 +234,7 @@ class OptimizerBinding:
         """Bind ``codec``'s policy to the param groups added to the bound optimizer since it was bound
         (``optimizer.add_param_group`` after wrapping: progressive unfreezing), before a tensor of theirs
         is compressed. Called by :meth:`Exemption.compresses <hvd_gradcomp.codecs.exempt.Exemption.compresses>`,
-        which every road asks before it compresses a tensor.
+        which every driver asks before it compresses a tensor.
 
         Why: the DDP hook and stock ``hvd.DistributedOptimizer`` do not see the call. Unbound, momentum
         correction ran the new parameters with momentum 0 under SGD(momentum=0.9), and ``"frozen"``
@@ -244,7 +244,7 @@ class OptimizerBinding:
 
     @property
     def settled(self) -> bool:
-        """Whether the feedback policy is chosen on a Horovod road: attached to the wrapped optimizer
+        """Whether the feedback policy is chosen under a Horovod wrapper: attached to the wrapped optimizer
         (``hvd_gradcomp.DistributedOptimizer`` attaches when built, stock ``hvd.DistributedOptimizer`` at
         its first step). The DDP hook chooses in ``register()``."""
         return self.attached is not None
@@ -301,7 +301,7 @@ class Policies:
     def dense_local(self, codec: Any, name: str, grad: torch.Tensor) -> None:
         """``grad``: this rank's own gradient of ``name``, a tensor large enough to compress, where it
         goes uncompressed this step, before the exchange; for the policy (its dense steps, see
-        :meth:`hvd_gradcomp.feedback.Feedback.dense_local`). Called by the roads; tensors ``codec``
+        :meth:`hvd_gradcomp.feedback.Feedback.dense_local`). Called by the drivers; tensors ``codec``
         excludes (``exclude=``) never reach the policy (they are never compressed)."""
         if not codec._excluded(name):
             self.policy.dense_local(name, grad)
@@ -309,7 +309,7 @@ class Policies:
     def dense_average(self, name: str, avg: torch.Tensor) -> None:
         """``avg``: the average of ``name`` where it went uncompressed (small, excluded, or a dense step
         of its feedback policy), before the user's code between the exchange and the optimizer step
-        sees it; for the policy (:meth:`hvd_gradcomp.feedback.Feedback.dense_average`). Called by the roads."""
+        sees it; for the policy (:meth:`hvd_gradcomp.feedback.Feedback.dense_average`). Called by the drivers."""
         self.policy.dense_average(name, avg)
 
     @property

@@ -9,14 +9,14 @@ import torch
 
 class Clipping:
     """``clip``: the largest global L2 norm of each rank's gradient, as ``clip_grad_norm_`` means it, or
-    None; ``road_clips``: set by a road that clips every tensor of a step at once (:meth:`local`) before
+    None; ``whole_step_clipped``: set by a wrapper that clips every tensor of a step at once (:meth:`local`) before
     compressing any, so that a tensor is not clipped again alone (:meth:`clipped`).
 
     >>> c = Clipping(1.0)
     >>> a, b = torch.full((4,), 3.0), torch.full((9,), 2.0)    # norms 6 and 6: global 8.49
     >>> round(float(c.local([a, b])), 2), round(float(torch.cat([a, b]).norm()), 4)
     (8.49, 1.0)
-    >>> float(c.clipped(torch.full((4,), 3.0)).norm())       # one tensor, no road: clipped alone
+    >>> float(c.clipped(torch.full((4,), 3.0)).norm())       # one tensor, no wrapper: clipped alone
     1.0
     """
 
@@ -26,19 +26,19 @@ class Clipping:
                              f"rank's gradient, as in clip_grad_norm_), got {clip!r}")
         self.clip = clip
         # Unset (a direct compress() call) the one tensor handed is all there is, and is clipped alone.
-        self.road_clips = False
+        self.whole_step_clipped = False
 
     def clipped(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` clipped alone (a direct ``compress()`` call, no road); on a road, :meth:`local`
+        """``grad`` clipped alone (a direct ``compress()`` call, no wrapper); under a wrapper, :meth:`local`
         clipped the whole step already."""
-        if self.clip is None or self.road_clips:
+        if self.clip is None or self.whole_step_clipped:
             return grad
         norm = float(grad.float().norm())
         return grad if norm <= self.clip else grad * (self.clip / norm)
 
     def local(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """Scale this rank's gradients ``grads``, in place, to a global L2 norm of at most ``clip``, as
-        ``clip_grad_norm_`` does; the roads call it with every gradient of the step (compressed, small
+        ``clip_grad_norm_`` does; the wrappers call it with every gradient of the step (compressed, small
         and excluded tensors) before compressing any. Returns the norm before clipping (a tensor: no
         host sync), or None without ``clip``.
 

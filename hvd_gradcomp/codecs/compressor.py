@@ -35,7 +35,7 @@ import torch
 
 from .. import codecs
 from .. import feedback as fb
-from .contract import WireCodec, _check_finite, _check_input
+from .interface import WireCodec, _check_finite, _check_input
 from .exempt import DEFAULT_MIN_COMPRESS_NUMEL, Exemption  # noqa: F401  (imported from here too)
 from .binding import OptimizerBinding, Policies
 from .clipping import Clipping
@@ -46,8 +46,8 @@ from ..feedback import Feedback
 from ..stats import ByteStats
 from ..settings import check_ratio
 # Defined with the part of GradientCompressor they serve; imported from here by the codecs, the
-# roads and codec authors (the codec interface, the tensor-size threshold).
-from .contract import Encoded  # noqa: F401
+# wrappers and codec authors (the codec interface, the tensor-size threshold).
+from .interface import Encoded  # noqa: F401
 
 Sent = fb.Sent
 DEFAULT_BUCKET = 512
@@ -141,7 +141,7 @@ class Prepared(NamedTuple):
 
 
 def clips_whole_step(compression: Any) -> bool:
-    """Whether ``compression`` has ``clip=`` set: the roads that can (``hvd_gradcomp.DistributedOptimizer``,
+    """Whether ``compression`` has ``clip=`` set: the wrappers that can (``hvd_gradcomp.DistributedOptimizer``,
     the DDP hook) then clip each rank's whole gradient (:meth:`GradientCompressor.clip_local`) before
     any exchange starts."""
     return isinstance(compression, GradientCompressor) and compression.clip is not None
@@ -226,7 +226,7 @@ def settings_repr(codec: "GradientCompressor") -> str:
 class PartAttribute:
     """An attribute of a compressor that one of its parts keeps (``part``: the compressor's attribute
     holding it, ``name``: the part's own): read, and set unless ``readonly``, through the compressor,
-    the one object the roads talk to.
+    the one object the wrappers talk to.
 
     >>> class Part: size = 3
     >>> class Owner:
@@ -288,7 +288,7 @@ class GradientCompressor(WireCodec):
     wire layout of its payload, :mod:`hvd_gradcomp.wire`), and implements
     ``pack(flat, dtype, seed, contract, marked) -> Encoded``, ``unpack(header, reader) -> flat
     tensor`` and, for a sparse payload, ``unpack_sparse(header, reader) -> (indices, values)``
-    (:class:`~hvd_gradcomp.codecs.contract.WireCodec`, docs/WRITING_A_CODEC.md).
+    (:class:`~hvd_gradcomp.codecs.interface.WireCodec`, docs/WRITING_A_CODEC.md).
     ``seed`` differs per tensor, step and rank (:meth:`_next_seed`).
 
     ``checksum``: put a CRC32 of each payload in its header and refuse payloads whose bytes
@@ -303,13 +303,13 @@ class GradientCompressor(WireCodec):
     builds in ``__init__`` and owns, each a small class with its own state, none reading another's:
     the feedback policies (:class:`~hvd_gradcomp.codecs.binding.Policies`: ``feedback=``'s choice, the
     policy and the relay's), the binding to the optimizer (:class:`~hvd_gradcomp.codecs.binding.OptimizerBinding`),
-    which tensors are exempt and their float16 road (:class:`~hvd_gradcomp.codecs.exempt.Exemption`),
+    which tensors are exempt and their float16 cast (:class:`~hvd_gradcomp.codecs.exempt.Exemption`),
     local clipping (:class:`~hvd_gradcomp.codecs.clipping.Clipping`), random streams
     (:class:`~hvd_gradcomp.codecs.steps.StepCounter`) and exchange steps as transactions
     (:class:`~hvd_gradcomp.codecs.steps.Rounds`, which ends a round on every part with round state).
-    The compressor is the one object the roads talk to: what they call (:data:`ROAD_SURFACE`) delegates
+    The compressor is the one object the wrappers talk to: what they call (:data:`WRAPPER_SURFACE`) delegates
     to a part, which asks the codec handed to it for the codec's decisions (the override points of
-    :class:`~hvd_gradcomp.codecs.contract.WireCodec`: ``_selects``, ``_auto_policy``, ``carries_held_back``...).
+    :class:`~hvd_gradcomp.codecs.interface.WireCodec`: ``_selects``, ``_auto_policy``, ``carries_held_back``...).
     """
 
     kind: int = 0
@@ -513,19 +513,19 @@ class GradientCompressor(WireCodec):
 
 
 
-ROAD_SURFACE = {
-    # What the roads (and users) read, set and call on a compressor, kept by its parts: the compressor is
+WRAPPER_SURFACE = {
+    # What the wrappers and their drivers (and users) read, set and call on a compressor, kept by its parts: the compressor is
     # the one object they talk to. Each entry is the part's own attribute or method (PartMethod: called
     # with the compressor, whose decisions the part asks); the parts' docstrings say what they do.
     "seed": PartAttribute("_counter", "seed", "Seed of the rounding noise (:attr:`StepCounter.seed "
                           "<hvd_gradcomp.codecs.steps.StepCounter.seed>`): ``seed=``, or torch's initial seed."),
-    "stream": PartAttribute("_counter", "stream", "This rank's random stream (set to the rank by every road)."),
+    "stream": PartAttribute("_counter", "stream", "This rank's random stream (set to the rank by every wrapper)."),
     "_steps": PartAttribute("_counter", "steps"),
     "exchange_step": PartAttribute("_rounds", "round", "Exchange steps ended so far (in each payload's envelope).",
                                    readonly=True),
     "_round": PartAttribute("_rounds", "round"),
     "_world": PartAttribute("_rounds", "world"),
-    "join_checked": PartAttribute("_rounds", "join_checked", "This step checked hvd.join() (stock road)."),
+    "join_checked": PartAttribute("_rounds", "join_checked", "This step checked hvd.join() (stock Horovod)."),
     "elastic_synced": PartAttribute("_rounds", "elastic_synced", "hvd.elastic's sync set every rank's step."),
     "in_step": PartAttribute("_rounds", "in_step", "Whether exchanges opened are still in flight.", readonly=True),
     "detach": PartAttribute("_rounds", "detach", ":meth:`Rounds.detach <hvd_gradcomp.codecs.steps.Rounds.detach>`",
@@ -543,9 +543,9 @@ ROAD_SURFACE = {
     "relay_residuals": PartAttribute("_policies", "relay_residuals", "Residuals of the chunks QSGD's compressed "
                                      "allreduce re-quantises, keyed ``<name>#reduced<rank>``.", readonly=True),
     "dense_local": PartMethod("_policies", "dense_local", ":meth:`Policies.dense_local "
-                              "<hvd_gradcomp.codecs.binding.Policies.dense_local>` (called by the roads)"),
+                              "<hvd_gradcomp.codecs.binding.Policies.dense_local>` (called by the drivers)"),
     "dense_average": PartAttribute("_policies", "dense_average", ":meth:`Policies.dense_average "
-                                   "<hvd_gradcomp.codecs.binding.Policies.dense_average>` (called by the roads)",
+                                   "<hvd_gradcomp.codecs.binding.Policies.dense_average>` (called by the drivers)",
                                    readonly=True),
     "_bind_policy": PartMethod("_binder", "bind_codec"),
     "_check_handed": PartMethod("_binder", "check_handed"),
@@ -563,18 +563,19 @@ ROAD_SURFACE = {
     "_restored": PartAttribute("_policies", "restored", readonly=True),
     "_binding": PartAttribute("_binder", "bound", readonly=True),
     "clip": PartAttribute("_clipping", "clip", "``clip=``: see :class:`~hvd_gradcomp.codecs.clipping.Clipping`."),
-    "road_clips": PartAttribute("_clipping", "road_clips", "Set by a road that clips the whole step (clip_local)."),
+    "whole_step_clipped": PartAttribute("_clipping", "whole_step_clipped", "Set by a wrapper that clips the "
+                                        "whole step (clip_local)."),
     "clip_local": PartAttribute("_clipping", "local", ":meth:`Clipping.local "
-                                "<hvd_gradcomp.codecs.clipping.Clipping.local>`: the roads' clip of a whole step.",
+                                "<hvd_gradcomp.codecs.clipping.Clipping.local>`: the wrappers' clip of a whole step.",
                                 readonly=True),
     "exempt": PartAttribute("_exemption", "mode", "How float32 tensors exempt from compression travel: "
                             "``\"fp16\"`` or ``\"fp32\"``."),
     "exclude": PartAttribute("_exemption", "exclude", "``exclude=``, compiled (None: none)."),
     "_half": PartAttribute("_exemption", "half", readonly=True),
-    "half_residuals": PartAttribute("_exemption", "residuals", "Residuals of the float16 road, per tensor name.",
+    "half_residuals": PartAttribute("_exemption", "residuals", "Residuals of the float16 cast, per tensor name.",
                                     readonly=True),
     "owed_half": PartAttribute("_exemption", "owed", ":meth:`Exemption.owed <hvd_gradcomp.codecs.exempt.Exemption"
-                               ".owed>`: ``grad`` plus what the float16 road owes ``name``.", readonly=True),
+                               ".owed>`: ``grad`` plus what the float16 cast owes ``name``.", readonly=True),
     "encode_half": PartAttribute("_exemption", "encode", "The float16 send of the tensors :meth:`sends_half` "
                                  "picked, fused: ``(flat float16 tensor, finite)``.", readonly=True),
     "_excluded": PartAttribute("_exemption", "excluded", readonly=True),
@@ -597,7 +598,7 @@ ROAD_SURFACE = {
                                            "after the exchange (:class:`~hvd_gradcomp.codecs.binding.HandedCheck`).",
                                            readonly=True),
 }
-for _name, _attr in ROAD_SURFACE.items():
+for _name, _attr in WRAPPER_SURFACE.items():
     setattr(GradientCompressor, _name, _attr)
 
 

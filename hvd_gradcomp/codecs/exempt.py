@@ -1,4 +1,4 @@
-"""Which tensors a compressor compresses, and how the exempt ones travel: the float16 road
+"""Which tensors a compressor compresses, and how the exempt ones travel: the float16 cast
 (:class:`Exemption`, a part of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`).
 
 Small tensors (biases, norms) and those ``exclude=`` matches go uncompressed; under ``exempt="fp16"``
@@ -26,7 +26,7 @@ EXEMPT_MODES = ("fp16", "fp32")
 class Exemption:
     """Which tensors a compressor leaves uncompressed by design, and how they travel: ``exclude`` (a
     regular expression of parameter names) and ``mode`` (``exempt=``: ``"fp16"`` or ``"fp32"``), with the
-    float16 road's own residuals (``half``, :class:`~hvd_gradcomp.feedback.HalfPrecision`: what the cast
+    float16 cast's own residuals (``half``, :class:`~hvd_gradcomp.feedback.HalfPrecision`: what the cast
     takes away, sent later).
 
     >>> e = Exemption(exclude=r"norm")
@@ -66,7 +66,7 @@ class Exemption:
         (``hvd_gradcomp.DistributedOptimizer`` takes its ``min_compress_numel`` instead), and it
         goes uncompressed in the dense allreduce; or its feedback policy asks for a dense step
         (:meth:`hvd_gradcomp.feedback.Feedback.dense`). Binds the policy to param groups added since
-        (``codec._follow_groups()``): every road asks this before it compresses a tensor.
+        (``codec._follow_groups()``): every driver asks this before it compresses a tensor.
 
         >>> from hvd_gradcomp.codecs.topk import TopK
         >>> c = TopK(exclude=r"embed|norm")
@@ -85,7 +85,7 @@ class Exemption:
         with error feedback of the cast): every float32 gradient that goes uncompressed, whether
         exempt by design (``small``: under the caller's ``min_compress_numel``; matched by
         ``exclude``) or for a while (a feedback policy's dense steps: ``feedback="frozen"``'s
-        warm-up), the latter only where the road sums the float16 values (``dense_steps``: stock
+        warm-up), the latter only where the wrapper sums the float16 values (``dense_steps``: stock
         Horovod's ``Average`` divides the float16 sum by the ranks once more, a rounding no residual
         keeps, and Adam, which scales every coordinate to the same step, made the small gradients'
         losses count: nanoGPT's recipe ended at 2.79 against 2.02 in float32).
@@ -114,7 +114,7 @@ class Exemption:
         return small or self.excluded(name) or (dense_steps and codec.feedback.dense(name))
 
     def owed(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` plus what the float16 road still owes ``name``, which then leaves the road."""
+        """``grad`` plus what the float16 cast still owes ``name``, which then leaves the cast's residuals."""
         if name not in self.half.residuals:
             return grad
         owed = self.half.residuals.pop(name)

@@ -10,7 +10,7 @@ import torch
 from .. import codecs, wire
 from . import kernels
 from .. import feedback as fb
-from .contract import _head_bytes
+from .interface import _head_bytes
 from .compressor import (DEFAULT_BUCKET, Encoded, GradientCompressor, PartAttribute, qsgd_ef_scale,
                          qsgd_variance_bound)
 from ..feedback import Feedback

@@ -139,7 +139,7 @@ def _check_class(name: str, cls: type) -> None:
     if declared is not None and declared != name:
         raise ValueError(f"{cls.__qualname__}.codec_name is {declared!r} but it is registered as {name!r}: "
                          f"set codec_name = {name!r} in the class (the roads and HVDGC_COMPRESSION use it)")
-    check = getattr(cls, "check_codec", None)   # the codec's methods and payload layout (codecs/contract.py)
+    check = getattr(cls, "check_codec", None)   # the codec's methods and payload layout (codecs/interface.py)
     if callable(check):
         check()
 

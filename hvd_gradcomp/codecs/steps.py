@@ -2,7 +2,7 @@
 
 Once an optimizer claims the compressor (:meth:`StepCounter.claim`), every exchange step can be
 undone: when an average is not finite (a loss scaler skips the step), every part with round state
-(the feedback policies, the float16 road, the step counts) returns to where the step began
+(the feedback policies, the float16 cast, the step counts) returns to where the step began
 (:meth:`~hvd_gradcomp.codecs.compressor.GradientCompressor.end_round` calls ``end_round(ok)`` on each).
 The step count travels in each payload's envelope. :func:`compressor_state` assembles a checkpoint from
 the parts, and :func:`_check_compressor_state` checks one before anything changes.
@@ -34,7 +34,7 @@ class StepCounter:
 
     def __init__(self, seed: Optional[int] = None) -> None:
         self.given_seed = seed   # None: torch's seed, read at first use (see seed)
-        self.stream = 0          # set to the rank by every road: ranks draw independent noise
+        self.stream = 0          # set to the rank by every wrapper: ranks draw independent noise
         self.steps: Dict[str, int] = {}
         self.undo: Optional[Dict[str, int]] = None   # step counts at the round's start (None: not tracked)
 
@@ -96,7 +96,7 @@ class Rounds:
         self.round = 0                               # exchange steps ended
         self.in_flight: set = set()                  # see exchange_opened
         self.round_ok = True
-        self.join_checked = False                    # this step checked hvd.join() (stock road)
+        self.join_checked = False                    # this step checked hvd.join() (stock Horovod)
         self.elastic_synced = False                  # hvd.elastic's sync set every rank's step (horovod/elastic.py)
 
     def add(self, part: Any) -> None:
@@ -232,7 +232,7 @@ def compressor_state(comp: Any) -> Dict[str, Any]:
 
 def shared_state(comp: Any) -> Dict[str, Any]:
     """``comp``'s state_dict() without this rank's own state (its residuals, the relay's and the float16
-    road's, the policy's :attr:`~hvd_gradcomp.feedback.Feedback.rank_own_state`), with the exchange step:
+    cast's, the policy's :attr:`~hvd_gradcomp.feedback.Feedback.rank_own_state`), with the exchange step:
     what every rank holds alike. After ``hvd.join()`` the ranks still training ran steps the others
     did not; the rank that trained last sends this and the others :func:`load_shared_state` it."""
     state = comp.state_dict()
@@ -322,7 +322,7 @@ def _check_compressor_state(comp: Any, state: Any) -> None:
         problems.append("'steps' is not a dict of ints")
     owed = state.get("half", {}).get("residuals") if isinstance(state.get("half", {}), dict) else None
     if owed and comp.exempt != "fp16":
-        problems.append(f"it holds the float16 road's residuals of {len(owed)} exempt tensors, this compressor "
+        problems.append(f"it holds the float16 cast's residuals of {len(owed)} exempt tensors, this compressor "
                         f"has exempt={comp.exempt!r} and would drop them (build it with exempt='fp16')")
     if problems:
         raise ValueError("cannot load this compressor state: " + "; ".join(problems) + ". Resume with the "

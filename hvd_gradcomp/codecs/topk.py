@@ -12,7 +12,7 @@ from . import kernels
 from .. import feedback as fb
 from .compressor import (DEFAULT_BUCKET, WARMUP_PACE_RATIO, Encoded, GradientCompressor, PartAttribute, Ratio,
                          SparsityWarmup, sparsity_warmup_steps)
-from .contract import _head_bytes
+from .interface import _head_bytes
 from ..feedback import Feedback
 from ..feedback.frozen import WHILE_DENSE, FrozenVariance
 from . import qsgd

@@ -7,8 +7,8 @@
 * :mod:`~hvd_gradcomp.collectives.transport`: one interface for a collective, on Horovod and on
   ``torch.distributed``;
 * :mod:`~hvd_gradcomp.collectives.inflight`, :mod:`~hvd_gradcomp.collectives.exchange`,
-  :mod:`~hvd_gradcomp.collectives.fused`: Horovod's roads, one per declared collective, and what they
+  :mod:`~hvd_gradcomp.collectives.fused`: Horovod's drivers, one per declared collective, and what they
   share (the tensor in flight, envelopes, step checks, the fused allgather).
 
-The DDP hook's roads are :mod:`hvd_gradcomp.ddp.roads`.
+The DDP hook's drivers are :mod:`hvd_gradcomp.ddp.exchanges`.
 """

@@ -1,6 +1,6 @@
 """Collectives: how each kind of payload crosses the network and comes back averaged.
 
-The roads, chosen by :func:`choose_exchange` from the compressor's declared ``collective``
+The exchanges, chosen by :func:`choose_exchange` from the compressor's declared ``collective``
 (:mod:`hvd_gradcomp.codecs`), never from its class:
 
 * :class:`DenseExchange`: Horovod's allreduce of the (optionally fp16-cast) tensor. Used
@@ -9,7 +9,7 @@ The roads, chosen by :func:`choose_exchange` from the compressor's declared ``co
   ``exclude=``d), fused, as float16 with error feedback of the cast (``exempt="fp16"``); what goes
   as float16 and how it comes back is :func:`~hvd_gradcomp.collectives.rounds.dense_fallback`'s.
 * :class:`FusedAllgatherExchange`: sparse payloads (TopK, TopKQSGD), several tensors' per
-  allgather (:class:`AllgatherExchange`: one each, the stock-Horovod road, driving
+  allgather (:class:`AllgatherExchange`: one each, stock Horovod's exchange, driving
   :func:`~hvd_gradcomp.collectives.rounds.sparse_allgather`). Every rank
   decodes all payloads in rank order and averages, so all ranks end with identical gradients.
 * :class:`RoundsExchange`: low-rank factors (PowerSGD) in two dependent allreduces of float32.
@@ -19,7 +19,7 @@ The roads, chosen by :func:`choose_exchange` from the compressor's declared ``co
   chunk. The bytes a rank sends stay about (1 + 1/P) x its payload, whatever P is.
 
 Each exchange has two phases: ``start`` (at the gradient hook, overlapping backward) and
-``finish`` (in ``synchronize``); the QSGD road has a middle phase ``advance`` that launches
+``finish`` (in ``synchronize``); the QSGD exchange has a middle phase ``advance`` that launches
 the allgather once the alltoall is done. ``bytes_sent`` counts the bytes handed to Horovod.
 
 Every payload travels behind an envelope, the tensor in flight is a :class:`Pending`: see
@@ -37,7 +37,7 @@ from .. import codecs
 from ..codecs.compressor import GradientCompressor
 from .fused import FusedAllgatherExchange, encode_carried
 from .inflight import ENVELOPE_BYTES, Envelope, Pending, _begin, _confirm, _hvd, check_steps, is_average, seal, unseal
-from .inflight import RankDivergenceError as RankDivergenceError  # raised on every road; documented here
+from .inflight import RankDivergenceError as RankDivergenceError  # raised by every exchange; documented here
 from .reduce import chunk_bounds, finite_at_indices, own_dense, sparse_support
 from .rounds import Algorithm, Allreduce, Payloads, compressed_allreduce, low_rank_rounds, sparse_allgather
 from .rounds import finish as finish_rounds
@@ -131,15 +131,15 @@ class SparseExchange:
 
 
 class JoinNotSupportedError(RuntimeError):
-    """A rank called ``hvd.join()`` while others still exchange compressed gradients, on a road that
+    """A rank called ``hvd.join()`` while others still exchange compressed gradients, on an exchange that
     cannot carry them then (stock ``hvd.DistributedOptimizer``, ``gc.Auto``)."""
 
 
-def _join_error(size: int, active: int, road: str = "stock") -> JoinNotSupportedError:
+def _join_error(size: int, active: int, wrapper: str = "stock") -> JoinNotSupportedError:
     what = ("gc.Auto measures and decides with allgathers and broadcasts, which Horovod refuses while a rank "
             "is inside hvd.join(): give hvd_gradcomp.DistributedOptimizer a fixed compressor (e.g. "
             "TopKQSGD(ratio=0.01, bits=8)), which carries the steps after a join densely among the ranks "
-            "still training" if road == "auto" else
+            "still training" if wrapper == "auto" else
             "stock hvd.DistributedOptimizer hands Horovod compressed payloads by allgather, which Horovod "
             "refuses while a rank is inside hvd.join(): use hvd_gradcomp.DistributedOptimizer (same "
             "arguments), which carries the steps after a join densely among the ranks still training, then "
@@ -153,10 +153,10 @@ def _join_error(size: int, active: int, road: str = "stock") -> JoinNotSupported
 def check_no_joined_ranks(process_set: Any) -> None:
     """Raise :class:`JoinNotSupportedError` if a rank of ``process_set`` is inside ``hvd.join()``.
 
-    Stock Horovod's road allgathers each payload, which Horovod refuses while a rank has joined
+    Stock Horovod's exchange allgathers each payload, which Horovod refuses while a rank has joined
     ("Allgather is not supported with Join at this time", a ``HorovodInternalError``). A joined rank
     adds zero to an allreduce, so one allreduce of a 1 per rank counts the ranks still training.
-    Blocking: the stock road's check; ``hvd_gradcomp.DistributedOptimizer`` uses :class:`JoinGuard`.
+    Blocking: stock Horovod's check; ``hvd_gradcomp.DistributedOptimizer`` uses :class:`JoinGuard`.
     """
     hvd = _hvd()
     size = process_set.size()
@@ -174,9 +174,9 @@ class JoinGuard:
     the first call of a step does anything) starts the count as an asynchronous allreduce of a 1
     per rank (a joined rank adds zero); :meth:`joined` (just before a step's collective is handed to
     Horovod) reads it, by then usually long done; :meth:`end_step` (at ``synchronize()``) arms it
-    for the next step. Every rank still training reads the same count, so all take the same road.
+    for the next step. Every rank still training reads the same count, so all take the same exchange.
 
-    When some rank has joined, ``hvd_gradcomp.DistributedOptimizer``'s roads carry each rank's part
+    When some rank has joined, ``hvd_gradcomp.DistributedOptimizer``'s exchanges carry each rank's part
     dense in an allreduce (Sum, divided by the ranks counted): no allgather or alltoall is issued.
     ``falls_back=False`` (``gc.Auto``) raises :class:`JoinNotSupportedError` instead, before any
     allgather, never a hang or a crash. ``counts=False`` (no compressor: Horovod's own allreduces,
@@ -228,7 +228,7 @@ class JoinGuard:
 
 class AllgatherExchange:
     """The sparse allgather (:func:`~hvd_gradcomp.collectives.rounds.sparse_allgather`) of one tensor
-    on Horovod, its payload behind an envelope (the stock-Horovod road): ``start`` encodes and
+    on Horovod, its payload behind an envelope (stock Horovod's exchange): ``start`` encodes and
     launches the allgather, ``finish`` decodes every rank's payload in rank order and sums."""
 
     join_guard: Optional[JoinGuard] = None   # checked before the allgather (see choose_exchange)
@@ -251,7 +251,7 @@ class AllgatherExchange:
         pass
 
     def progress(self, p: Pending) -> None:
-        """Nothing early: this road's caller (Horovod's ``decompress``) finishes each tensor at once."""
+        """Nothing early: this exchange's caller (Horovod's ``decompress``) finishes each tensor at once."""
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         payloads = payloads_of(self.compressor, unseal(_hvd().synchronize(p.handle)), self.process_set.size(), p.name)
@@ -292,7 +292,7 @@ def finish_joined(p: Pending, out: torch.Tensor, average: bool) -> None:
 
 
 class _TwoCollectives:
-    """A road of two dependent collectives, the second launched by ``advance`` once the first is done."""
+    """An exchange of two dependent collectives, the second launched by ``advance`` once the first is done."""
 
     join_guard: Optional[JoinGuard] = None   # checked before the first (see choose_exchange)
     two_stage = True
@@ -526,14 +526,15 @@ def choose_exchange(compression: Any, op: Any, process_set: Any, join_guard: Opt
                          f"this exchange cannot carry (known: {', '.join(codecs.COLLECTIVES)}; see hvd_gradcomp.codecs)")
     else:
         exchange = TimedExchange(DenseExchange(op, process_set, compression))
-    for road in _roads(exchange):
-        if hasattr(road, "join_guard"):
-            road.join_guard = join_guard
+    for inner in _inner_exchanges(exchange):
+        if hasattr(inner, "join_guard"):
+            inner.join_guard = join_guard
     return exchange
 
 
-def _roads(exchange: Any) -> List[Any]:
-    """The exchanges doing the work under wrappers (:class:`TimedExchange`, Auto's router)."""
+def _inner_exchanges(exchange: Any) -> List[Any]:
+    """The exchanges doing the work under the layers that time or route them (:class:`TimedExchange`,
+    Auto's router)."""
     if hasattr(exchange, "exchanges"):
-        return [r for e in exchange.exchanges.values() for r in _roads(e)]
-    return _roads(exchange.inner) if hasattr(exchange, "inner") else [exchange]
+        return [r for e in exchange.exchanges.values() for r in _inner_exchanges(e)]
+    return _inner_exchanges(exchange.inner) if hasattr(exchange, "inner") else [exchange]

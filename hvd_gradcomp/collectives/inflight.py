@@ -1,4 +1,4 @@
-"""What every Horovod road shares: the tensor in flight (:class:`Pending`, with what the roads
+"""What every Horovod driver shares: the tensor in flight (:class:`Pending`, with what the exchanges
 and their callers note on it), the envelope around each payload, the step check.
 
 Every payload travels behind a 16-byte envelope (:func:`seal`, not part of the codec's wire
@@ -12,7 +12,7 @@ format) carrying what the exchange needs besides the codec's bytes:
   rank and every rank's scaler skips the same step (the codec raised FloatingPointError
   before touching the residual or the random stream).
 
-The fused allgather road carries the same two fields in each rank's group index instead (one
+The fused allgather exchange carries the same two fields in each rank's group index instead (one
 step per rank's part, one non-finite flag per tensor; see :class:`hvd_gradcomp.collectives.fused.FusedAllgatherExchange`).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .reduce import Parts
 
 @dataclass
 class Pending:
-    """One tensor in flight, with what its road and its callers note on it as it goes."""
+    """One tensor in flight, with what its exchange and its callers note on it as it goes."""
 
     name: str
     shape: torch.Size
@@ -43,15 +43,15 @@ class Pending:
     framing_bytes: int = 0
     stage: int = 1
     finished: bool = False
-    # p.grad, final for this step (optimizer._start): a road may write the average there early
+    # p.grad, final for this step (optimizer._start): an exchange may write the average there early
     out: Optional[torch.Tensor] = None
     # where the gradient lives (FusedAllgatherExchange.start, TimedExchange.start)
     device: torch.device = torch.device("cpu")
     # its fusion group, a _Group (FusedAllgatherExchange.start); the group lets go of it once decoded
     group: Any = None
-    # this rank's sparse part as its encoder carried it or _prepare decoded it (the allgather roads), taken by the decode
+    # this rank's sparse part as its encoder carried it or _prepare decoded it (the allgather exchanges), taken by the decode
     own: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-    # every rank's decoded part, in rank order (the allgather roads' decode), taken by finish
+    # every rank's decoded part, in rank order (the allgather exchanges' decode), taken by finish
     parts: Optional[Parts] = None
     # out zeroed before the wait (FusedAllgatherExchange.before_wait), taken by the decode
     zeroed: bool = False
@@ -61,7 +61,7 @@ class Pending:
     summed: bool = False
     # ... and the feedback policy received it (FusedAllgatherExchange._decode)
     received: bool = False
-    # whether the average is finite, read at the parts' indices (the allgather roads); None: not known
+    # whether the average is finite, read at the parts' indices (the allgather exchanges); None: not known
     finite: Optional[torch.Tensor] = None
     # codec seconds spent on it (TimedExchange; _charge for a fused group's decode run elsewhere)
     codec_s: float = 0.0
@@ -73,7 +73,7 @@ class Pending:
     road: Optional[str] = None
     payload_bytes: int = 0
     itemsize: int = 0
-    # hvd.join(): the ranks that contributed to this step when fewer than all (0: all). The road then
+    # hvd.join(): the ranks that contributed to this step when fewer than all (0: all). The exchange then
     # carries this rank's part dense in one allreduce (Sum), and the average divides by them.
     joined: int = 0
 

@@ -1,7 +1,7 @@
 """Reducing every rank's payloads once they arrived: decode them in rank order and sum them, the
 same additions in the same order on every rank, so every rank gets the same bits. Generic: no
 Horovod, no ``torch.distributed``; the Horovod exchanges (:mod:`hvd_gradcomp.collectives.exchange`) and the
-DDP hook's roads (:mod:`hvd_gradcomp.ddp`) both reduce with these.
+DDP hook's drivers (:mod:`hvd_gradcomp.ddp`) both reduce with these.
 """
 from __future__ import annotations
 

@@ -3,29 +3,29 @@
 An algorithm here knows the codec and the order of its collectives, not how they travel: it
 *yields* each collective it needs (a request: :class:`Allreduce`, :class:`Scatter`,
 :class:`Gather`, or several issued at once, :class:`Together`) and is *sent* the result. A driver issues each request on its transport
-(Horovod's handles, or ``torch.distributed``'s futures) at the moment its own road allows, in
+(Horovod's handles, or ``torch.distributed``'s futures) at the moment its own wrapper allows, in
 its own framing (Horovod's envelopes; DDP's equal-sized collectives after a flag per rank), and
 sends the result back; :func:`finish` sends the last one.
 
 * :func:`low_rank_rounds`, PowerSGD's two dependent allreduces, driven by
   :class:`hvd_gradcomp.collectives.exchange.RoundsExchange` (one tensor, ``start`` / ``advance`` /
-  ``finish``) and :func:`hvd_gradcomp.ddp.roads._rounds` (a DDP bucket's matrices, the second
+  ``finish``) and :func:`hvd_gradcomp.ddp.exchanges._rounds` (a DDP bucket's matrices, the second
   request issued in bucket order on the hook's second process group);
 * :func:`compressed_allreduce`, QSGD's scatter-reduce (alltoall of quantised chunks, each rank
   reduces and re-quantises its chunk, allgather), driven by
   :class:`hvd_gradcomp.collectives.exchange.ScatterReduceExchange` and
-  :func:`hvd_gradcomp.ddp.roads._scatter_reduce`;
+  :func:`hvd_gradcomp.ddp.exchanges._scatter_reduce`;
 * :func:`sparse_allgather`, the sparse (and dense-payload) allgather: every rank's payload to every
   rank, decoded in rank order (this rank's own part as its encoder carried it) and summed, driven
   by :class:`hvd_gradcomp.collectives.exchange.AllgatherExchange` (stock Horovod, one tensor) and
-  :func:`hvd_gradcomp.ddp.roads._allgather` (a DDP bucket, in one padded gather).
+  :func:`hvd_gradcomp.ddp.exchanges._allgather` (a DDP bucket, in one padded gather).
   :class:`hvd_gradcomp.collectives.fused.FusedAllgatherExchange` pipelines the same steps with
   backward (its decode starts as each group lands) and so keeps a driver of its own;
 * :func:`dense_fallback`, what a step does not compress (small, excluded, a dtype the wire cannot
   carry, a feedback policy's dense step): the policy told of each, the float16 ones fused and
   summed with error feedback of the cast, the rest fused per dtype and averaged, then written back;
   driven by ``hvd_gradcomp.DistributedOptimizer``'s fused small tensors, stock Horovod's
-  ``compress``/``decompress`` (one tensor) and :func:`hvd_gradcomp.ddp.roads._start_dense`.
+  ``compress``/``decompress`` (one tensor) and :func:`hvd_gradcomp.ddp.exchanges._start_dense`.
 
 So each choreography (P averaged, orthogonalised, Q computed from it...; chunks decoded, summed,
 re-quantised, gathered...; which tensors go as float16, and how their average comes back) exists once. Nothing here imports Horovod or ``torch.distributed``.
@@ -62,7 +62,7 @@ from .reduce import Parts, chunk_bounds, decode_flagged, sum_parts
 class Allreduce:
     """A request to the transport: ``tensor`` summed over the ranks (one allreduce), divided by their
     number when ``average``. ``tag`` names the round (Horovod matches collectives by name; the
-    driver prefixes it). ``raw_bytes``: the gradient bytes it stands for, for the road's byte
+    driver prefixes it). ``raw_bytes``: the gradient bytes it stands for, for the driver's byte
     ledger (:class:`~hvd_gradcomp.stats.ByteStats`); 0 where the driver counts its own."""
 
     tensor: torch.Tensor

@@ -3,7 +3,7 @@ exchange (Li and Hoefler, PPoPP 2022), written once as a generator beside
 :mod:`hvd_gradcomp.collectives.rounds`' algorithms (it yields :class:`~hvd_gradcomp.collectives.rounds.Scatter`
 and :class:`~hvd_gradcomp.collectives.rounds.Gather`, nothing new for a driver to implement).
 
-Today's sparse road allgathers every rank's top-k payload: each rank forwards (P-1) payloads,
+Today's sparse exchange allgathers every rank's top-k payload: each rank forwards (P-1) payloads,
 so past a few hundred ranks it moves more bytes than a dense allreduce. Here the index space is
 cut into P *regions*, one per rank (its *owner*):
 
@@ -41,7 +41,7 @@ pairs of a small tensor). Bytes each rank sends (a ring allgather forwards every
 
 against (P - 1) times a top-k payload for the allgather
 (:func:`hvd_gradcomp.auto.policy.sparse_allreduce_bytes` models it). A driver's own framing
-(Horovod's envelopes, DDP's split sizes) comes on top, as for every road.
+(Horovod's envelopes, DDP's split sizes) comes on top, as for every exchange.
 
 **Region bounds** start equal (:func:`~hvd_gradcomp.collectives.reduce.chunk_bounds`); a
 :class:`Balancer` moves them every few steps to the quantiles of the indices the global selection
@@ -58,25 +58,25 @@ that rank's residual, so no gradient is lost: with classic error feedback, summe
 whose sent value is the accumulated one; to float32 rounding for TopKQSGD). Done by
 :func:`return_to_residual` on the policy's :class:`~hvd_gradcomp.feedback.ResidualStore` (every
 :class:`~hvd_gradcomp.feedback.ErrorFeedback` policy keeps ``acc - sent`` there); ``feedback="none"``
-keeps no residual, and what it drops is lost, as on its other roads. ``MomentumCorrection`` with
+keeps no residual, and what it drops is lost, as on its other exchanges. ``MomentumCorrection`` with
 its masking cleared the velocity of every coordinate it sent, dropped ones too (their value stays
 in the residual). A driver then hands the average to
 :meth:`~hvd_gradcomp.codecs.compressor.GradientCompressor.received` with the support this
 algorithm returns (the kept indices); inside an optimizer, a step whose result is non-finite
-puts the previous residuals back (``end_round(keep=False)``), as on every road.
+puts the previous residuals back (``end_round(keep=False)``), as on every exchange.
 
 **Non-finite.** A rank whose gradient holds NaN/Inf sends every owner the flag ``None`` (the codec
 raised before touching its residual, as :func:`~hvd_gradcomp.collectives.inflight.encode_or_flag`
-does on every road); an owner that received a flag, or whose sum overflows, sends ``None``, and
+does on every exchange); an owner that received a flag, or whose sum overflows, sends ``None``, and
 every rank writes NaN over that owner's region: the same non-finite result on every rank, so every
 loss scaler skips the step; the pairs a rank sent into such a region go back to its residual.
 ``flags=False`` (a driver that checked its inputs, DDP's): an overflowing sum raises
 ``FloatingPointError``.
 
-**Drivers still to come:** no Horovod or DDP road issues this algorithm yet. A Horovod driver
+**Drivers still to come:** no Horovod or DDP driver issues this algorithm yet. A Horovod driver
 (beside :class:`~hvd_gradcomp.collectives.exchange.ScatterReduceExchange`) carries the Scatter as
-``hvd.alltoall`` with splits and the Gather as ``hvd.allgather``, behind its envelopes; a DDP road
-(beside :func:`hvd_gradcomp.ddp.roads._scatter_reduce`) as ``all_to_all_single`` after an exchange
+``hvd.alltoall`` with splits and the Gather as ``hvd.allgather``, behind its envelopes; a DDP driver
+(beside :func:`hvd_gradcomp.ddp.exchanges._scatter_reduce`) as ``all_to_all_single`` after an exchange
 of sizes, and a padded ``all_gather_into_tensor``. :func:`hvd_gradcomp.collectives.simulate.simulate`
 drives it in one process meanwhile.
 """

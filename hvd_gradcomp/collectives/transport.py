@@ -4,16 +4,16 @@ An exchange algorithm (:mod:`hvd_gradcomp.collectives.rounds`) asks for collecti
 carries them; a driver hands each request to a :class:`Transport`:
 
 * :class:`HorovodTransport`: Horovod's asynchronous collectives on a process set, matched
-  across ranks by name (``hvd_gradcomp.DistributedOptimizer``'s roads);
+  across ranks by name (``hvd_gradcomp.DistributedOptimizer``'s drivers);
 * :class:`TorchTransport`: ``torch.distributed`` on a process group (Gloo, NCCL, MPI), matched
-  by issue order (the DDP hook's roads).
+  by issue order (the DDP hook's drivers).
 
 Both return a :class:`Work`: ``done()`` never blocks, ``wait()`` blocks and returns the result.
 A ``TorchTransport`` work also has ``future``, for drivers that chain callbacks on it.
 
 Both also carry :class:`hvd_gradcomp.Auto`'s blocking collectives (:class:`Control`): the mean of
 its measurements, rank 0's decisions broadcast, and the link probe's timed allreduce and
-allgather, so its decision logic is the same on every road.
+allgather, so its decision logic is the same under every wrapper.
 
 Example (one process, Gloo)::
 
@@ -166,7 +166,7 @@ class TorchTransport:
     size = property(lambda self: self.world_size)
 
     @cached_property
-    def rank(self) -> int:   # asked once per use, not at construction: the roads build one per bucket
+    def rank(self) -> int:   # asked once per use, not at construction: the DDP drivers build one per bucket
         import torch.distributed as dist
         return dist.get_rank(self.group)
 

@@ -27,7 +27,7 @@ How each bucket travels (``torch.distributed`` collectives only, so Gloo, NCCL a
   rank order, so every rank ends with bit-identical gradients;
 * PowerSGD: two ``all_reduce`` rounds of float32 factors (``P``, then ``Q`` from the averaged
   ``P``), as torch's PowerSGD hook, with each parameter's residual and ``Q`` kept by its name;
-* QSGD: the compressed allreduce of the Horovod road: each parameter is quantised in P
+* QSGD: the compressed allreduce of the Horovod wrappers: each parameter is quantised in P
   chunks, ``all_to_all_single`` sends chunk i to rank i, rank i averages and re-quantises it
   (with its own error feedback) and an ``all_gather`` returns every chunk;
 * dense: parameters smaller than ``min_compress_numel`` and dtypes the codecs do not carry
@@ -36,7 +36,7 @@ How each bucket travels (``torch.distributed`` collectives only, so Gloo, NCCL a
   ``exempt="fp16"``), as are whole buckets before ``start_compress_iter`` and with
   ``compression=None``; ``compression=torch.float16`` casts like torch's fp16 hook.
 * ``compression=gc.Auto()``: each bucket takes the road that costs least, measured while
-  training runs (sparse, QSGD, fp16 or dense; see :class:`_AutoRoads` and docs/AUTO.md), the
+  training runs (sparse, QSGD, fp16 or dense; see :class:`_AutoExchange` and docs/AUTO.md), the
   same on every rank; ``state.auto_report()`` says which and why.
 
 The hook returns a future and never waits: second-round collectives are chained on the
@@ -53,8 +53,8 @@ The package's modules:
 * :mod:`~hvd_gradcomp.ddp.state`: :class:`GradCompState`, the hook's state, built of its parts:
   :mod:`~hvd_gradcomp.ddp.plans` (each bucket's layout) and :mod:`~hvd_gradcomp.ddp.handoff` (what the
   exchange owes the optimizer when it steps); :mod:`~hvd_gradcomp.ddp.policy`: its feedback policy;
-* :mod:`~hvd_gradcomp.ddp.roads`: how a bucket travels on ``torch.distributed``, one road per declared
-  collective; :mod:`~hvd_gradcomp.ddp.auto`: Auto's road per bucket;
+* :mod:`~hvd_gradcomp.ddp.exchanges`: the drivers, how a bucket travels on ``torch.distributed``, one
+  per declared collective; :mod:`~hvd_gradcomp.ddp.auto`: Auto's road per bucket;
 * :mod:`~hvd_gradcomp.ddp.env`: :func:`compression_from_env` and the warning about ``HVDGC_*`` settings
   the script did not read;
 * :mod:`~hvd_gradcomp.ddp.accumulate`: :class:`GradientAccumulator` (the one of

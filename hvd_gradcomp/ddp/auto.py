@@ -1,5 +1,5 @@
 """The DDP hook's side of :class:`hvd_gradcomp.Auto`: a road per bucket, measured while training
-runs (sparse, QSGD, fp16 or dense), the same on every rank; see :class:`_AutoRoads` and docs/AUTO.md.
+runs (sparse, QSGD, fp16 or dense), the same on every rank; see :class:`_AutoExchange` and docs/AUTO.md.
 """
 import threading
 import time
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..feedback import kernels
 from ..auto import Auto
 from ..codecs.compressor import GradientCompressor, payload_size
-from .roads import Future, State, _allgather, _allreduce, _Plan, _scatter_reduce, _Segment, _then, _when_all
+from .exchanges import Future, State, _allgather, _allreduce, _Plan, _scatter_reduce, _Segment, _then, _when_all
 from ..auto.policy import DENSE, FP16, QSGD_AR, SPARSE
 from ..collectives.transport import TorchTransport
 
@@ -23,7 +23,7 @@ class _RoadView:
     times the road's codec work for Auto: what runs in the hook (encode), in the second round's
     launch (QSGD's reduce and re-quantisation) and in the decode, and sums the bytes sent.
 
-    Why a view: the road functions (:func:`_allgather`, :func:`_scatter_reduce`) take their
+    Why a view: the drivers (:func:`_allgather`, :func:`_scatter_reduce`) take their
     compressor from the state; a view lets Auto reuse them unchanged, one road per bucket.
     """
 
@@ -64,7 +64,7 @@ class _RoadView:
                 object.__setattr__(self, "inline_s", self.inline_s + dt)
 
     def time_call(self, fn: Callable[..., Future], *args: Any) -> Future:
-        """``fn(self, *args)`` (a road function), its own time in the hook added to ``codec_s``."""
+        """``fn(self, *args)`` (a driver), its own time in the hook added to ``codec_s``."""
         t0 = self._clock()
         fut = fn(self, *args)
         hook_s = self._clock() - t0 - self.inline_s
@@ -92,7 +92,7 @@ def _bucket_key(plan: _Plan) -> str:
     return KEY_SEP.join(s.name for s in plan.compressed)
 
 
-class _AutoRoads:
+class _AutoExchange:
     """The hook's side of :class:`hvd_gradcomp.Auto`: a road per bucket (its compressed
     parameters; the small ones always go dense), decided by Auto from measured codec seconds,
     payload bytes and the probed link, the same on every rank (measurements averaged over the

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ..feedback import kernels
-from .roads import _Segment
+from .exchanges import _Segment
 
 StepArgs = Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]
 
@@ -42,7 +42,7 @@ class DeferredUpdates:
             compression.received(name, avg, support)
             return
         # The average is an update *direction* (FrozenVariance: momentum or gradient / sqrt(v)), not a gradient:
-        # kept apart until the step, and zeros go to p.grad, as on the Horovod road. Left in p.grad,
+        # kept apart until the step, and zeros go to p.grad, as under the Horovod wrappers. Left in p.grad,
         # a clip_grad_norm_(model.parameters(), 1.0) before opt.step() saw its norm (far above a
         # gradient's) and shortened every step by as much. A non-finite average stays in p.grad,
         # where the optimizer meets it.
@@ -65,7 +65,7 @@ class DeferredUpdates:
 class UnusedGradients:
     """A compressed parameter that DDP left without a gradient (unused by every rank in this step's
     forward, with ``find_unused_parameters=True``) gets its exchange's average as its gradient before the
-    optimizer steps, as the Horovod road gives one to every parameter.
+    optimizer steps, as the Horovod wrappers give one to every parameter.
 
     Why: the hook ran its error-feedback policy on the zeros DDP put in the bucket (the residual and DGC's
     velocity moved on, what they owed was sent and averaged), and momentum correction rewrote the average
@@ -107,7 +107,7 @@ class UnusedGradients:
                 warnings.warn(
                     f"hvd_gradcomp DDP hook: parameter {name!r} got no gradient from DDP in this step (unused by "
                     "every rank's forward); its compressed exchange still carried what error feedback owed it, "
-                    "so that average is set as its gradient and the optimizer steps it, as on the Horovod road "
+                    "so that average is set as its gradient and the optimizer steps it, as under the Horovod wrappers "
                     f"(said once). To keep such a parameter out of compression: exclude=r'^{re.escape(name)}$'.",
                     RuntimeWarning, stacklevel=5)   # the user's opt.step(), past torch's step wrapper
 

@@ -1,4 +1,4 @@
-"""The DDP communication hook (:func:`gradcomp_hook`): each bucket goes its road (:mod:`hvd_gradcomp.ddp.roads`),
+"""The DDP communication hook (:func:`gradcomp_hook`): each bucket goes its exchange (:mod:`hvd_gradcomp.ddp.exchanges`),
 or waits for the step's last one under ``clip=``; and :func:`register`, which builds the
 :class:`~hvd_gradcomp.ddp.state.GradCompState` and registers the hook on a DDP model.
 """
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, clips_whole_step
 from . import join
-from .roads import _ROADS, Future, _allreduce, _dense_bucket
+from .exchanges import _EXCHANGES, Future, _allreduce, _dense_bucket
 from ..codecs.topk import TopKQSGD
 from .state import DENSE_DTYPES, GradCompState, _STATES, _check_compression, torch_optimizer
 from .env import _warn_unread_settings
@@ -44,7 +44,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
 def _held_until_last(state: GradCompState, bucket: dist.GradBucket) -> Future:
     """``clip=``: every bucket of the step waits for the last one; then this rank's whole gradient is
     clipped to one global norm (:meth:`GradientCompressor.clip_local`, every tensor, compressed or
-    not) and each bucket goes its road, in index order. The exchanges start once backward is over."""
+    not) and each bucket goes its exchange, in index order. The exchanges start once backward is over."""
     result: Future = Future()
     if bucket.index() == 0:
         state._held = []   # a new backward pass: nothing left of one that raised before its last bucket
@@ -74,7 +74,7 @@ def _hook_now(state: GradCompState, bucket: dist.GradBucket) -> Future:
     step = state.iter
     if bucket.is_last():  # DDP launches buckets in index order: the last one closes the exchange
         state.iter += 1
-        with state._lock:   # the roads' callbacks record into the ledger from other threads
+        with state._lock:   # the drivers' callbacks record into the ledger from other threads
             state.comm_stats.end_step(state.iter)
     comp = state.compression
     if state.auto is not None and step >= state.start_compress_iter:
@@ -84,7 +84,7 @@ def _hook_now(state: GradCompState, bucket: dist.GradBucket) -> Future:
     plan = state._plan(bucket)
     if not plan.compressed:
         return _dense_bucket(state, buffer, plan, step)
-    return _ROADS[comp.collective](state, buffer, plan, step)
+    return _EXCHANGES[comp.collective](state, buffer, plan, step)
 
 
 # ---------------------------------------------------------------- registration

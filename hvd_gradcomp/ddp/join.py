@@ -2,7 +2,7 @@
 
 Inside ``with model.join():`` a rank that ran out of batches shadows the others: for every backward
 pass they still run, DDP's join hook calls the comm hook with zero-filled buckets
-(``_match_all_reduce_for_bwd_pass``) and discards what comes back. The compressed roads cannot run
+(``_match_all_reduce_for_bwd_pass``) and discards what comes back. The compressed exchanges cannot run
 so: a joined rank would encode its residual as a gradient and move its feedback state, and the
 sparse payloads' sizes would disagree. So, while ``model.join()`` is active (:func:`install`, called by
 :func:`hvd_gradcomp.ddp.register`):
@@ -36,7 +36,7 @@ from ..collectives.reduce import own_dense
 from ..collectives.rounds import finish as finish_rounds
 from ..collectives.rounds import low_rank_rounds
 from ..feedback import kernels
-from .roads import Future, _then
+from .exchanges import Future, _then
 
 State = Any   # hvd_gradcomp.ddp.GradCompState (this module is imported by it)
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .. import wire
-from .roads import _Plan, _Segment
+from .exchanges import _Plan, _Segment
 
 
 class BucketPlans:

@@ -1,6 +1,6 @@
 """The feedback policy of the DDP hook's compressor (:func:`choose_feedback`): checked against what the hook
 can run (:func:`hvd_gradcomp.feedback.registry.check_hook_policy`) and the optimizer it was given, then chosen
-as on the Horovod roads, by the compressor's public :meth:`attach` (which asks
+as under the Horovod wrappers, by the compressor's public :meth:`attach` (which asks
 :func:`hvd_gradcomp.feedback.choose`): one place chooses, for every wrapper.
 """
 from typing import Any, Dict, List, Optional
@@ -47,7 +47,7 @@ def choose_feedback(comp: Any, optimizer: Optional[torch.optim.Optimizer], names
     if not any(p in names for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("the optimizer steps none of the wrapped module's parameters: pass the optimizer "
                          "built on this model's parameters")
-    comp.attach(optimizer, names, rank)   # as on the Horovod roads: feedback.choose, bound, said on rank 0
+    comp.attach(optimizer, names, rank)   # as under the Horovod wrappers: feedback.choose, bound, said on rank 0
 
 
 def _refuse_without_optimizer(comp: Any) -> None:

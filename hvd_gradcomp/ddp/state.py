@@ -1,7 +1,7 @@
 """The DDP hook's state (:class:`GradCompState`): its settings, the compressor bound to the model's
 parameter names and to the optimizer, counters and the byte ledger. It is built of parts it owns: the
 bucket layouts (:class:`~hvd_gradcomp.ddp.plans.BucketPlans`), what the exchange owes the optimizer when it
-steps (:class:`~hvd_gradcomp.ddp.handoff.StepHandOff`), Auto's roads (:class:`~hvd_gradcomp.ddp.auto._AutoRoads`);
+steps (:class:`~hvd_gradcomp.ddp.handoff.StepHandOff`), Auto's roads (:class:`~hvd_gradcomp.ddp.auto._AutoExchange`);
 the feedback policy is chosen by :func:`hvd_gradcomp.ddp.policy.choose_feedback`, checkpoints are
 :mod:`hvd_gradcomp.ddp.checkpoint`'s.
 """
@@ -18,11 +18,11 @@ from ..feedback.names import name_map
 from ..feedback.registry import HOOK_POLICIES  # noqa: F401  (hvd_gradcomp.ddp.HOOK_POLICIES)
 from ..stats import ByteStats
 from . import checkpoint
-from .auto import _AutoRoads
+from .auto import _AutoExchange
 from .handoff import StepHandOff
 from .plans import BucketPlans
 from .policy import choose_feedback
-from .roads import _KEEP_ALIVE, _ROADS, Future, _InOrder, _Plan, _Segment
+from .exchanges import _KEEP_ALIVE, _EXCHANGES, Future, _InOrder, _Plan, _Segment
 
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16)
@@ -50,7 +50,7 @@ class GradCompState:
         min_compress_numel: parameters with fewer elements are averaged uncompressed.
         optimizer: the optimizer that steps the wrapped module's parameters. With a compressor
             whose ``feedback`` is ``"auto"`` (the default) it picks the feedback policy, as the
-            Horovod road does: DGC momentum correction for ``SGD(momentum > 0)`` (each rank sends
+            Horovod wrappers do: DGC momentum correction for ``SGD(momentum > 0)`` (each rank sends
             its own velocity through error feedback, so nothing it drops loses its momentum),
             ``"frozen"`` (:class:`hvd_gradcomp.FrozenVariance`: a dense warm-up, then Adam's second
             moment frozen and each rank's update direction through error feedback) for ``Adam``/``AdamW``,
@@ -103,16 +103,16 @@ class GradCompState:
         self.min_compress_numel = max(min_compress_numel, self.world_size)  # QSGD chunks are never empty
         self._lock = threading.Lock()   # the compressor is used from the hook and callback threads
         self._names: Dict[torch.Tensor, str] = {}
-        self.auto: Optional["_AutoRoads"] = None
+        self.auto: Optional["_AutoExchange"] = None
         ours = isinstance(compression, (GradientCompressor, Auto))
         if ours:
             self._names = _claim(compression, named_parameters)
             if isinstance(compression, Auto):
-                self.auto = _AutoRoads(self, compression)
+                self.auto = _AutoExchange(self, compression)
                 compression.note_optimizer(optimizer, self.rank)
             else:
                 compression.stream = self.rank  # independent rounding noise on every rank
-                compression.road_clips = True   # clip=: the hook clips the whole step (see _held_until_last)
+                compression.whole_step_clipped = True   # clip=: the hook clips the whole step (see _held_until_last)
                 choose_feedback(compression, optimizer, self._names, self.rank)
         self._plans = BucketPlans(self._names, self.rank)
         self._handoff = StepHandOff(compression, {n: p for p, n in self._names.items()}, self._lock, self.rank)
@@ -141,7 +141,7 @@ class GradCompState:
         return self.comm_stats.at(self.iter - 1).sent
 
     def _record(self, step: int, name: str, raw: int, payload: int, framing: int = 0) -> None:
-        """Where the hook's roads count bytes (:class:`~hvd_gradcomp.stats.ByteStats`), as each hands
+        """Where the hook's drivers count bytes (:class:`~hvd_gradcomp.stats.ByteStats`), as each hands
         them to a collective; ``step``: the exchange they belong to (callbacks finish asynchronously)."""
         with self._lock:
             self.comm_stats.record(name, raw, payload, framing, step=step)
@@ -172,7 +172,7 @@ class GradCompState:
         feedback, with a warning (:func:`hvd_gradcomp.ddp.checkpoint.load_state_dict`)."""
         checkpoint.load_state_dict(self, state)
 
-    # ------------------------------------------------------------ what the roads call
+    # ------------------------------------------------------------ what the drivers call
     # Methods, not the parts' own, so that Auto's view of the state (ddp.auto._RoadView) runs them with
     # its road's compressor as self.compression.
     def _plan(self, bucket: dist.GradBucket) -> _Plan:
@@ -192,7 +192,7 @@ class GradCompState:
     def _then_in_order(self, deps: List[Future], launch: Callable[[], Optional[Tuple[Future, Callable]]],
                        result: Future, buffer: torch.Tensor, finish_dense: Callable[[], None]) -> None:
         """Run ``launch()`` when ``deps`` are done *and* the previous bucket's launch has run (see
-        :class:`hvd_gradcomp.ddp.roads._InOrder`). A method, so that Auto's view of the state times it."""
+        :class:`hvd_gradcomp.ddp.exchanges._InOrder`). A method, so that Auto's view of the state times it."""
         self._in_order.then(deps, launch, result, buffer, finish_dense)
 
     @property
@@ -216,9 +216,9 @@ def _claim(compression: Any, named_parameters: Optional[Iterable[Tuple[str, torc
     if named_parameters is None:
         raise ValueError("named_parameters is required with a compressor (residuals are kept per "
                          "parameter name): pass module.named_parameters() of the wrapped module")
-    if not isinstance(compression, Auto) and compression.collective not in _ROADS:
+    if not isinstance(compression, Auto) and compression.collective not in _EXCHANGES:
         raise ValueError(f"{type(compression).__name__} declares collective={compression.collective!r}, "
-                         f"which the DDP hook cannot carry (it carries {', '.join(_ROADS)}; see "
+                         f"which the DDP hook cannot carry (it carries {', '.join(_EXCHANGES)}; see "
                          "hvd_gradcomp.codecs)")
     names = name_map(named_parameters)
     _CLAIMED.add(compression)

@@ -1,6 +1,6 @@
 """Error feedback's arithmetic, and what the codecs' kernels build on: the residual added in the
 pass that marks top-k candidates (:func:`add_marked`, momentum correction's :func:`momentum_marked`),
-finiteness checks (:func:`all_finite`), the float16 road's saturating cast (:func:`to_half_saturated`),
+finiteness checks (:func:`all_finite`), the float16 cast's saturating conversion (:func:`to_half_saturated`),
 and ``torch.compile`` on demand (:func:`kernel`). Device-agnostic torch code. The codecs' own
 kernels (QSGD's rounding, top-k selection) are in :mod:`hvd_gradcomp.codecs.kernels`, one layer up.
 
@@ -297,7 +297,7 @@ def sample_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
     want = min(mags.numel(), int(1.5 * k * mags.numel() / n) + 8)
     return torch.topk(mags, want, sorted=False).values.min()
 
-# ---------------------------------------------------------------- the float16 road
+# ---------------------------------------------------------------- the float16 cast
 HALF_MAX = 65504.0
 """float16's largest finite value."""
 _HALF_UNIT = 2.0 ** -11   # float16's unit roundoff: one rounding moves a value by at most this share

@@ -127,11 +127,11 @@ class Feedback:
     def dense_average(self, name: str, avg: torch.Tensor) -> None:
         """``avg``: the average of a tensor that went uncompressed (:meth:`dense`, or small), as the
         exchange delivered it, before the user's code between the exchange and the optimizer step
-        (gradient clipping) sees it. Called by every road; most policies ignore it."""
+        (gradient clipping) sees it. Called by every wrapper; most policies ignore it."""
 
     def dense_local(self, name: str, grad: torch.Tensor) -> None:
         """``grad``: this rank's own gradient of a tensor that goes uncompressed this step (:meth:`dense`,
-        or small), before the exchange. Called by every road; most policies ignore it."""
+        or small), before the exchange. Called by every wrapper; most policies ignore it."""
 
     def bind(self, name: str, group: Dict[str, Any], param: Optional[torch.Tensor] = None,
              optimizer: Any = None) -> None:

@@ -16,7 +16,7 @@ from . import kernels
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 Sent = Union["kernels.SentCodes", Tuple[Optional[torch.Tensor], torch.Tensor]]
-"""What a payload carries (see :class:`hvd_gradcomp.codecs.contract.Encoded`): ``(indices, values)``
+"""What a payload carries (see :class:`hvd_gradcomp.codecs.interface.Encoded`): ``(indices, values)``
 of a sparse payload, ``(None, values)`` of a dense one (flat), or QSGD's codes."""
 Marked = Optional["kernels.Marks"]  # see kernels.add_marked and kernels.topk_indices(marked=)
 log = logging.getLogger("hvd_gradcomp")
@@ -263,7 +263,7 @@ class ResidualStore:
 
 
 class HalfPrecision:
-    """Error feedback of the float16 road: float32 tensors a compressor exempts from compression
+    """Error feedback of the float16 cast: float32 tensors a compressor exempts from compression
     (fewer elements than ``min_compress_numel``, or matched by ``exclude=``) travel as float16,
     half the bytes, and what the cast takes away is added to their next send.
 

@@ -18,7 +18,7 @@ from .small import Fused, SmallTensors
 class StepExchanges:
     """The exchanges of one step: per parameter, and the small tensors' fused ones.
 
-    ``compressed``: the road of the compressed gradients (``choose_exchange``); ``sparse``: Horovod's
+    ``compressed``: the exchange of the compressed gradients (``choose_exchange``); ``sparse``: Horovod's
     sparse allreduce; ``small``: the fuser of the uncompressed ones; ``record(name, raw bytes, pending)``
     counts each finished exchange; ``names``: the parameters' names.
     """
@@ -26,8 +26,8 @@ class StepExchanges:
     def __init__(self, compressed: Any, sparse: SparseExchange, small: SmallTensors,
                  record: Callable[[str, int, Pending], None], names: Dict[torch.Tensor, str],
                  sparse_as_dense: bool) -> None:
-        self.compressed = compressed   # an attribute: tests swap the road (tests/workers/auto.py)
-        self._sparse, self._small_road, self._record, self._names = sparse, small, record, names
+        self.compressed = compressed   # an attribute: tests swap the exchange (tests/workers/auto.py)
+        self._sparse, self._fuser, self._record, self._names = sparse, small, record, names
         self._sparse_as_dense = sparse_as_dense
         self.pending: Dict[torch.Tensor, Pending] = {}
         self.sparse_pending: Dict[torch.Tensor, Pending] = {}
@@ -48,18 +48,18 @@ class StepExchanges:
         """``p``'s gradient is final (from its hook): start its exchange, or count it among the small
         ones, whose fused allreduce leaves with the last of them. ``hooked()``: the hooked parameters.
         Returns whether an exchange of ``p`` alone started (the caller then decodes what is done)."""
-        if p.grad.is_sparse or not self._small_road.is_small(p):
+        if p.grad.is_sparse or not self._fuser.is_small(p):
             self.start(p)
             return True
         if not self._sparse_as_dense:
             self._small_ready += 1
             if self._small is None:   # this step's: requires_grad may have changed since the last
-                self._small = [q for q in hooked() if self._small_road.is_small(q) and q.requires_grad]
+                self._small = [q for q in hooked() if self._fuser.is_small(q) and q.requires_grad]
             if self._small_ready == len(self._small):
                 # Every small gradient is final: their fused allreduce leaves now, overlapping the
                 # rest of backward, instead of from synchronize(). (A step where one has no gradient
                 # never gets here: synchronize() starts it, with zeros for the missing ones.)
-                self.early_fused = self._small_road.start(self._small)
+                self.early_fused = self._fuser.start(self._small)
         return False
 
     def start(self, p: torch.Tensor) -> None:
@@ -73,7 +73,7 @@ class StepExchanges:
                 return
             p.grad = p.grad.to_dense()
             self._densified.append(p)
-            if self._small_road.is_small(p):
+            if self._fuser.is_small(p):
                 return  # joins the fused allreduce of small tensors
         pending = self.pending[p] = self.compressed.start(name, p.grad)
         pending.out = p.grad   # final for this step: an exchange may write the average early
@@ -95,9 +95,9 @@ class StepExchanges:
         for p, pending in self.pending.items():
             if not pending.finished:
                 self.compressed.finish(pending, p.grad)
-            # Counted once finished: the QSGD road adds its allgather's bytes in advance().
+            # Counted once finished: the QSGD exchange adds its allgather's bytes in advance().
             self._record(pending.name, p.numel() * p.element_size(), pending)
-        self._small_road.finish(fused)
+        self._fuser.finish(fused)
         for p, pending in self.sparse_pending.items():
             self._sparse.finish(pending, p.grad)
             self._record(pending.name, pending.bytes_sent, pending)
@@ -113,7 +113,7 @@ class StepExchanges:
                 continue
             if p.grad is None and not p.requires_grad:
                 continue   # frozen since this optimizer was built: not exchanged, not stepped, as in PyTorch
-            if self._small_road.is_small(p) and not (p.grad is not None and p.grad.is_sparse):
+            if self._fuser.is_small(p) and not (p.grad is not None and p.grad.is_sparse):
                 small.append(p)
             else:
                 self.start(p)
@@ -121,10 +121,10 @@ class StepExchanges:
 
     def _start_small(self, small: List[torch.Tensor]) -> List[Fused]:
         if self.early_fused is None:
-            return self._small_road.start(small)
+            return self._fuser.start(small)
         # launched during backward; a parameter adopted just now goes in a fused exchange of its own
         early = {p for f in self.early_fused for p in f.params}
-        return self.early_fused + self._small_road.start([p for p in small if p not in early], tag="late")
+        return self.early_fused + self._fuser.start([p for p in small if p not in early], tag="late")
 
     def end_step(self) -> None:
         """After :meth:`finish`: the sparse layout back where it was densified, and a new step."""

@@ -1,6 +1,6 @@
 """``hvd_gradcomp.DistributedOptimizer``: Horovod's optimizer, with compressed exchanges.
 
-Same signature and behaviour as ``hvd.DistributedOptimizer``; what differs is the road each
+Same signature and behaviour as ``hvd.DistributedOptimizer``; what differs is the exchange each
 gradient takes (see :mod:`hvd_gradcomp.collectives.exchange`):
 
 * gradient hooks (``register_post_accumulate_grad_hook``) start each exchange as soon as the
@@ -64,7 +64,7 @@ _SmallTensors = SmallTensors   # the old name: benchmarks/step_probe.py times it
 
 
 def _count(stats: ByteStats, name: str, raw_bytes: int, pending: Pending) -> None:
-    """Where this road counts bytes: once per tensor (or fused group), when its exchange finished."""
+    """Where this wrapper counts bytes: once per tensor (or fused group), when its exchange finished."""
     stats.record(name, raw_bytes, pending.bytes_sent - pending.framing_bytes, pending.framing_bytes)
 
 
@@ -176,7 +176,7 @@ class _GradCompOptimizer(torch.optim.Optimizer):
 
     # What tests, tools and horovod/elastic.py read of the exchanges (they are the part's).
     _compressed = property(lambda self: self._exchanges.compressed,
-                           lambda self, road: setattr(self._exchanges, "compressed", road))
+                           lambda self, exchange: setattr(self._exchanges, "compressed", exchange))
     _pending = property(lambda self: self._exchanges.pending)
     _early_fused = property(lambda self: self._exchanges.early_fused)
 
@@ -324,7 +324,7 @@ def _bind_compression(opt: torch.optim.Optimizer, compression: Any, backward_pas
     included, process_set = opt._included, opt.process_set
     if isinstance(compression, GradientCompressor):
         compression._claim(opt, process_set.size() if included else None)
-        compression.road_clips = True   # clip=: synchronize() clips the whole step (clips_whole_step)
+        compression.whole_step_clipped = True   # clip=: synchronize() clips the whole step (clips_whole_step)
         bind_noise_stream(compression)  # independent rounding noise on each rank
         # The feedback policy ("auto") is chosen from this optimizer's class and settings.
         # A rank outside the process set has no rank in it (and compresses nothing): it stays quiet.
@@ -353,7 +353,7 @@ def _name_parameters(param_groups: List[dict], named_parameters: Optional[Iterab
     all_params = [p for g in param_groups for p in g["params"]]
     if named_parameters is None:
         return {p: f"param.{i}" for i, p in enumerate(all_params)}
-    from ..feedback.names import name_map  # the one check of (name, parameter) pairs, on every road
+    from ..feedback.names import name_map  # the one check of (name, parameter) pairs, under every wrapper
 
     mapping = name_map(named_parameters)
     missing = [i for i, p in enumerate(all_params) if p not in mapping]

@@ -47,7 +47,7 @@ class SmallTensors:
 
     def is_small(self, p: torch.Tensor) -> bool:
         """Exchanged uncompressed: small, of a dtype the wire cannot encode (float64: it travels as it
-        is, as on stock Horovod's road), or excluded by the compressor's policy."""
+        is, as under stock Horovod), or excluded by the compressor's policy."""
         if p.dtype not in wire.DTYPES or p.numel() < self._min_compress_numel:
             return True
         return isinstance(self.compression, GradientCompressor) and \
@@ -70,14 +70,15 @@ class SmallTensors:
                              is_average(self._dense.op))
         pendings = []
         for request in next(run).requests:
-            road = self._half if request.tag == HALF else self._dense
+            exchange = self._half if request.tag == HALF else self._dense
             name = f"fused{tag}.{request.tag}"
-            pending = road.start(name, request.tensor) if road is self._half else road.start(name, request.tensor, joined)
+            pending = (exchange.start(name, request.tensor) if exchange is self._half
+                       else exchange.start(name, request.tensor, joined))
             self._record(pending.name, request.raw_bytes, pending)
-            pendings.append((road, pending))
+            pendings.append((exchange, pending))
         return [Fused(params, run, pendings)]
 
     def finish(self, fused: List[Fused]) -> None:
         """Wait for :meth:`start`'s allreduces; the algorithm writes each average into ``p.grad``."""
         for f in fused:
-            finish_rounds(f.run, [road.result(pending) for road, pending in f.pendings])
+            finish_rounds(f.run, [exchange.result(pending) for exchange, pending in f.pendings])

@@ -52,7 +52,7 @@ import torch
 from .. import codecs, settings
 from ..codecs import compressor as compressors
 from ..feedback import kernels
-from ..codecs.contract import _compressible
+from ..codecs.interface import _compressible
 from ..codecs.compressor import GradientCompressor
 from ..feedback.names import name_map  # noqa: F401  (hvd_gradcomp.horovod.name_map: the one map, re-exported)
 from ..collectives.exchange import AllgatherExchange, Pending, allreducible, check_no_joined_ranks

@@ -516,7 +516,7 @@ def prepared_groups(steps: int = 3) -> Dict[str, Any]:
         comp = gc.TopKQSGD(ratio=0.05, bits=8, seed=3)
         opt = gc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                       named_parameters=model.named_parameters(), compression=comp)
-        road = exchange._roads(opt._compressed)[0]
+        road = exchange._inner_exchanges(opt._compressed)[0]
         road.fusion_bytes = 40_000   # 3 weights (5, 64 and 32 kB of float32) in 2 groups
         real_prepare, poll, prepared, nonzero = road._prepare, hvd.poll, [], True
         road._prepare = lambda g, p: (prepared.append(len(g.members)), real_prepare(g, p))

@@ -1,6 +1,6 @@
-"""The DDP hook's roads: how one bucket travels over ``torch.distributed`` (Gloo, NCCL, MPI alike).
+"""The DDP hook's drivers: how one bucket travels over ``torch.distributed`` (Gloo, NCCL, MPI alike).
 
-One function per declared collective (:data:`_ROADS`, see :mod:`hvd_gradcomp.codecs`):
+One function per declared collective (:data:`_EXCHANGES`, see :mod:`hvd_gradcomp.codecs`):
 :func:`_allgather` (sparse payloads), :func:`_scatter_reduce` (QSGD's compressed allreduce) and
 :func:`_rounds` (PowerSGD's two allreduces), the last two driving the algorithms of
 :mod:`hvd_gradcomp.collectives.rounds`, plus the dense and float16 allreduces of what a bucket does not
@@ -8,7 +8,7 @@ compress. Each returns a future and never waits: second-round collectives are
 chained on the first round's futures and issued in bucket order on a second process group
 (``state._then_in_order``, :class:`_InOrder`), so their order is the same on every rank.
 
-A road takes the hook's state (:class:`hvd_gradcomp.ddp.GradCompState`) or Auto's view of it
+A driver takes the hook's state (:class:`hvd_gradcomp.ddp.GradCompState`) or Auto's view of it
 (:class:`hvd_gradcomp.ddp.auto._RoadView`): anything with its attributes (``compression``,
 ``world_size``, ``_record``, ``_lock``, ``_then_in_order``...), hence :data:`State`.
 """
@@ -434,10 +434,10 @@ def _rounds(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Futur
     return result
 
 
-_ROADS: Dict[str, Callable[[State, torch.Tensor, _Plan, int], Future]] = {
+_EXCHANGES: Dict[str, Callable[[State, torch.Tensor, _Plan, int], Future]] = {
     codecs.ALLGATHER: _allgather, codecs.COMPRESSED_ALLREDUCE: _scatter_reduce,
     codecs.ALLREDUCE_ROUNDS: _rounds}
-"""A compressor's declared ``collective`` (:mod:`hvd_gradcomp.codecs`) -> the road of its buckets."""
+"""A compressor's declared ``collective`` (:mod:`hvd_gradcomp.codecs`) -> the driver of its buckets."""
 
 
 def _nonfinite(state: State) -> None:

@@ -1,4 +1,4 @@
-"""The codec contract of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`: payloads in and
+"""The codec interface of :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`: payloads in and
 out of the wire format (:class:`WireCodec`, the base of the compressor), and what a codec's :meth:`~WireCodec.pack`
 returns (:class:`Encoded`).
 
@@ -83,7 +83,7 @@ class WireCodec:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        # Codecs written against the names of releases before the contract was public.
+        # Codecs written against the names of releases before the interface was public.
         for old, new in (("_encode", "pack"), ("_decode", "unpack"), ("_decode_sparse", "unpack_sparse")):
             if old in cls.__dict__ and new not in cls.__dict__:
                 warnings.warn(f"{cls.__qualname__}.{old} is the old name of the codec method {new}: rename it",
@@ -92,7 +92,7 @@ class WireCodec:
 
     @classmethod
     def check_codec(cls) -> None:
-        """Refuse a codec class the roads could not carry, naming the fix (``ValueError``); register its
+        """Refuse a codec class the exchanges could not carry, naming the fix (``ValueError``); register its
         own payload layout. Called by :func:`hvd_gradcomp.codecs.register` and when the class is
         first built, so a bad codec fails before any rank sends a byte.
 
@@ -186,7 +186,7 @@ class WireCodec:
     # ------------------------------------------------------------ a codec's decisions (override points)
     def compressible(self, shape: Tuple[int, ...]) -> bool:
         """Whether this codec compresses a tensor of ``shape`` at all (PowerSGD: matrices only); the
-        roads send the others uncompressed. True here."""
+        wrappers send the others uncompressed. True here."""
         return True
 
     def _selects(self, name: str, numel: int) -> Optional[int]:
