@@ -462,3 +462,29 @@ def test_the_split_kernels_still_import_from_the_wire_with_a_warning() -> None:
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.stdout.split("\n")[:2] == ["hvd_gradcomp.wire.kernels moved to hvd_gradcomp.codecs.kernels and "
                                           "hvd_gradcomp.feedback.kernels: import it from there", "True"], res.stderr
+
+
+def deprecated_imports(package: Path = PACKAGE) -> List[str]:
+    """Imports inside the package of a module path kept only for old code (``hvd_gradcomp.MOVED``):
+    they work, with a DeprecationWarning on every fresh process, and hide which module is meant."""
+    from hvd_gradcomp import MOVED
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package).with_suffix("").parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = list(where[:len(where) - node.level + 1]) + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == package.name:
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            targets = [".".join(base)] + [".".join(base + [a.name]) for a in node.names]
+            found += [f"{path.relative_to(package)}: {t}" for t in targets if t in MOVED]
+    return found
+
+
+def test_the_package_imports_no_deprecated_path() -> None:
+    assert deprecated_imports() == []
