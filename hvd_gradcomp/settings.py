@@ -42,7 +42,7 @@ MIN_SELECTED = 32
 indices) a payload's values and indices take fewer bytes than its own header (40 bytes plus 8 per dimension), so sending fewer saves
 almost nothing, while the tensor starves: at ratio 0.001 a 4096-element projection would send 5
 values per step and each coordinate wait ~800 steps for its turn (the study's transformer ended
-+4.8% above uncompressed training without the floor; docs/STUDY.md has it with the floor). Large
++4.8% above uncompressed training without the floor; benchmarks/results/STUDY.md has it with the floor). Large
 tensors never reach it (ratio 0.01 of 3,200 elements is 32)."""
 
 

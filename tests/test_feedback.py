@@ -473,8 +473,8 @@ def test_frozen_variance_says_when_to_freeze_later():
     from hvd_gradcomp import FrozenVariance
     said = FrozenVariance(warmup=50).describe()
     assert "frozen after 50 dense steps per tensor" in said and "much longer than 200 steps" in said
-    assert "docs/STUDY_RUN_LENGTH.md" in said
-    assert "following the gradients' scale where it shrinks (docs/STUDY.md)" in said
+    assert "benchmarks/results/STUDY_RUN_LENGTH.md" in said
+    assert "following the gradients' scale where it shrinks (benchmarks/results/STUDY.md)" in said
     assert "v frozen for good" in FrozenVariance(follow_scale=None).describe()
 
 

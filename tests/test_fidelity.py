@@ -469,7 +469,7 @@ def test_ratios_below_the_measured_ones_are_cautioned_once(ratio, cautioned, cap
         TopKQSGD(ratio=ratio).attach(opt, {opt.param_groups[0]["params"][0]: "w"})
     said = [r.getMessage() for r in caplog.records if r.name == "hvd_gradcomp"]
     assert len(said) == 1 and "feedback 'frozen'" in said[0]
-    assert ("ratio 0.001 is below 0.01" in said[0] and "docs/STUDY_RUN_LENGTH.md" in said[0]) == cautioned
+    assert ("ratio 0.001 is below 0.01" in said[0] and "benchmarks/results/STUDY_RUN_LENGTH.md" in said[0]) == cautioned
     assert ("min_ratio={name pattern: share}" in said[0]) == cautioned
     assert "min_ratio" not in TopKQSGD(ratio=0.001, min_ratio={"^out": 0.01})._caution()
     assert QSGD(bits=8)._caution() == ""

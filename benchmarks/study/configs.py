@@ -190,7 +190,7 @@ training with a smaller step (the LSTM clipped at 0.1) or a longer one (AdamW an
 rate), which tells whether a compressed road ending below uncompressed took a smaller or a longer
 effective step than the recipe's (benchmarks/results/RECIPES.md); and the nanoGPT and tied-embedding recipes at
 8e-3, where uncompressed training still learns and the frozen second moment blew up before its step
-was bounded by Adam's (hvd_gradcomp.feedback.frozen.FrozenVariance._step_bound); and Adafactor's recipe
+was bounded by Adam's (hvd_gradcomp.feedback.frozen_adam.AdamBinding.step_bound); and Adafactor's recipe
 on the DDP hook with classic error feedback, what the hook ran for it before it ran ``feedback="update"``
 (issue 61)."""
 PROBE_SEEDS = (0, 1)

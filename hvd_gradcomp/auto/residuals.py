@@ -51,7 +51,7 @@ class CompressedRoads:
         fb.announce(f"{owner} with {name}: error feedback on its compressed roads is classic (on gradients), "
                     f"not the recipe a fixed compressor applies for {name} (feedback '{key}'). Where it picks a "
                     f"compressed road (a slow link), compression=hvd_gradcomp.TopKQSGD(ratio={self.sparse.ratio}, "
-                    f"bits={self.sparse.bits}) trains closer to uncompressed (docs/AUTO.md, docs/STUDY.md).")
+                    f"bits={self.sparse.bits}) trains closer to uncompressed (docs/AUTO.md, benchmarks/results/STUDY.md).")
 
     def owes(self, name: str, road: str) -> bool:
         """Whether a road other than ``road`` holds a residual of ``name``."""

@@ -34,7 +34,7 @@ class HandedCheck:
     (:attr:`GradientCompressor.carries_held_back`): ``clip_grad_norm_`` there measures the norm of
     held-back updates, not of a gradient, so it binds on other steps and by other factors than
     uncompressed. What that costs depends on the task (the study's CNN with momentum SGD and
-    ``clip_grad_norm_(1.0)`` lost far more than uncompressed; the clipped LSTM of docs/RECIPES.md
+    ``clip_grad_norm_(1.0)`` lost far more than uncompressed; the clipped LSTM of benchmarks/results/RECIPES.md
     did not), so the warning states the fact and the fix, not an outcome.
 
     For :data:`HANDED_CHECK_STEPS` steps the compressor keeps a few nonzero values of each average
@@ -84,7 +84,7 @@ class HandedCheck:
                 f"before its step, by a factor that changes from step to step (clip_grad_norm_?). Under feedback "
                 f"'{comp.feedback.key}' each sent value carries the updates of the steps it was held back, so the "
                 "averages' norm is not the gradient's: clipping it binds on other steps, by other factors, than it "
-                "would uncompressed (what that does to training depends on the task: docs/RECIPES.md measures both "
+                "would uncompressed (what that does to training depends on the task: benchmarks/results/RECIPES.md measures both "
                 "ways). To clip what clip_grad_norm_(max_norm) means, each rank's whole gradient before it is "
                 f"compressed: {type(comp).__name__}(..., clip=max_norm), and do not clip the averages.",
                 RuntimeWarning, stacklevel=2)

@@ -45,7 +45,7 @@ class Clipping:
         Why the global norm, and every tensor: that is what users mean by clipping. A bound per
         tensor let the total grow with the number of tensors, and tensors too small to compress
         went unclipped: a 2-layer LSTM with SGD lr 20 and ``clip=0.25`` diverged through its
-        768-element biases (docs/RECIPES.md, ``lstm``). A NaN or Inf stays non-finite (as with
+        768-element biases (benchmarks/results/RECIPES.md, ``lstm``). A NaN or Inf stays non-finite (as with
         ``clip_grad_norm_``), so the step is still skipped on every rank.
         """
         if self.clip is None or not grads:

@@ -101,7 +101,7 @@ def sparsity_warmup_steps(steps: int, ratio: float, pace: str = "same") -> int:
     Why longer: DGC's schedule keeps its pace (4x fewer values per epoch) whatever the target, so a
     smaller ratio takes longer to reach. A fixed 100 steps fell 1.7x faster per step at 0.1% than
     at 1%, and TopKQSGD(0.1%, 8) ended further from uncompressed training on the study's tasks
-    (docs/STUDY.md, the 0.1% rows and "Sparsity warm-up at 0.1%"). Which pace: a policy's
+    (benchmarks/results/STUDY.md, the 0.1% rows and "Sparsity warm-up at 0.1%"). Which pace: a policy's
     :attr:`~hvd_gradcomp.feedback.Feedback.warmup_pace` (momentum correction's warm-up is all the
     lead-in it has, see :class:`~hvd_gradcomp.feedback.momentum.MomentumCorrection`).
 

@@ -96,7 +96,7 @@ class Exemption:
         Why the warm-up too: it is most of what a run sends (100 dense steps against 56-155x after
         them: a 400-step AdamW run saved 3.9x over the whole run), and Adam's moments of an average
         whose cast error is carried to the next step differ from float32's by float16 rounding
-        (docs/RECIPES.md: whole-run bytes and held-out loss). What the cast still owes when a tensor
+        (benchmarks/results/RECIPES.md: whole-run bytes and held-out loss). What the cast still owes when a tensor
         starts compressing joins its first compressed gradient (:meth:`owed`).
 
         >>> from hvd_gradcomp.codecs.topk import TopK

@@ -28,7 +28,7 @@ LOW_RATIO_FROZEN = {"sparsity_warmup": 100, "momentum": WHILE_DENSE}
 # decoder's own ratio explains. A forged ``numel`` cannot make decode() allocate more.
 MAX_EXPANSION = 1 << 16
 # The smallest top-k ratio that matched uncompressed held-out loss on every task of the study
-# (docs/STUDY.md); a smaller one is cautioned about at start-up (TopK._caution).
+# (benchmarks/results/STUDY.md); a smaller one is cautioned about at start-up (TopK._caution).
 MEASURED_RATIO = 0.01
 
 
@@ -128,11 +128,11 @@ class TopK(GradientCompressor):
         Adam's momentum while it is dense.
 
         Why below 1% only: at 0.1% each coordinate is sent at most about once in the study's runs
-        (docs/STUDY_RUN_LENGTH.md), and starting from 25% after the freeze sends most of them early
-        (docs/STUDY.md: TopKQSGD(0.1%, 8) against its *no sparsity warm-up after the freeze* rows);
+        (benchmarks/results/STUDY_RUN_LENGTH.md), and starting from 25% after the freeze sends most of them early
+        (benchmarks/results/STUDY.md: TopKQSGD(0.1%, 8) against its *no sparsity warm-up after the freeze* rows);
         with each rank's gradient sent at that share the freeze check's model jumped, hence the
         momentum while the share is above 1 - b1 (see
-        :meth:`hvd_gradcomp.feedback.frozen.FrozenVariance._dense_share`, docs/FREEZE_CHECK_01.md). At 1%
+        :func:`hvd_gradcomp.feedback.frozen_momentum.dense_share`, benchmarks/results/FREEZE_CHECK_01.md). At 1%
         the default without a warm-up meets every target.
 
         >>> low = TopK(ratio=0.001)._auto_policy("frozen")
@@ -151,9 +151,9 @@ class TopK(GradientCompressor):
         # at 0.1% one of the study's tasks ends more than 2% above uncompressed at its length,
         # some in 3x longer runs; say it once rather than let a user find out at the end of a run
         return (f" Note: ratio {self.ratio:g} is below {MEASURED_RATIO:g}, the ratio hvd-gradcomp's study measures every task "
-                "at (docs/STUDY.md); below it the held-out loss ended more than 2% above "
-                "uncompressed training on some tasks, at the study's length or in 3x longer runs (docs/STUDY.md, "
-                "docs/STUDY_RUN_LENGTH.md)." + self._warmup_note() + ("" if self._min_ratio else
+                "at (benchmarks/results/STUDY.md); below it the held-out loss ended more than 2% above "
+                "uncompressed training on some tasks, at the study's length or in 3x longer runs (benchmarks/results/STUDY.md, "
+                "benchmarks/results/STUDY_RUN_LENGTH.md)." + self._warmup_note() + ("" if self._min_ratio else
                 " A layer that trains worse than the rest, often the output layer, can keep a larger share: "
                 "min_ratio={name pattern: share}."))
 

@@ -39,6 +39,9 @@ survive re-created gradient tensors and checkpoints.
 
 The package's modules:
 
+* :mod:`~hvd_gradcomp.feedback.kernels`: error feedback's arithmetic (the residual added in the pass that
+  marks top-k candidates, finiteness checks, the float16 cast's saturation, ``torch.compile`` on demand);
+* :mod:`~hvd_gradcomp.feedback.names`: the one map from parameters to the names state is keyed by;
 * :mod:`~hvd_gradcomp.feedback.residuals`: :class:`ResidualStore` and :class:`HalfPrecision`, what a rank
   keeps of what it did not send, and the helpers on residuals;
 * :mod:`~hvd_gradcomp.feedback.policy`: the :class:`Feedback` protocol, :class:`NoFeedback`,
@@ -46,8 +49,8 @@ The package's modules:
 * :mod:`~hvd_gradcomp.feedback.registry`: policies by name (:func:`make`) and the one ``"auto"`` picks
   (:func:`choose`);
 * :mod:`~hvd_gradcomp.feedback.momentum`: :class:`MomentumCorrection`;
-* :mod:`~hvd_gradcomp.feedback.frozen` (with ``frozen_warmup``, ``frozen_scale``, ``frozen_momentum``):
-  :class:`FrozenVariance`.
+* :mod:`~hvd_gradcomp.feedback.frozen` (built of the parts in ``frozen_warmup``, ``frozen_scale``,
+  ``frozen_momentum``, ``frozen_adam`` and ``frozen_denom``): :class:`FrozenVariance`.
 """
 from .residuals import (HALF_DTYPES, Marked, ResidualStore, HalfPrecision, Sent, log, residual_dtype, spare_or_new,
                         subtract_sent)

@@ -51,7 +51,7 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
     * ``sparsity_warmup``: DGC's falling share after the freeze (default 0: none, for the same reason).
 
     Why ``v`` is frozen rather than error feedback on gradients or "update", and the measurements
-    behind every default: docs/FEEDBACK.md (``frozen``) and docs/STUDY.md. Its parts, each with its own
+    behind every default: docs/FEEDBACK.md (``frozen``) and benchmarks/results/STUDY.md. Its parts, each with its own
     state: :class:`DenseWarmup`, :class:`FrozenDenominator`, :class:`MomentumChoice`, :class:`ScaleFollower`
     and the wrapped Adam, :class:`AdamBinding`.
 
@@ -194,14 +194,14 @@ class FrozenVariance(_RoundUndo, ErrorFeedback):
 
     def describe(self) -> str:
         # with AdamW over 1200 steps, freezing after 300 steps (a quarter of the run, 1-bit
-        # Adam's advice) ended closest to uncompressed (docs/STUDY_RUN_LENGTH.md); the run's length
+        # Adam's advice) ended closest to uncompressed (benchmarks/results/STUDY_RUN_LENGTH.md); the run's length
         # is not known here, so the user is told once rather than the default guessed. The frozen v
         # follows the gradients where they shrink (see the class docstring)
         return (f"Adam's second moment frozen after {self.warmup} dense steps per tensor (more while the learning "
                 f"rate still rises, at most {self._warmup.longest}), "
                 + self._momentum.describe() + self._scales.describe()
                 + f"; for a run much longer than {4 * self.warmup} steps, freeze "
-                "later: feedback=FrozenVariance(warmup=a quarter of the run's steps) (docs/STUDY_RUN_LENGTH.md)")
+                "later: feedback=FrozenVariance(warmup=a quarter of the run's steps) (benchmarks/results/STUDY_RUN_LENGTH.md)")
 
     def state_dict(self) -> Dict[str, Any]:
         # The warm-up's window (running average, Adam's last v) and the rates seen are saved too, so

@@ -69,7 +69,7 @@ class AdamBinding:
         (an embedding row of a rare token, a tied head's row) has the floor for ``denom``; its first
         large gradient afterwards moved it ``|g| / denom`` times the rate (311,810x in
         tests/test_frozen_bound.py), and the tied-embedding recipe at lr 8e-3 diverged ~80 steps
-        after the freeze (docs/RECIPES.md, "Before the fixes"). Adam's own bound leaves every
+        after the freeze (benchmarks/results/RECIPES.md, "Before the fixes"). Adam's own bound leaves every
         ordinary step alone.
 
         >>> adam = AdamBinding(); adam.bind("w", None, {"betas": (0.9, 0.99)}, None)

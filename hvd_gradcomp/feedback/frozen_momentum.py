@@ -86,7 +86,7 @@ def dense_share(share_sent: Optional[Callable[[], float]], b1: Any) -> bool:
     goes out more often than every ``1 / (1 - b1)`` steps, the span Adam's momentum averages, so the
     residual no longer averages its gradient's noise as the momentum would: each rank's gradient over
     ``denom`` sent at a 25% share made the freeze check's model jump right after the freeze
-    (docs/FREEZE_CHECK_01.md), as plain SGD does at a rate that heavy-ball momentum takes in its
+    (benchmarks/results/FREEZE_CHECK_01.md), as plain SGD does at a rate that heavy-ball momentum takes in its
     stride. Below it, the momentum sent through error feedback is late twice (the momentum's own
     delay, then the residual's) and swung the same model's loss; the gradient is not.
 
@@ -103,7 +103,7 @@ _MOMENTUM_SAID = {
     False: "each rank's gradient through error feedback, whose residual takes the first moment's place",
     None: "each rank's momentum through error feedback (1-bit Adam style) while the learning rate "
           f"changes, its gradient once the rate has stayed the same {FLAT_RATE_STEPS} steps (error "
-          "feedback's residual then takes the first moment's place: docs/STUDY.md, transformer-const)",
+          "feedback's residual then takes the first moment's place: benchmarks/results/STUDY.md, transformer-const)",
     WHILE_DENSE: "each rank's momentum through error feedback while the sparsity warm-up sends more than "
                  "1 - b1 of a tensor, its gradient after (whose residual takes the first moment's place)"}
 """What :meth:`MomentumChoice.describe` says of each ``momentum`` choice."""

@@ -92,7 +92,7 @@ class ScaleFollower:
                                 for n, t in state.get("scale_at_freeze", {}).items()}
 
 
-_FOLLOW_SCALE_SAID = {"down": ", the frozen v following the gradients' scale where it shrinks (docs/STUDY.md)",
+_FOLLOW_SCALE_SAID = {"down": ", the frozen v following the gradients' scale where it shrinks (benchmarks/results/STUDY.md)",
                       "both": ", the frozen v following the gradients' scale", None: ", v frozen for good"}
 """What :meth:`ScaleFollower.describe` says of each ``follow_scale`` choice."""
 

@@ -142,7 +142,7 @@ class WarmupWindow:
         all 100 steps, dominated by the first ones, whose gradients are large and differently
         shaped. Adam itself forgets them over the next ~1000 steps; a frozen v never does. With
         AdamW over 1200 steps, freezing Adam's v at step 100 ended above the 1% target, the last
-        50 steps' average within it (docs/STUDY_RUN_LENGTH.md)."""
+        50 steps' average within it (benchmarks/results/STUDY_RUN_LENGTH.md)."""
         recent, n = self.recent.pop(name, (None, 0))
         self.last_v.pop(name, None)
         self.lr_seen.pop(name, None)

@@ -40,7 +40,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     SGD's momentum buffer equal ``D_t`` (weight decay is added by SGD on top, exactly). ``m``
     and ``dampening`` are read from the optimizer's param group at every step, so momentum
     schedules work. ``masking``: DGC's momentum factor masking (zero the velocity of the
-    coordinates sent); off by default, it measured worse (docs/STUDY.md). ``sparsity_warmup``:
+    coordinates sent); off by default, it measured worse (benchmarks/results/STUDY.md). ``sparsity_warmup``:
     DGC's sparsity warm-up, the share a TopK-type compressor sends falls geometrically from 25%
     to its ratio over each tensor's first this many compressed steps (default
     :data:`SPARSITY_WARMUP`; at ratios below 1%, ``sqrt(1% / ratio)`` times as many: 317 steps at
@@ -62,7 +62,7 @@ class MomentumCorrection(_RoundUndo, ErrorFeedback):
     uses_support = True
     # Below 1% the warm-up lasts sqrt(1%/ratio) times longer (317 steps at 0.1%), not 172 at 1%'s pace:
     # unlike "frozen", whose dense warm-up comes first, this warm-up is all the lead-in momentum SGD gets.
-    # The study's char-MLP and CNN with momentum SGD at 0.1%: rows "172-step sparsity warm-up" (docs/STUDY.md).
+    # The study's char-MLP and CNN with momentum SGD at 0.1%: rows "172-step sparsity warm-up" (benchmarks/results/STUDY.md).
     warmup_pace = "sqrt"
     _round_stores = ("velocity", "delivered")
 

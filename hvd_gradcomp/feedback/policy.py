@@ -176,7 +176,7 @@ class ErrorFeedback(Feedback):
     The residual follows the learning rate (``follow_lr``): when a scheduler changes the rate
     of a tensor's param group, what that tensor left unsent is rescaled by old/new rate, so it
     moves the parameter as far as it would have when it was computed. Without it, mass held
-    back during a decaying schedule arrives at a smaller rate, or never (docs/STUDY.md).
+    back during a decaying schedule arrives at a smaller rate, or never (benchmarks/results/STUDY.md).
 
     >>> ef = ErrorFeedback()
     >>> acc = ef.prepare("w", torch.tensor([3.0, 1.0]))
@@ -285,8 +285,8 @@ SPARSITY_WARMUP = 100
 """MomentumCorrection's default sparsity warm-up (DGC's: the share sent falls geometrically from
 25% to the ratio over a tensor's first this many compressed steps; at ratios below 1% over more
 steps: :func:`hvd_gradcomp.codecs.compressor.sparsity_warmup_steps`), from the first step (it brought
-the study's char-MLP closer to uncompressed training: docs/STUDY.md). FrozenVariance has none by
-default (it made Adam jump after the freeze: docs/FREEZE_CHECK.md); ``FrozenVariance(sparsity_warmup=100)``
+the study's char-MLP closer to uncompressed training: benchmarks/results/STUDY.md). FrozenVariance has none by
+default (it made Adam jump after the freeze: benchmarks/results/FREEZE_CHECK.md); ``FrozenVariance(sparsity_warmup=100)``
 starts one after its dense warm-up."""
 
 

@@ -54,7 +54,7 @@ def choose(optimizer: Any, codec_is_dense: bool, contracting: bool) -> Tuple[str
     """The policy ``feedback="auto"`` applies, and why, from the wrapped optimizer's class and settings.
 
     * low-bit QSGD (4 and 2 bits), whose error feedback would need shrinking the payload:
-      ``none`` (QSGD is unbiased; plain QSGD trains, see docs/STUDY.md);
+      ``none`` (QSGD is unbiased; plain QSGD trains, see benchmarks/results/STUDY.md);
     * other dense codecs (QSGD-8): ``classic``;
     * ``Adam`` and ``AdamW`` (without coupled weight decay): ``frozen`` (:class:`FrozenVariance`);
     * other Adam-type optimizers (normalising per coordinate) without coupled weight decay:
