@@ -2,7 +2,7 @@
 allgather, behind one index per rank that plays the envelope's part (the group and its index:
 :mod:`hvd_gradcomp.collectives.fused_group`), decoded while backward goes on (see
 :class:`FusedAllgatherExchange`). The allgather of one tensor each
-(the stock-Horovod road) is :class:`hvd_gradcomp.collectives.exchange.AllgatherExchange`; both take this
+(the stock-Horovod driver) is :class:`hvd_gradcomp.collectives.exchange.AllgatherExchange`; both take this
 rank's own part as its encoder carried it (:func:`encode_carried`).
 """
 from __future__ import annotations

@@ -50,7 +50,7 @@ class ScaleFollower:
         return new
 
     def mark_freeze(self, name: str) -> None:
-        """Keep the scale at the freeze: the warm-up's (none when the road did not show the warm-up's
+        """Keep the scale at the freeze: the warm-up's (none when the wrapper did not show the warm-up's
         gradients: then the first compressed step's, taken at the next one)."""
         if name not in self.scale_at_freeze and name in self.scale:
             self.scale_at_freeze[name] = self.scale[name]

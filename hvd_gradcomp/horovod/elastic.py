@@ -22,7 +22,7 @@ broadcast from rank 0 after a reset). Building an ``hvd_gradcomp.DistributedOpti
   Each rank's noise stream is set to its new rank (independent noise after renumbering). When the
   number of ranks changed, QSGD's relay residuals (per chunk of the ranks) are dropped, with a warning
   saying how much they held (``GradientCompressor.follow_world``; after a removal-only reset, which Horovod does
-  not follow by a sync, the QSGD road does it at its next exchange). The out-of-step check (``RankDivergenceError``) is on again from the
+  not follow by a sync, the compressed allreduce (QSGD) does it at its next exchange). The out-of-step check (``RankDivergenceError``) is on again from the
   first sync: every rank is at rank 0's exchange step.
 
 ``last_reset`` on the handler (``state._handlers["optimizer"].last_reset``) says what the last sync did.
