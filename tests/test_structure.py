@@ -211,7 +211,7 @@ def test_a_tensor_facing_name_loads_its_module_on_first_use() -> None:
             "print(type(c).__module__, 'torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["hvd_gradcomp.horovod.classes", "True"]
+    assert res.stdout.split() == ["hvd_gradcomp.codecs.topk", "True"]
 
 
 def test_every_hvdgc_variable_is_in_the_one_table() -> None:
@@ -234,7 +234,7 @@ LAYERS = (
     ("feedback", ("feedback", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
                   "feedback.frozen_momentum")),
     ("codecs", ("codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
-                "codecs.compressor",
+                "codecs.protocol", "codecs.compressor",
                 "codecs.qsgd", "codecs.topk", "codecs.powersgd")),
     ("collectives", ("collectives", "collectives.reduce", "collectives.rounds", "collectives.transport",
                      "collectives.inflight", "collectives.exchange", "collectives.fused")),
