@@ -25,7 +25,7 @@ CODEC_MODULES = {"settings", "stats", "codecs", "codecs.registry", "wire", "wire
                  "feedback.policy", "feedback.registry", "feedback.momentum",
                  "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
                  "codecs.compressor", "codecs.contract", "codecs.exempt", "codecs.binding", "codecs.steps",
-                 "codecs.clipping", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
+                 "codecs.clipping", "codecs.protocol", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod/stock.py only.
 HOROVOD_ADAPTER = PACKAGE / "horovod" / "stock.py"
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
