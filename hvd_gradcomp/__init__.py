@@ -26,10 +26,10 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it (see docs/ARCHITECTURE.md).
 _LAZY = {
     "Auto": "auto.auto",
-    "QSGD": "horovod.classes", "TopK": "horovod.classes", "TopKQSGD": "horovod.classes", "PowerSGD": "horovod.classes",
+    "QSGD": "codecs.qsgd", "TopK": "codecs.topk", "TopKQSGD": "codecs.topk", "PowerSGD": "codecs.powersgd",
     "HorovodIntegrationError": "horovod.stock",
     "GradientCompressor": "codecs.compressor", "SparsityWarmup": "codecs.compressor", "Encoded": "codecs.interface",
-    "HorovodCompressor": "horovod.classes",   # a codec of your own serves stock hvd.DistributedOptimizer with it
+    "HorovodCompressor": "horovod.classes",   # deprecated, empty: every GradientCompressor serves stock Horovod
     "ResidualStore": "feedback.residuals", "FrozenVariance": "feedback.frozen", "MomentumCorrection": "feedback.momentum",
     "ByteStats": "stats",
     "WireFormatError": "wire.format",

@@ -4,9 +4,9 @@
 Each rank sends k = ceil(ratio * n) coordinates of each tensor, drawn at random (a fresh draw
 per tensor, step and rank, from the seed the base class hands ``pack``), with their indices:
 a sparse payload in TopK's wire layout, carried by allgather. Error feedback, checkpoints,
-byte statistics, the float16 road of small tensors and every exchange road come from
-:class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`; the Horovod protocol (stock
-``hvd.DistributedOptimizer``) from :class:`~hvd_gradcomp.horovod.HorovodCompressor`. Nothing in
+byte statistics, the float16 road of small tensors, every exchange road and the Horovod protocol
+(stock ``hvd.DistributedOptimizer``) come from
+:class:`~hvd_gradcomp.codecs.compressor.GradientCompressor`. Nothing in
 ``hvd_gradcomp/`` names this class: registering it makes ``HVDGC_COMPRESSION=randomk`` work too.
 """
 from __future__ import annotations
@@ -20,12 +20,11 @@ from hvd_gradcomp import codecs, wire
 from hvd_gradcomp.codecs import kernels
 from hvd_gradcomp import feedback as fb
 from hvd_gradcomp.codecs.compressor import Encoded, GradientCompressor
-from hvd_gradcomp.horovod import HorovodCompressor
 from hvd_gradcomp.settings import check_ratio
 
 
 @codecs.register("randomk", settings=("ratio", "error_feedback", "seed"), replace=True)
-class RandomK(HorovodCompressor, GradientCompressor):
+class RandomK(GradientCompressor):
     """Send ``ceil(ratio * n)`` random coordinates of each tensor, with their indices.
 
     >>> c = RandomK(ratio=0.1, seed=0)

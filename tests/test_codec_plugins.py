@@ -83,20 +83,30 @@ def test_a_class_the_roads_cannot_carry_is_refused_when_registered():
     assert "odd" not in codecs.names()
 
 
-def test_a_horovod_ready_class_registered_without_settings_gets_only_those_it_takes():
-    """``HorovodCompressor.__init__(*args, **kwargs)`` passes everything on: the settings are read from
-    the codec's own ``__init__`` further along the MRO (before: every setting, and a TypeError)."""
-    class Signs(HorovodCompressor, GradientCompressor):
-        codec_name, collective, kind = "signs-test", codecs.ALLGATHER, 2   # TopK's layout
+def test_a_class_of_the_deprecated_spelling_still_works_and_is_warned():
+    """``class C(HorovodCompressor, GradientCompressor)``, how codecs served stock Horovod before every
+    compressor did: ``HorovodCompressor`` is an empty marker now, warned at the class's definition; the
+    class keeps Horovod's protocol (from ``GradientCompressor``) and its settings are read from its own
+    ``__init__``."""
+    import torch
 
-        def __init__(self, error_feedback: bool = True, seed=None) -> None:
-            super().__init__(error_feedback=error_feedback, seed=seed)
+    with pytest.warns(DeprecationWarning, match="Signs: HorovodCompressor is deprecated"):
+        class Signs(HorovodCompressor, GradientCompressor):
+            codec_name, collective, kind = "signs-test", codecs.ALLGATHER, 2   # TopK's layout
 
-        def pack(self, flat, dtype, seed, contract=False, marked=None):   # never called here
-            raise NotImplementedError
+            def __init__(self, error_feedback: bool = True, seed=None, **kwargs) -> None:
+                super().__init__(error_feedback=error_feedback, seed=seed, **kwargs)
 
-        unpack = pack
+            def pack(self, flat, dtype, seed, contract=False, marked=None):   # never called here
+                raise NotImplementedError
 
+            unpack = pack
+
+    assert Signs.__mro__[1:3] == (HorovodCompressor, GradientCompressor)
+    assert Signs.compress is GradientCompressor.compress
+    assert not {"compress", "decompress", "bind", "__init__"} & set(vars(HorovodCompressor))
+    m = torch.nn.Linear(2, 2)
+    assert sorted(Signs(named_parameters=m.named_parameters())._names.values()) == ["bias", "weight"]
     codecs.register("signs-test", Signs)
     try:
         assert codecs.accepted_settings("signs-test") == ("error_feedback", "seed")
@@ -156,7 +166,7 @@ def test_a_codec_written_against_the_old_private_names_still_works_with_a_warnin
     from tests.external_randomk import RandomK
 
     with pytest.warns(DeprecationWarning, match=r"OldNames\._encode is the old name of the codec method pack"):
-        class OldNames(HorovodCompressor, GradientCompressor):
+        class OldNames(GradientCompressor):
             codec_name, collective, kind = "old-names", codecs.ALLGATHER, 2
 
             def _encode(self, flat, dtype, seed, contract=False, marked=None):
@@ -189,7 +199,7 @@ def test_a_codec_without_a_repr_of_its_own_prints_its_class_and_settings(caplog)
     from hvd_gradcomp import wire
     from hvd_gradcomp.settings import Checked, check_ratio
 
-    class Halves(HorovodCompressor, GradientCompressor):
+    class Halves(GradientCompressor):
         codec_name, collective, kind = "halves-test", codecs.ALLGATHER, wire.KIND_TOPK
         share = Checked(check_ratio, "Share of entries sent.")
 
@@ -207,7 +217,7 @@ def test_a_codec_without_a_repr_of_its_own_prints_its_class_and_settings(caplog)
         def __init__(self) -> None:
             super().__init__()
 
-    class Untouched(HorovodCompressor, GradientCompressor):   # no __init__ at all
+    class Untouched(GradientCompressor):   # no __init__ at all
         codec_name, collective, kind = "untouched-test", codecs.ALLGATHER, wire.KIND_TOPK
         pack = unpack = Halves.pack
 

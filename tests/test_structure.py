@@ -26,7 +26,7 @@ CODEC_MODULES = {"settings", "stats", "codecs", "codecs.registry", "wire", "wire
                  "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale", "feedback.frozen_momentum",
                  "feedback.frozen_adam", "feedback.frozen_denom",
                  "codecs.compressor", "codecs.interface", "codecs.exempt", "codecs.binding", "codecs.steps",
-                 "codecs.clipping", "codecs.kernels", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
+                 "codecs.clipping", "codecs.kernels", "codecs.protocol", "codecs.qsgd", "codecs.topk", "codecs.powersgd"}
 # Horovod's private names and the frame tricks that reach them: hvd_gradcomp/horovod/stock.py only.
 HOROVOD_ADAPTER = PACKAGE / "horovod" / "stock.py"
 HOROVOD_INTERNAL_MARKS = ("_getframe", "f_locals", "_starting_models", '"_compression"', "'_compression'")
@@ -212,7 +212,7 @@ def test_a_tensor_facing_name_loads_its_module_on_first_use() -> None:
             "print(type(c).__module__, 'torch' in sys.modules)")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["hvd_gradcomp.horovod.classes", "True"]
+    assert res.stdout.split() == ["hvd_gradcomp.codecs.topk", "True"]
 
 
 def test_every_hvdgc_variable_is_in_the_one_table() -> None:
@@ -235,7 +235,7 @@ LAYERS = (
     ("feedback", ("feedback", "feedback.kernels", "feedback.residuals", "feedback.policy", "feedback.registry", "feedback.names", "feedback.momentum", "feedback.frozen", "feedback.frozen_warmup", "feedback.frozen_scale",
                   "feedback.frozen_momentum", "feedback.frozen_adam", "feedback.frozen_denom")),
     ("codecs", ("codecs.kernels", "codecs.interface", "codecs.exempt", "codecs.binding", "codecs.steps", "codecs.clipping",
-                "codecs.compressor",
+                "codecs.protocol", "codecs.compressor",
                 "codecs.qsgd", "codecs.topk", "codecs.powersgd")),
     ("collectives", ("collectives", "collectives.reduce", "collectives.rounds", "collectives.transport",
                      "collectives.inflight", "collectives.exchange", "collectives.fused", "collectives.fused_group",

@@ -9,8 +9,9 @@ Two layers, from low to high (nothing here knows Horovod):
   first, and what the payload does not carry becomes the new one. The exchanges hand the
   averaged result back through ``received(name, avg)``.
 
-Horovod's compressor protocol (``compress``/``decompress``) is added on top by
-:mod:`hvd_gradcomp.horovod`, whose classes are the ones ``hvd_gradcomp`` exports.
+Horovod's compressor protocol (``compress``/``decompress``, ``bind``) is every compressor's too
+(:mod:`hvd_gradcomp.codecs.protocol`, done by the Horovod adapter): the classes here are the ones
+``hvd_gradcomp`` exports.
 
 Example::
 
@@ -29,7 +30,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -40,7 +41,7 @@ from .exempt import DEFAULT_MIN_COMPRESS_NUMEL, Exemption  # noqa: F401  (import
 from .binding import OptimizerBinding, Policies
 from .clipping import Clipping
 from .steps import Rounds, StepCounter
-from . import steps
+from . import protocol, steps
 from .. import wire
 from ..feedback import Feedback
 from ..stats import ByteStats
@@ -86,6 +87,7 @@ class SparsityWarmup:
 
 
 Ratio = Union[float, Callable[[int], float]]
+NamedParameters = Iterable[Tuple[str, torch.Tensor]]   # model.named_parameters(), for stock Horovod (bind)
 
 WARMUP_PACE_RATIO = 0.01
 """The ratio at which a feedback policy's ``sparsity_warmup`` is its length (see :func:`sparsity_warmup_steps`)."""
@@ -280,6 +282,9 @@ class GradientCompressor(WireCodec):
       :class:`~hvd_gradcomp.feedback.HalfPrecision`) or ``"fp32"`` (as they are). float16,
       bfloat16 and float64 gradients always travel as they are, and so do the tensors a feedback
       policy sends dense for a while (``feedback="frozen"``'s warm-up).
+    * ``named_parameters``: the model's ``named_parameters()``, for stock ``hvd.DistributedOptimizer``
+      (:meth:`bind`): the names of the gradients Horovod hands to :meth:`compress`, so it never needs
+      Horovod's private parameter table.
 
     A compressor of your own (see docs/ARCHITECTURE.md, "Add a compressor") subclasses this class,
     declares ``codec_name`` (its registry name, :mod:`hvd_gradcomp.codecs`), ``collective`` (how
@@ -318,7 +323,8 @@ class GradientCompressor(WireCodec):
 
     def __init__(self, error_feedback: bool = True, seed: Optional[int] = None,
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
-                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16",
+                 named_parameters: Optional[NamedParameters] = None) -> None:
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -338,6 +344,15 @@ class GradientCompressor(WireCodec):
         self._binder = OptimizerBinding()
         self._rounds = Rounds([self._policies, self._exemption, self._counter])   # the parts with round state
         self.stats = ByteStats()
+        self._names: Optional[Dict[torch.Tensor, str]] = None   # bind()'s, for stock Horovod
+        if named_parameters is not None:
+            self.bind(named_parameters)
+
+    # Horovod's compressor protocol, so one object serves stock hvd.DistributedOptimizer too
+    # (functions that name the Horovod adapter without importing it: see codecs/protocol.py)
+    compress = protocol.compress
+    decompress = protocol.decompress
+    bind = protocol.bind
 
     def __repr__(self) -> str:
         return settings_repr(self)   # a codec of one's own need not write one; the built-in ones do

@@ -21,7 +21,7 @@ The codec here only computes; the rounds travel on ``hvd_gradcomp.DistributedOpt
 (:class:`hvd_gradcomp.collectives.exchange.RoundsExchange`, Horovod allreduces) and the DDP hook
 (``hvd_gradcomp.ddp``, ``torch.distributed.all_reduce``). Stock ``hvd.DistributedOptimizer``
 allreduces what ``compress()`` returns once, so it cannot carry two dependent rounds: the
-class ``hvd_gradcomp`` exports says so at the first step (:mod:`hvd_gradcomp.horovod`).
+Horovod adapter says so at the first step (:func:`hvd_gradcomp.horovod.stock.refuse_rounds`).
 
 Example::
 

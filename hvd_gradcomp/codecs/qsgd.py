@@ -11,7 +11,7 @@ from .. import codecs, wire
 from . import kernels
 from .. import feedback as fb
 from .interface import _head_bytes
-from .compressor import (DEFAULT_BUCKET, Encoded, GradientCompressor, PartAttribute, qsgd_ef_scale,
+from .compressor import (DEFAULT_BUCKET, Encoded, GradientCompressor, NamedParameters, PartAttribute, qsgd_ef_scale,
                          qsgd_variance_bound)
 from ..feedback import Feedback
 from ..settings import Checked, check_bits, check_bucket_size
@@ -64,8 +64,9 @@ class QSGD(GradientCompressor):
 
     def __init__(self, bits: int = 8, bucket_size: int = DEFAULT_BUCKET, error_feedback: bool = True,
                  seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
-                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16") -> None:
-        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
+                 exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16",
+                 named_parameters: Optional[NamedParameters] = None) -> None:
+        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt, named_parameters)
         self._quant = Quantiser(bits, bucket_size)
 
     @property

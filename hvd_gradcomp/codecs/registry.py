@@ -69,10 +69,10 @@ Factory = Union[Callable[..., Any], str]
 
 # name -> (factory, or "module:attribute" imported on first use; the settings it takes, None: by signature)
 _REGISTRY: Dict[str, Tuple[Factory, Optional[Tuple[str, ...]]]] = {
-    "qsgd": ("hvd_gradcomp.horovod:QSGD", ("bits", "error_feedback", "seed")),
-    "topk": ("hvd_gradcomp.horovod:TopK", ("ratio", "error_feedback")),
-    "topk-qsgd": ("hvd_gradcomp.horovod:TopKQSGD", ("ratio", "bits", "error_feedback", "seed")),
-    "powersgd": ("hvd_gradcomp.horovod:PowerSGD", ("error_feedback", "seed")),
+    "qsgd": ("hvd_gradcomp.codecs.qsgd:QSGD", ("bits", "error_feedback", "seed")),
+    "topk": ("hvd_gradcomp.codecs.topk:TopK", ("ratio", "error_feedback")),
+    "topk-qsgd": ("hvd_gradcomp.codecs.topk:TopKQSGD", ("ratio", "bits", "error_feedback", "seed")),
+    "powersgd": ("hvd_gradcomp.codecs.powersgd:PowerSGD", ("error_feedback", "seed")),
 }
 _RESERVED = ("none", "fp16", "auto")   # settings of HVDGC_COMPRESSION that are not compressors
 
@@ -217,9 +217,8 @@ def accepted_settings(name: str) -> Tuple[str, ...]:
 
 def signature_settings(factory: Callable[..., Any]) -> Tuple[str, ...]:
     """Which of :data:`SETTINGS` ``factory`` takes, by its signature. For a class, ``__init__`` along
-    its MRO while each passes ``**kwargs`` on (a Horovod-ready class: ``HorovodCompressor``'s
-    ``__init__(*args, **kwargs)`` in front of the codec's own); every setting only for a function
-    that takes ``**kwargs`` itself.
+    its MRO while each passes ``**kwargs`` on (a subclass whose ``__init__(*args, **kwargs)`` hands
+    everything to the codec's own); every setting only for a function that takes ``**kwargs`` itself.
 
     >>> class Codec:
     ...     def __init__(self, ratio=0.01, error_feedback=True): ...

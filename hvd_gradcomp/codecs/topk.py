@@ -10,8 +10,8 @@ import torch
 from .. import codecs, wire
 from . import kernels
 from .. import feedback as fb
-from .compressor import (DEFAULT_BUCKET, WARMUP_PACE_RATIO, Encoded, GradientCompressor, PartAttribute, Ratio,
-                         SparsityWarmup, sparsity_warmup_steps)
+from .compressor import (DEFAULT_BUCKET, WARMUP_PACE_RATIO, Encoded, GradientCompressor, NamedParameters,
+                         PartAttribute, Ratio, SparsityWarmup, sparsity_warmup_steps)
 from .interface import _head_bytes
 from ..feedback import Feedback
 from ..feedback.frozen import WHILE_DENSE, FrozenVariance
@@ -67,8 +67,9 @@ class TopK(GradientCompressor):
     def __init__(self, ratio: Ratio = 0.01, error_feedback: bool = True, seed: Optional[int] = None,
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
                  exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16",
-                 min_k: int = MIN_SELECTED, min_ratio: Optional[Mapping[str, float]] = None) -> None:
-        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt)
+                 min_k: int = MIN_SELECTED, min_ratio: Optional[Mapping[str, float]] = None,
+                 named_parameters: Optional[NamedParameters] = None) -> None:
+        super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt, named_parameters)
         self.schedule: Optional[Callable[[int], float]] = None
         if callable(ratio):
             self.schedule = ratio
@@ -259,8 +260,10 @@ class TopKQSGD(TopK):
                  error_feedback: bool = True, seed: Optional[int] = None, feedback: Union[str, Feedback] = "auto",
                  clip: Optional[float] = None, exclude: Optional[str] = None,
                  checksum: Optional[bool] = None, exempt: str = "fp16", min_k: int = MIN_SELECTED,
-                 min_ratio: Optional[Mapping[str, float]] = None) -> None:
-        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt, min_k, min_ratio)
+                 min_ratio: Optional[Mapping[str, float]] = None,
+                 named_parameters: Optional[NamedParameters] = None) -> None:
+        super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt, min_k, min_ratio,
+                         named_parameters)
         self._quant = Quantiser(bits, bucket_size)
 
     @property

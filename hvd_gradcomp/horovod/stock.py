@@ -1,5 +1,5 @@
 """The one module that knows Horovod's internals: the compressors inside ``hvd.DistributedOptimizer``
-(``compress``/``decompress``; the classes that serve it are :mod:`hvd_gradcomp.horovod.classes`).
+(``compress``/``decompress``, which every compressor calls: :mod:`hvd_gradcomp.codecs.protocol`).
 
 Stock Horovod calls ``compression.compress(grad)`` with no parameter name, allreduces what
 comes back, then ``p.grad.set_(decompress(result, ctx))``. An allreduce of packed levels or
@@ -320,9 +320,30 @@ def _advice(why: str) -> str:
 
 
 # ---------------------------------------------------------------- Horovod's compressor protocol
+def refuse_rounds(compressor: GradientCompressor) -> None:
+    """Refuse a codec whose payload travels in dependent rounds (its declared collective is
+    :data:`~hvd_gradcomp.codecs.ALLREDUCE_ROUNDS`: PowerSGD), with what to use instead: stock Horovod
+    allreduces what ``compress()`` returns once, and PowerSGD's ``Q`` is computed from the averaged ``P``.
+
+    >>> from hvd_gradcomp.codecs.powersgd import PowerSGD
+    >>> refuse_rounds(PowerSGD(rank=4))
+    Traceback (most recent call last):
+    ...
+    hvd_gradcomp.horovod.stock.HorovodIntegrationError: PowerSGD(rank=4, error_feedback=True) cannot run inside hvd.DistributedOptimizer(compression=...): Horovod allreduces what compress() returns once, and PowerSGD needs two dependent allreduces (P, then Q computed from the averaged P). Use hvd_gradcomp.DistributedOptimizer(...) (same arguments) or, with PyTorch DDP, hvd_gradcomp.ddp.register(model, compression=...).
+    """
+    if codecs.collective_of(compressor) == codecs.ALLREDUCE_ROUNDS:
+        raise HorovodIntegrationError(
+            f"{compressor!r} cannot run inside hvd.DistributedOptimizer(compression=...): Horovod allreduces what "
+            f"compress() returns once, and {type(compressor).__name__} needs two dependent allreduces (P, then Q "
+            "computed from the averaged P). Use hvd_gradcomp.DistributedOptimizer(...) (same arguments) or, with "
+            "PyTorch DDP, hvd_gradcomp.ddp.register(model, compression=...).")
+
+
 def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optional[str] = None,
              names: Optional[Dict[torch.Tensor, str]] = None) -> Tuple[torch.Tensor, Any]:
-    """Horovod's ``compress``: see :meth:`HorovodCompressor.compress`."""
+    """Horovod's ``compress``: see :func:`hvd_gradcomp.codecs.protocol.compress` (every compressor's
+    ``compress``); ``names``: those bound with ``named_parameters=``."""
+    refuse_rounds(compressor)
     if not _compressible(tensor):
         return tensor, None
     bind_noise_stream(compressor)
@@ -417,7 +438,8 @@ def _count(compressor: GradientCompressor, name: str, raw: int, payload: int, fr
 
 
 def decompress(compressor: GradientCompressor, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-    """Horovod's ``decompress``: see :meth:`HorovodCompressor.decompress`."""
+    """Horovod's ``decompress``: see :func:`hvd_gradcomp.codecs.protocol.decompress`."""
+    refuse_rounds(compressor)
     if ctx is None:
         return tensor
     if isinstance(ctx, DenseContext):

@@ -136,3 +136,38 @@ def unread_settings() -> Dict[str, Any]:
                                     named_parameters=model.named_parameters()).remove_hooks()
         caught.append([f"{w.category.__name__}: {w.message}" for w in seen])
     return {"warnings": caught}
+
+
+def one_class_every_road() -> Dict[str, Any]:
+    """One codec class on the three roads (issue 60): stock ``hvd.DistributedOptimizer``,
+    ``hvd_gradcomp.DistributedOptimizer`` and the DDP hook (a 1-rank gloo group), each a step
+    that compresses; the class of each compressor and the payload bytes it counted."""
+    import torch.distributed as dist
+
+    out: Dict[str, Any] = {}
+    roads = {"stock": lambda m, c: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                                            named_parameters=m.named_parameters(), compression=c),
+             "ours": lambda m, c: gc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                                          named_parameters=m.named_parameters(), compression=c)}
+    for road, wrap in roads.items():
+        model = _model()
+        comp = gc.TopKQSGD(ratio=0.5, bits=8, named_parameters=model.named_parameters())
+        opt = wrap(model, comp)
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        if road == "stock":   # Horovod registers no hooks on 1 rank: its own call, as its hook makes it
+            handle, ctx = opt._allreduce_grad_async(model[0].weight)
+            hvd.synchronize(handle)
+            comp.decompress(torch.empty(0), ctx)
+        else:
+            opt.step()
+        out[road] = [f"{type(comp).__module__}:{type(comp).__qualname__}", comp.stats.bytes_out > 0]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)   # in-process: no port
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(_model())
+        comp = gc.TopKQSGD(ratio=0.5, bits=8)
+        gc.ddp.register(model, compression=comp, min_compress_numel=16)
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        out["ddp"] = [f"{type(comp).__module__}:{type(comp).__qualname__}", comp.stats.bytes_out > 0]
+    finally:
+        dist.destroy_process_group()
+    return out

@@ -27,7 +27,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from hvd_gradcomp import Encoded, GradientCompressor, HorovodCompressor, codecs, wire
+from hvd_gradcomp import Encoded, GradientCompressor, codecs, wire
 
 KIND = 17
 """This layout's payload kind: kinds 16..255 are for codecs of their own (1..3 are hvd_gradcomp's)."""
@@ -47,7 +47,7 @@ def _check_header(h: wire.Header) -> None:
 
 
 @codecs.register("ef-sign")
-class EFSign(HorovodCompressor, GradientCompressor):
+class EFSign(GradientCompressor):
     """Send the sign of every value and one scale per tensor (32x fewer bytes than float32), with
     error feedback. Serves stock ``hvd.DistributedOptimizer(compression=EFSign())``,
     ``hvd_gradcomp.DistributedOptimizer`` and the DDP hook (``hvd_gradcomp.ddp.register``)."""
