@@ -1,7 +1,7 @@
 """Horovod's compressor protocol, on every codec: ``compress(tensor, name=None)``,
 ``decompress(tensor, ctx)`` and ``bind(named_parameters)``.
 
-Why here: one object per codec serves every road. ``hvd_gradcomp.TopK`` is
+Why here: one object per codec serves every wrapper. ``hvd_gradcomp.TopK`` is
 :class:`hvd_gradcomp.codecs.topk.TopK`, and the same object goes to stock
 ``hvd.DistributedOptimizer(compression=...)``, to ``hvd_gradcomp.DistributedOptimizer`` and to the
 DDP hook, so :class:`~hvd_gradcomp.codecs.compressor.GradientCompressor` carries Horovod's

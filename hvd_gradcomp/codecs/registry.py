@@ -125,8 +125,8 @@ def register(name: str, factory: Optional[Factory] = None, *, settings: Optional
 
 
 def _check_class(name: str, cls: type) -> None:
-    """Refuse, when it is registered, a compressor class the roads could not carry: its declared
-    ``collective`` and ``codec_name`` are what every road reads (see the module docstring)."""
+    """Refuse, when it is registered, a compressor class the exchanges could not carry: its declared
+    ``collective`` and ``codec_name`` are what every wrapper reads (see the module docstring)."""
     collective = getattr(cls, "collective", None)
     if collective is not None and collective not in COLLECTIVES:
         raise ValueError(f"{cls.__qualname__}.collective is {collective!r}: declare one of {COLLECTIVES} "
@@ -138,7 +138,7 @@ def _check_class(name: str, cls: type) -> None:
     declared = getattr(cls, "codec_name", None)
     if declared is not None and declared != name:
         raise ValueError(f"{cls.__qualname__}.codec_name is {declared!r} but it is registered as {name!r}: "
-                         f"set codec_name = {name!r} in the class (the roads and HVDGC_COMPRESSION use it)")
+                         f"set codec_name = {name!r} in the class (the wrappers and HVDGC_COMPRESSION use it)")
     check = getattr(cls, "check_codec", None)   # the codec's methods and payload layout (codecs/interface.py)
     if callable(check):
         check()

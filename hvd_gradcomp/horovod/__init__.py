@@ -1,4 +1,4 @@
-"""Horovod's roads: hvd_gradcomp's compressors inside stock ``hvd.DistributedOptimizer``, and
+"""Horovod's wrappers: hvd_gradcomp's compressors inside stock ``hvd.DistributedOptimizer``, and
 hvd_gradcomp's own optimizer.
 
 The package spans two layers (docs/ARCHITECTURE.md). The adapter, below :mod:`hvd_gradcomp.auto`:

@@ -3,7 +3,7 @@
 
 Stock Horovod calls ``compression.compress(grad)`` with no parameter name, allreduces what
 comes back, then ``p.grad.set_(decompress(result, ctx))``. An allreduce of packed levels or
-sparse indices would be meaningless, so the payload takes another road:
+sparse indices would be meaningless, so the payload takes another path:
 
 1. ``compress`` finds which parameter the gradient belongs to (the names bound with
    ``named_parameters=``, else Horovod's own ``_parameter_names``), applies error feedback
@@ -17,10 +17,10 @@ Tensors the compressor does not compress (fewer than ``DEFAULT_MIN_COMPRESS_NUME
 ones exempt by size or ``exclude=`` as float16 (``exempt="fp16"``): divided by the number of
 ranks first, so Horovod's float16 sum cannot overflow, with error feedback of the cast, and
 multiplied back in ``decompress``. With ``op=hvd.Average`` Horovod then divides the float16 sum
-by the ranks once more, in float16: one more rounding than on ``hvd_gradcomp``'s road, which
+by the ranks once more, in float16: one more rounding than on ``hvd_gradcomp.DistributedOptimizer``, which
 sums. ``compressor.stats`` counts every tensor ``compress()`` hands to Horovod.
 
-Every road sets the compressor's noise stream to the rank (:func:`bind_noise_stream`), so
+Every wrapper sets the compressor's noise stream to the rank (:func:`bind_noise_stream`), so
 ranks draw independent rounding noise even when they share one explicit seed.
 
 Horovod starts every exchange of a step before it finishes the first, so the decompress
@@ -105,10 +105,10 @@ HOROVOD_HOW = ("pip install 'hvd-gradcomp[horovod]' (on torch >= 2.1 Horovod 0.2
 
 
 def require_horovod(what: str) -> Any:
-    """``horovod.torch`` for a road that needs it, or one ImportError that says how to install it.
+    """``horovod.torch`` for a wrapper that needs it, or one ImportError that says how to install it.
 
     Horovod is an extra (``hvd-gradcomp[horovod]``): the compressors, the DDP hook and the
-    launcher work without it, so only the Horovod roads ask for it, when they are used.
+    launcher work without it, so only the Horovod wrappers ask for it, when they are used.
 
     >>> require_horovod("hvd_gradcomp.DistributedOptimizer")     # doctest: +SKIP
     ImportError: hvd_gradcomp.DistributedOptimizer needs Horovod: pip install 'hvd-gradcomp[horovod]' ...
@@ -151,7 +151,7 @@ def bind_noise_stream(compressor: GradientCompressor) -> None:
 
     The rounding noise is a function of (seed, stream, tensor name, step): with the stream set
     to the rank, ranks that share one explicit seed still draw independent noise, so QSGD's
-    variance shrinks with the number of ranks. Called on every road into Horovod.
+    variance shrinks with the number of ranks. Called by every wrapper that goes through Horovod.
     """
     hvd = sys.modules.get("horovod.torch")   # never import Horovod for a compressor used without it
     if hvd is not None and hvd.is_initialized():
@@ -428,7 +428,7 @@ def _decompress_dense(compressor: GradientCompressor, tensor: torch.Tensor, ctx:
 
 
 def _count(compressor: GradientCompressor, name: str, raw: int, payload: int, framing: int = 0) -> None:
-    """Where the stock road counts bytes (:class:`~hvd_gradcomp.stats.ByteStats`): as ``compress()``
+    """Where the stock wrapper counts bytes (:class:`~hvd_gradcomp.stats.ByteStats`): as ``compress()``
     hands a tensor to Horovod, or, for an allgathered payload, once its exchange finished. The end of a
     compressed step closes the ledger's step; a step of dense tensors alone (``feedback="frozen"``'s
     warm-up) is closed by the next one's first tensor, since each tensor travels once per step."""
