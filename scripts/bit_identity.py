@@ -1,7 +1,7 @@
 """Prove that a refactor leaves training bit-identical: fingerprints of the weights after training.
 
 A small fixed model (an embedding, an MLP, and biases small enough for the float16 small-tensor
-road) is trained on 2 ranks through every road and codec, using only the public API as README.md
+wrapper) is trained on 2 ranks through every wrapper and codec, using only the public API as README.md
 shows it:
 
 * ``ours``: ``gc.DistributedOptimizer`` under ``horovodrun --gloo -np 2``;
@@ -15,7 +15,7 @@ and AdamW (plus TopKQSGD with ``clip=1.0`` on ``ours`` and ``ddp``), for enough 
 default ``frozen`` feedback passes its 100-step dense warm-up. Each case's record holds the SHA-256 of
 the parameters' bytes after training (rank 0's; ``ranks_identical`` says whether every rank ended with
 the same), and of the compressor's ``state_dict()`` (the DDP hook state's on ``ddp``), per rank.
-All cases of one road run inside one job: 3 jobs in all.
+All cases of one wrapper run inside one job: 3 jobs in all.
 
 Use it across a refactor (the script imports ``hvd_gradcomp`` from the checkout it lives in)::
 
@@ -26,7 +26,7 @@ Use it across a refactor (the script imports ``hvd_gradcomp`` from the checkout 
     python scripts/bit_identity.py --compare /tmp/base.json /tmp/new.json   # exit 1 if any case differs
     git worktree remove /tmp/base
 
-``--roads ours,ddp`` runs only those roads. ``--worker ROAD OUTFILE`` is the rank side (internal).
+``--wrappers ours,ddp`` runs only those wrappers. ``--worker WRAPPER OUTFILE`` is the rank side (internal).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(ROOT))   # the checkout this script lives in, before any installed copy
 
-ROADS = ("ours", "stock", "ddp")
+WRAPPERS = ("ours", "stock", "ddp")
 STEPS = 130          # AdamW's default "frozen" feedback is dense for its first 100 optimizer steps
 BATCH, SEQ = 16, 8   # per rank and step: 16 sequences of 8 tokens
 BUCKET_MB = 0.05     # DDP: several buckets for a ~32k-parameter model
@@ -77,10 +77,10 @@ def make_optimizer(name: str, params: Any) -> Any:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def cases(road: str) -> List[Tuple[str, str]]:
-    """(codec, optimizer) pairs of ``road``, in the order they run."""
-    out = [(c, o) for c in CODECS for o in OPTIMIZERS if not (road == "stock" and c == "powersgd")]
-    if road != "stock":
+def cases(wrapper: str) -> List[Tuple[str, str]]:
+    """(codec, optimizer) pairs of ``wrapper``, in the order they run."""
+    out = [(c, o) for c in CODECS for o in OPTIMIZERS if not (wrapper == "stock" and c == "powersgd")]
+    if wrapper != "stock":
         out.append(("topkqsgd-clip", "adamw"))
     return out
 
@@ -91,7 +91,7 @@ def make_model() -> Any:
 
     class Net(nn.Module):
         """Embedding(200, 32) -> mean -> 32-256-64-10 MLP: three weights over 1,024 values (compressed),
-        the head's weight and the biases under it (the small-tensor road)."""
+        the head's weight and the biases under it (the small-tensor wrapper)."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -169,14 +169,14 @@ def state_hash(obj: Any) -> Optional[str]:
     return h.hexdigest()
 
 
-def train_horovod(road: str, codec: str, optimizer: str, hvd: Any) -> Tuple[Any, Any]:
+def train_horovod(wrapper: str, codec: str, optimizer: str, hvd: Any) -> Tuple[Any, Any]:
     import torch.nn.functional as F
 
     import hvd_gradcomp as gc
     model = make_model()
     comp = make_compression(codec)
     opt = make_optimizer(optimizer, model.parameters())
-    wrap = gc.DistributedOptimizer if road == "ours" else hvd.DistributedOptimizer
+    wrap = gc.DistributedOptimizer if wrapper == "ours" else hvd.DistributedOptimizer
     opt = wrap(opt, named_parameters=model.named_parameters(), compression=comp)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -205,8 +205,8 @@ def train_ddp(codec: str, optimizer: str) -> Tuple[Any, Any]:
     return model.module, state
 
 
-def worker(road: str, outfile: Path) -> None:
-    """One rank: every case of ``road`` in turn; rank 0 writes ``outfile``."""
+def worker(wrapper: str, outfile: Path) -> None:
+    """One rank: every case of ``wrapper`` in turn; rank 0 writes ``outfile``."""
     import warnings
 
     import torch
@@ -214,7 +214,7 @@ def worker(road: str, outfile: Path) -> None:
     import hvd_gradcomp as gc
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")   # the policies' one-time notes; the fingerprints say what matters
-    if road == "ddp":
+    if wrapper == "ddp":
         import datetime
 
         import torch.distributed as dist
@@ -231,17 +231,17 @@ def worker(road: str, outfile: Path) -> None:
         rank = hvd.rank()
         gather = hvd.allgather_object
     if rank == 0:
-        print(f"[bit_identity] {road}: hvd_gradcomp from {Path(gc.__file__).resolve().parent}", flush=True)
+        print(f"[bit_identity] {wrapper}: hvd_gradcomp from {Path(gc.__file__).resolve().parent}", flush=True)
     results: Dict[str, Any] = {}
     name = ""
     try:
-        for codec, optimizer in cases(road):
-            name = f"{road}/{codec}/{optimizer}"
+        for codec, optimizer in cases(wrapper):
+            name = f"{wrapper}/{codec}/{optimizer}"
             t0 = time.perf_counter()
-            if road == "ddp":
+            if wrapper == "ddp":
                 model, stateful = train_ddp(codec, optimizer)
             else:
-                model, stateful = train_horovod(road, codec, optimizer, hvd)
+                model, stateful = train_horovod(wrapper, codec, optimizer, hvd)
             mine = {"weights": weights_hash(model), "state": state_hash(stateful)}
             every = gather(mine)
             results[name] = {"weights": every[0]["weights"],
@@ -257,7 +257,7 @@ def worker(road: str, outfile: Path) -> None:
     if rank == 0:
         meta = {"package": str(Path(gc.__file__).resolve().parent)}
         outfile.write_text(json.dumps({"meta": meta, "cases": results}, indent=1, sort_keys=True))
-    if road == "ddp":
+    if wrapper == "ddp":
         dist.destroy_process_group()
     else:
         hvd.shutdown()
@@ -276,9 +276,9 @@ def rank_env() -> Dict[str, str]:
     return env
 
 
-def job_argv(road: str, outfile: Path) -> List[str]:
-    program = [sys.executable, str(Path(__file__).resolve()), "--worker", road, str(outfile)]
-    if road == "ddp":
+def job_argv(wrapper: str, outfile: Path) -> List[str]:
+    program = [sys.executable, str(Path(__file__).resolve()), "--worker", wrapper, str(outfile)]
+    if wrapper == "ddp":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
                 *program[1:]]
     horovodrun = str(Path(sys.executable).parent / "horovodrun")
@@ -298,11 +298,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_road(road: str, timeout: float) -> Dict[str, Any]:
-    """Run ``road``'s job; return its cases. Exits 2, with every rank's output, when the job fails."""
+def run_wrapper(wrapper: str, timeout: float) -> Dict[str, Any]:
+    """Run ``wrapper``'s job; return its cases. Exits 2, with every rank's output, when the job fails."""
     with tempfile.TemporaryDirectory(prefix="bitid-") as tmp:
-        outfile = Path(tmp) / f"{road}.json"
-        argv = job_argv(road, outfile)
+        outfile = Path(tmp) / f"{wrapper}.json"
+        argv = job_argv(wrapper, outfile)
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, cwd=str(ROOT), env=rank_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -319,14 +319,14 @@ def run_road(road: str, timeout: float) -> Dict[str, Any]:
         if not failed and not outfile.exists():
             failed = "wrote no result"
         if failed:
-            print(f"{road}: {' '.join(argv)} {failed}\n--- output of all ranks ---\n{out}", file=sys.stderr)
+            print(f"{wrapper}: {' '.join(argv)} {failed}\n--- output of all ranks ---\n{out}", file=sys.stderr)
             sys.exit(2)
         data = json.loads(outfile.read_text())
     package = Path(data["meta"]["package"])
     if package != ROOT / "hvd_gradcomp":
-        print(f"{road}: the ranks imported hvd_gradcomp from {package}, not from {ROOT}:\n{out}", file=sys.stderr)
+        print(f"{wrapper}: the ranks imported hvd_gradcomp from {package}, not from {ROOT}:\n{out}", file=sys.stderr)
         sys.exit(2)
-    print(f"{road}: {len(data['cases'])} cases in {time.perf_counter() - t0:.0f}s (hvd_gradcomp from {package})",
+    print(f"{wrapper}: {len(data['cases'])} cases in {time.perf_counter() - t0:.0f}s (hvd_gradcomp from {package})",
           flush=True)
     return data["cases"]
 
@@ -358,10 +358,10 @@ def compare(a: Path, b: Path) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="write the fingerprints here (JSON)")
-    parser.add_argument("--roads", default=",".join(ROADS), help=f"comma-separated subset of {','.join(ROADS)}")
-    parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S, help="seconds per job (one per road)")
+    parser.add_argument("--wrappers", default=",".join(WRAPPERS), help=f"comma-separated subset of {','.join(WRAPPERS)}")
+    parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S, help="seconds per job (one per wrapper)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two JSON files")
-    parser.add_argument("--worker", nargs=2, metavar=("ROAD", "OUTFILE"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, metavar=("WRAPPER", "OUTFILE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker[0], Path(args.worker[1]))
@@ -370,14 +370,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return compare(*args.compare)
     if args.out is None:
         parser.error("give --out FILE.json (or --compare A.json B.json)")
-    roads = [r for r in args.roads.split(",") if r]
-    bad = [r for r in roads if r not in ROADS]
-    if bad or not roads:
-        parser.error(f"--roads takes a comma-separated subset of {','.join(ROADS)}, got {args.roads!r}")
+    wrappers = [r for r in args.wrappers.split(",") if r]
+    bad = [r for r in wrappers if r not in WRAPPERS]
+    if bad or not wrappers:
+        parser.error(f"--wrappers takes a comma-separated subset of {','.join(WRAPPERS)}, got {args.wrappers!r}")
     t0 = time.perf_counter()
     found: Dict[str, Any] = {}
-    for road in roads:
-        found.update(run_road(road, args.timeout))
+    for wrapper in wrappers:
+        found.update(run_wrapper(wrapper, args.timeout))
     settings = {"steps": STEPS, "batch": BATCH, "seq": SEQ, "world": WORLD, "bucket_mb": BUCKET_MB}
     args.out.write_text(json.dumps({"settings": settings, "cases": found}, indent=1, sort_keys=True) + "\n")
     split = [n for n, c in found.items() if not c["ranks_identical"]]

@@ -18,7 +18,7 @@ AUTO = {"auto", "ddp/auto.py"}
 AUTO_CHOICE = {
     ("collectives/inflight.py", "road"): "Pending.road: the road Auto picked for the tensor (auto.AutoExchange)",
 }
-KNOWN_EXCEPTIONS: set = set()   # files allowed a road identifier until their owner renamed it: none left
+KNOWN_EXCEPTIONS: set = set()   # files allowed a road identifier until renamed: none left
 _WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
 
 
