@@ -404,9 +404,6 @@ def test_no_module_or_class_past_the_size_limits() -> None:
 HEADROOM_CLASS_LINES = MAX_CLASS_LINES * 5 // 6
 
 
-@pytest.mark.xfail(strict=True, reason="not met yet (issue 60): Auto (auto/auto.py, 257 lines) and GradientCompressor "
-                                       "(codecs/compressor.py, 267): the coordinators of their parts; strict, so this "
-                                       "marker must go when they are split")
 def test_the_largest_class_leaves_headroom_under_the_cap() -> None:
     """No class is over 5/6 of the cap (250 of 300 lines). Why: a cap that classes are cut to just pass
     stops meaning anything; a class parked at 291 lines grows past 300 with its next feature, and is

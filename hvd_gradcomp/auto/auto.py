@@ -121,26 +121,17 @@ class Auto:
     """Automatic road per tensor: dense, fp16, QSGD or TopKQSGD, measured and re-decided.
 
     Args:
-        ratio, bits: TopKQSGD's settings for the sparse road.
-        qsgd_bits: QSGD's bits for the compressed-allreduce road.
+        ratio, bits: TopKQSGD's settings for the sparse road; qsgd_bits: QSGD's for the qsgd road.
         roads: the roads allowed (default all: ``"sparse", "qsgd", "fp16", "dense"``).
-        explore_steps: measured steps each codec road (sparse, qsgd) is tried for at the start
-            (the least of the samples is used; fp16 and dense, with nothing to warm up, take one
-            step each), and steps timed after each decision to verify it.
-        warmup_steps: unmeasured steps each codec road takes first while exploring: its
-            one-off start-up costs (kernel compilation, buffers, Horovod's negotiation of new
-            names) stay out of its codec costs and step times; as many steps after each
-            decision go untimed before the steps that verify it.
-        explore_within: after the first road's exploring steps the link is probed, and a road
-            whose bytes alone, at the probed rate, would take more than this multiple of the first
-            road's measured step is not explored (it cannot be faster, and on a slow link each of
-            its steps costs seconds); ``math.inf`` explores every road.
-        interval: steps between re-decisions.
-        hysteresis: a tensor switches only if the new road is this fraction faster.
-        probe_numel: float32 values of the bandwidth probe's allreduce (fewer on a slow link:
-            as many as it sends in about 50 ms).
-        error_feedback, seed: as for the compressors.
-        named_parameters: for stock Horovod, as the compressors' (see :meth:`bind`).
+        explore_steps, warmup_steps, interval: measured and unmeasured steps each codec road is
+            tried for at the start (and after each decision, to verify it); steps between
+            re-decisions (:class:`~hvd_gradcomp.auto.schedule.Schedule`).
+        hysteresis, explore_within: a tensor switches only if the new road is this fraction faster;
+            a road whose bytes alone, at the probed rate, would take more than this multiple of the
+            first road's step is not explored (``math.inf`` explores every road)
+            (:class:`~hvd_gradcomp.auto.decide.Decider`).
+        probe_numel: float32 values of the link probe (:class:`~hvd_gradcomp.auto.measure.LinkProbe`).
+        error_feedback, seed: as for the compressors; named_parameters: for stock Horovod (:meth:`bind`).
 
     Auto wires parts that each own their state: ``compressed`` (:mod:`~hvd_gradcomp.auto.residuals`),
     ``schedule``, ``measurements``, ``clock``, ``prober`` (:mod:`~hvd_gradcomp.auto.measure`), ``decider``,

@@ -96,7 +96,8 @@ class StepClock:
 class LinkProbe:
     """The link, from timed collectives: a 1-value and an n-value float32 allreduce, an n-value
     fp16 allreduce, an allgather of n bytes per rank (:meth:`measure`); n sized to the link
-    (:meth:`size`). ``link``: the last one averaged over ranks (:meth:`adopt`)."""
+    (:meth:`size`: ``probe_numel`` at most, fewer on a slow link, as many as it sends in about 50 ms).
+    ``link``: the last one averaged over ranks (:meth:`adopt`)."""
 
     def __init__(self, probe_numel: int) -> None:
         self.probe_numel = probe_numel

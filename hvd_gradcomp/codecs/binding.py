@@ -280,6 +280,23 @@ class Policies:
     'none'
     """
 
+    @classmethod
+    def chosen(cls, error_feedback: bool, feedback: Union[str, Feedback]) -> "Policies":
+        """From a compressor's ``error_feedback=`` and ``feedback=``, checked now, not at the first step.
+
+        >>> Policies.chosen(False, "auto").choice
+        'none'
+        >>> Policies.chosen(False, "classic")
+        Traceback (most recent call last):
+        ...
+        ValueError: error_feedback=False contradicts feedback='classic': pass only feedback=
+        """
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if not error_feedback and feedback not in ("auto", "none"):
+            raise ValueError(f"error_feedback=False contradicts feedback={feedback!r}: pass only feedback=")
+        return cls("none" if not error_feedback else feedback)
+
     def __init__(self, choice: Union[str, Feedback]) -> None:
         self.choice = choice
         self.policy: Feedback = fb.make("classic" if choice == "auto" else choice)

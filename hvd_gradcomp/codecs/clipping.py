@@ -9,7 +9,11 @@ import torch
 
 class Clipping:
     """``clip``: the largest global L2 norm of each rank's gradient, as ``clip_grad_norm_`` means it, or
-    None; ``whole_step_clipped``: set by a wrapper that clips every tensor of a step at once (:meth:`local`) before
+    None: done to each rank's own gradient before anything is compressed, over every tensor of the
+    step (compressed, small and excluded ones). ``hvd_gradcomp.DistributedOptimizer`` and the DDP hook
+    then start the exchanges once backward is over (the norm needs every gradient); stock
+    ``hvd.DistributedOptimizer`` compresses each tensor as its gradient arrives and refuses it.
+    ``whole_step_clipped``: set by a wrapper that clips every tensor of a step at once (:meth:`local`) before
     compressing any, so that a tensor is not clipped again alone (:meth:`clipped`).
 
     >>> c = Clipping(1.0)

@@ -261,30 +261,21 @@ class PartMethod(PartAttribute):
 class GradientCompressor(WireCodec):
     """Base class of the codecs: a codec's ``pack``/``unpack`` with its feedback policy, composed of parts.
 
-    Arguments shared by every compressor:
+    Arguments shared by every compressor, each checked and kept by the part it configures:
 
-    * ``error_feedback``: False is ``feedback="none"``;
-    * ``feedback``: ``"auto"`` (chosen from the wrapped optimizer by :meth:`attach`),
-      ``"none"``, ``"classic"``, ``"momentum"``, ``"update"``, ``"frozen"`` or a
-      :class:`~hvd_gradcomp.feedback.Feedback` instance (see :mod:`hvd_gradcomp.feedback`);
-    * ``clip``: local gradient clipping, what ``clip_grad_norm_(model.parameters(), clip)`` means,
-      done to each rank's own gradient before anything is compressed: the global L2 norm over
-      every tensor of the step (compressed, small and excluded ones) is scaled to at most ``clip``
-      (:meth:`clip_local`). ``hvd_gradcomp.DistributedOptimizer`` and the DDP hook then start the
-      exchanges once backward is over (the norm needs every gradient); stock
-      ``hvd.DistributedOptimizer`` compresses each tensor as its gradient arrives and refuses it;
-    * ``exclude``: a regular expression; parameters whose name matches go uncompressed.
-    * ``exempt``: how float32 tensors exempt from compression by design travel (fewer elements
-      than ``min_compress_numel``, e.g. biases and norms, or matched by ``exclude``):
-      ``"fp16"`` (default: as float16, half the bytes, divided by the number of ranks before
-      the cast so that the sum cannot overflow, saturated at float16's range, and what the cast
-      takes away kept and sent later by error feedback, see
-      :class:`~hvd_gradcomp.feedback.HalfPrecision`) or ``"fp32"`` (as they are). float16,
-      bfloat16 and float64 gradients always travel as they are, and so do the tensors a feedback
-      policy sends dense for a while (``feedback="frozen"``'s warm-up).
+    * ``error_feedback``: False is ``feedback="none"``; ``feedback``: ``"auto"`` (chosen from the
+      wrapped optimizer by :meth:`attach`), ``"none"``, ``"classic"``, ``"momentum"``, ``"update"``,
+      ``"frozen"`` or a :class:`~hvd_gradcomp.feedback.Feedback` (:class:`~hvd_gradcomp.codecs.binding.Policies`);
+    * ``clip``: each rank's whole gradient clipped before anything is compressed, as
+      ``clip_grad_norm_(model.parameters(), clip)`` does (:class:`~hvd_gradcomp.codecs.clipping.Clipping`;
+      stock ``hvd.DistributedOptimizer`` refuses it);
+    * ``exclude`` (a regular expression of parameter names left uncompressed) and ``exempt`` (``"fp16"``,
+      the default, or ``"fp32"``: how float32 tensors exempt by design travel)
+      (:class:`~hvd_gradcomp.codecs.exempt.Exemption`);
+    * ``seed``: of the rounding noise (:class:`~hvd_gradcomp.codecs.steps.StepCounter`);
+    * ``checksum``: a CRC32 in each payload's header (:attr:`~hvd_gradcomp.codecs.interface.WireCodec.checksum`);
     * ``named_parameters``: the model's ``named_parameters()``, for stock ``hvd.DistributedOptimizer``
-      (:meth:`bind`): the names of the gradients Horovod hands to :meth:`compress`, so it never needs
-      Horovod's private parameter table.
+      (:meth:`bind`), so it never needs Horovod's private parameter table.
 
     A compressor of your own (see docs/ARCHITECTURE.md, "Add a compressor") subclasses this class,
     declares ``codec_name`` (its registry name, :mod:`hvd_gradcomp.codecs`), ``collective`` (how
@@ -295,12 +286,6 @@ class GradientCompressor(WireCodec):
     tensor`` and, for a sparse payload, ``unpack_sparse(header, reader) -> (indices, values)``
     (:class:`~hvd_gradcomp.codecs.interface.WireCodec`, docs/WRITING_A_CODEC.md).
     ``seed`` differs per tensor, step and rank (:meth:`_next_seed`).
-
-    ``checksum``: put a CRC32 of each payload in its header and refuse payloads whose bytes
-    changed (True), or not (False). None (default): on for the sparse compressors, where it
-    costs under 0.1% of encode time, off for QSGD, whose payloads are a quarter of the
-    gradient and where it costs 10-19% (``benchmarks/bench_checksum.py``). A compressor
-    that writes checksums also refuses payloads without one: set it alike on every rank.
     Hyperparameters are validated on assignment too (``c.ratio = 0.05`` works, ``c.ratio = 0``
     raises ``ValueError``).
 
@@ -325,21 +310,13 @@ class GradientCompressor(WireCodec):
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
                  exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16",
                  named_parameters: Optional[NamedParameters] = None) -> None:
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        # Until an optimizer is attached, "auto" means classic error feedback.
+        self._policies = Policies.chosen(error_feedback, feedback)
         self._clipping = Clipping(clip)
-        if not error_feedback and feedback not in ("auto", "none"):
-            raise ValueError(f"error_feedback=False contradicts feedback={feedback!r}: pass only feedback=")
-        if not (isinstance(feedback, Feedback) or feedback == "auto"):
-            fb.make(feedback)  # validates the name now, not at the first step
         self.checksum = checksum
         self._exemption = Exemption(exclude, exempt)
         self._counter = StepCounter(seed)
         self._step_now, self._name_now = 0, ""  # the tensor being encoded (ratio schedules, min_ratio)
-        # Until an optimizer is attached, "auto" means classic error feedback.
-        self._policies = Policies("none" if not error_feedback else feedback)
         type(self).check_codec()   # a class never registered is checked (and its layout registered) here
         self._binder = OptimizerBinding()
         self._rounds = Rounds([self._policies, self._exemption, self._counter])   # the parts with round state

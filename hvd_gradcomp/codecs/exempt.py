@@ -29,6 +29,13 @@ class Exemption:
     float16 cast's own residuals (``half``, :class:`~hvd_gradcomp.feedback.HalfPrecision`: what the cast
     takes away, sent later).
 
+    Exempt by design: float32 tensors with fewer elements than ``min_compress_numel`` (biases, norms)
+    or matched by ``exclude``. ``"fp16"`` sends them as float16, half the bytes, divided by the number
+    of ranks before the cast so that the sum cannot overflow, saturated at float16's range, and what
+    the cast takes away kept and sent later by error feedback; ``"fp32"`` as they are. float16,
+    bfloat16 and float64 gradients always travel as they are, and so do the tensors a feedback policy
+    sends dense for a while (``feedback="frozen"``'s warm-up).
+
     >>> e = Exemption(exclude=r"norm")
     >>> e.excluded("norm.weight"), e.excluded("fc.bias")
     (True, False)

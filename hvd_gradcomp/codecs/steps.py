@@ -33,6 +33,8 @@ class StepCounter:
     """
 
     def __init__(self, seed: Optional[int] = None) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.given_seed = seed   # None: torch's seed, read at first use (see seed)
         self.stream = 0          # set to the rank by every wrapper: ranks draw independent noise
         self.steps: Dict[str, int] = {}
