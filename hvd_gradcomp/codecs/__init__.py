@@ -10,11 +10,11 @@
 * :mod:`~hvd_gradcomp.codecs.qsgd`, :mod:`~hvd_gradcomp.codecs.topk`, :mod:`~hvd_gradcomp.codecs.powersgd`:
   the built-in codecs.
 """
-from .registry import (ALLGATHER, COMPRESSED_ALLREDUCE, ALLREDUCE_ROUNDS, COLLECTIVES, SPARSE, DENSE, LOW_RANK, NATURES,
+from .registry import (ALLGATHER, COMPRESSED_ALLREDUCE, ALLREDUCE_ROUNDS, SPARSE_ALLREDUCE, COLLECTIVES, SPARSE, DENSE, LOW_RANK, NATURES,
                        NATURE_OF_COLLECTIVE, SETTINGS, Factory, ENTRY_POINTS, register, load_module, unregister, names,
                        lookup, accepted_settings, signature_settings, build, collective_of, nature_of, name_of)
 
-__all__ = ["ALLGATHER", "COMPRESSED_ALLREDUCE", "ALLREDUCE_ROUNDS", "COLLECTIVES", "SPARSE", "DENSE", "LOW_RANK",
+__all__ = ["ALLGATHER", "COMPRESSED_ALLREDUCE", "ALLREDUCE_ROUNDS", "SPARSE_ALLREDUCE", "COLLECTIVES", "SPARSE", "DENSE", "LOW_RANK",
            "NATURES", "NATURE_OF_COLLECTIVE", "SETTINGS", "Factory", "ENTRY_POINTS", "register", "load_module",
            "unregister", "names", "lookup", "accepted_settings", "signature_settings", "build", "collective_of",
            "nature_of", "name_of"]

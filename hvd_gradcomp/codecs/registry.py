@@ -11,7 +11,11 @@ launcher's settings and the byte statistics read them instead of asking which cl
     decodes in rank order and averages (TopK, TopKQSGD, a random-k of your own);
   - :data:`COMPRESSED_ALLREDUCE`: a dense quantised payload, reduced chunk by chunk (alltoall
     of chunks, each rank sums and re-quantises its chunk, allgather): QSGD;
-  - :data:`ALLREDUCE_ROUNDS`: float32 factors allreduced in dependent rounds (PowerSGD: P, then Q).
+  - :data:`ALLREDUCE_ROUNDS`: float32 factors allreduced in dependent rounds (PowerSGD: P, then Q);
+  - :data:`SPARSE_ALLREDUCE`: selected (index, value) pairs routed to the rank that owns their
+    index region, summed and re-selected there, the owners' selections gathered (Ok-Topk's exchange,
+    :mod:`hvd_gradcomp.collectives.sparse_allreduce`): bytes per rank that do not grow with the
+    ranks. A top-k codec takes it per instance: ``TopK(..., exchange="allreduce")``.
 
 The registry maps a name to a factory (a class, or any callable returning a compressor) that
 takes the launcher's settings as keyword arguments (``ratio``, ``bits``, ``error_feedback``,
@@ -50,8 +54,10 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 ALLGATHER = "allgather"
 COMPRESSED_ALLREDUCE = "compressed_allreduce"
 ALLREDUCE_ROUNDS = "allreduce_rounds"
-COLLECTIVES = (ALLGATHER, COMPRESSED_ALLREDUCE, ALLREDUCE_ROUNDS)
-"""How a compressor's payload travels (a compressor class's ``collective``)."""
+SPARSE_ALLREDUCE = "sparse_allreduce"
+COLLECTIVES = (ALLGATHER, COMPRESSED_ALLREDUCE, ALLREDUCE_ROUNDS, SPARSE_ALLREDUCE)
+"""How a compressor's payload travels (a compressor class's ``collective``; a top-k codec's instance may
+choose :data:`SPARSE_ALLREDUCE` instead of its class's :data:`ALLGATHER`)."""
 
 SPARSE, DENSE, LOW_RANK = "sparse", "dense", "low-rank"
 NATURES = (SPARSE, DENSE, LOW_RANK)
@@ -60,7 +66,8 @@ NATURES = (SPARSE, DENSE, LOW_RANK)
 everything, error feedback holds the rest for many steps (AdamW: ``frozen``; momentum SGD: DGC's
 correction); ``dense``: every coordinate every step, an unbiased or nearly exact value (``classic``,
 ``none`` for low-bit QSGD); ``low-rank``: a projection of every matrix (as sparse)."""
-NATURE_OF_COLLECTIVE = {ALLGATHER: SPARSE, COMPRESSED_ALLREDUCE: DENSE, ALLREDUCE_ROUNDS: LOW_RANK}
+NATURE_OF_COLLECTIVE = {ALLGATHER: SPARSE, COMPRESSED_ALLREDUCE: DENSE, ALLREDUCE_ROUNDS: LOW_RANK,
+                        SPARSE_ALLREDUCE: SPARSE}
 
 SETTINGS = ("ratio", "bits", "error_feedback", "seed")
 """The settings :func:`build` may pass (the ``HVDGC_*`` ones, see :mod:`hvd_gradcomp.config`)."""
@@ -246,9 +253,12 @@ def build(name: str, **settings: Any) -> Any:
 
 
 def collective_of(compressor: Any) -> Optional[str]:
-    """How ``compressor``'s payload travels (its class's ``collective``); None for something that
-    is not a compressor of this library's interface (a Horovod compressor, None)."""
-    value = getattr(type(compressor), "collective", None)
+    """How ``compressor``'s payload travels (its ``collective``: its class's, or the one its instance
+    chose, ``TopK(exchange="allreduce")``); None for something that is not a compressor of this
+    library's interface (a Horovod compressor, None)."""
+    if isinstance(compressor, type):
+        return None
+    value = getattr(compressor, "collective", None)
     return value if value in COLLECTIVES else None
 
 

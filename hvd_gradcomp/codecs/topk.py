@@ -68,8 +68,9 @@ class TopK(GradientCompressor):
                  feedback: Union[str, Feedback] = "auto", clip: Optional[float] = None,
                  exclude: Optional[str] = None, checksum: Optional[bool] = None, exempt: str = "fp16",
                  min_k: int = MIN_SELECTED, min_ratio: Optional[Mapping[str, float]] = None,
-                 named_parameters: Optional[NamedParameters] = None) -> None:
+                 named_parameters: Optional[NamedParameters] = None, exchange: str = "allgather") -> None:
         super().__init__(error_feedback, seed, feedback, clip, exclude, checksum, exempt, named_parameters)
+        self.exchange = exchange
         self.schedule: Optional[Callable[[int], float]] = None
         if callable(ratio):
             self.schedule = ratio
@@ -77,6 +78,24 @@ class TopK(GradientCompressor):
         self.ratio = ratio
         self.min_k = min_k
         self.min_ratio = min_ratio
+
+    @property
+    def exchange(self) -> str:
+        """How the payloads travel: ``"allgather"`` (default: every rank's selection to every rank, bytes
+        per rank growing with the ranks) or ``"allreduce"`` (:data:`~hvd_gradcomp.codecs.SPARSE_ALLREDUCE`,
+        Ok-Topk's sparse allreduce: bytes per rank that stay O(k) as ranks are added).
+
+        >>> TopK(ratio=0.01, exchange="allreduce").collective
+        'sparse_allreduce'
+        """
+        return "allreduce" if self.collective == codecs.SPARSE_ALLREDUCE else "allgather"
+
+    @exchange.setter
+    def exchange(self, value: str) -> None:
+        if value not in ("allgather", "allreduce"):
+            raise ValueError(f"exchange must be 'allgather' or 'allreduce' (the sparse allreduce, whose bytes per "
+                             f"rank do not grow with the ranks), got {value!r}")
+        self.collective = codecs.SPARSE_ALLREDUCE if value == "allreduce" else codecs.ALLGATHER
 
     @property
     def min_ratio(self) -> Dict[str, float]:
@@ -121,6 +140,8 @@ class TopK(GradientCompressor):
         extra = f", min_k={self.min_k}" if self.min_k != MIN_SELECTED else ""
         if self._min_ratio:
             extra += f", min_ratio={self._min_ratio!r}"
+        if self.exchange != "allgather":
+            extra += f", exchange={self.exchange!r}"
         return super()._extra_repr() + extra
 
     def _auto_policy(self, key: str) -> Feedback:
@@ -261,9 +282,9 @@ class TopKQSGD(TopK):
                  clip: Optional[float] = None, exclude: Optional[str] = None,
                  checksum: Optional[bool] = None, exempt: str = "fp16", min_k: int = MIN_SELECTED,
                  min_ratio: Optional[Mapping[str, float]] = None,
-                 named_parameters: Optional[NamedParameters] = None) -> None:
+                 named_parameters: Optional[NamedParameters] = None, exchange: str = "allgather") -> None:
         super().__init__(ratio, error_feedback, seed, feedback, clip, exclude, checksum, exempt, min_k, min_ratio,
-                         named_parameters)
+                         named_parameters, exchange)
         self._quant = Quantiser(bits, bucket_size)
 
     @property
