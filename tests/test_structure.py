@@ -245,7 +245,7 @@ LAYERS = (
               "auto.stock", "auto.state")),
     ("optimizers", ("horovod.elastic", "horovod.optimizer", "horovod.small", "horovod.watch", "horovod.hooks",
                     "horovod.exchanges", "horovod.accumulate", "ddp", "ddp.state", "ddp.hook", "ddp.env",
-                    "ddp.accumulate", "ddp.exchanges", "ddp.auto", "ddp.checkpoint", "ddp.plans", "ddp.handoff", "ddp.policy",
+                    "ddp.accumulate", "ddp.exchanges", "ddp.sparse_exchange", "ddp.auto", "ddp.checkpoint", "ddp.plans", "ddp.handoff", "ddp.policy",
                     "ddp.join", "config")),
     ("integrations", ("integrations", "integrations.extras", "integrations.lightning", "integrations.accelerate")),
     ("launchers", ("launchers",)),

@@ -437,7 +437,8 @@ def _rounds(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Futur
 _EXCHANGES: Dict[str, Callable[[State, torch.Tensor, _Plan, int], Future]] = {
     codecs.ALLGATHER: _allgather, codecs.COMPRESSED_ALLREDUCE: _scatter_reduce,
     codecs.ALLREDUCE_ROUNDS: _rounds}
-"""A compressor's declared ``collective`` (:mod:`hvd_gradcomp.codecs`) -> the driver of its buckets."""
+"""A compressor's declared ``collective`` (:mod:`hvd_gradcomp.codecs`) -> the driver of its buckets
+(the sparse allreduce's, :mod:`hvd_gradcomp.ddp.sparse_exchange`, is added at the end of this module)."""
 
 
 def _nonfinite(state: State) -> None:
@@ -458,3 +459,8 @@ def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
+
+
+# Its own module (it uses this one's helpers), registered here: one table of drivers.
+from .sparse_exchange import _sparse_allreduce  # noqa: E402
+_EXCHANGES[codecs.SPARSE_ALLREDUCE] = _sparse_allreduce

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..auto import Auto
 from ..codecs.compressor import DEFAULT_MIN_COMPRESS_NUMEL, GradientCompressor, refuse_class
+from ..collectives.sparse_allreduce import Balancer
 from ..feedback.names import name_map
 from ..feedback.registry import HOOK_POLICIES  # noqa: F401  (hvd_gradcomp.ddp.HOOK_POLICIES)
 from ..stats import ByteStats
@@ -129,6 +130,7 @@ class GradCompState:
         self.comm_stats = compression.stats if isinstance(compression, GradientCompressor) else ByteStats()
         self.nonfinite_exchanges = 0    # buckets that carried NaN/Inf on some rank
         self._in_order = _InOrder(self._lock)   # second-round collectives, in bucket order
+        self._balancer = Balancer(self.world_size)   # the sparse allreduce's regions: the same on every rank
 
     def __repr__(self) -> str:
         return (f"GradCompState(compression={self.compression!r}, start_compress_iter={self.start_compress_iter}, "
