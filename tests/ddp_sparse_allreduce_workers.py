@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hvd_gradcomp as gc  # noqa: E402
 from hvd_gradcomp import ddp as gc_ddp  # noqa: E402
 from hvd_gradcomp.ddp import exchanges as gc_exchanges  # noqa: E402
-from hvd_gradcomp.ddp import sparse_exchange as gc_sparse  # noqa: E402
 from tests.ddp_workers import BUCKET_MB, batch, loss_of, main, net  # noqa: E402
 
 
@@ -46,7 +45,7 @@ class WireBytes:
             return gather(output, input, **kw)
 
         dist.all_to_all_single = all_to_all_single
-        gc_exchanges._all_gather_single = gc_sparse._all_gather_single = all_gather_single
+        gc_exchanges._all_gather_single = all_gather_single
 
 
 _WIRE: List[WireBytes] = []
@@ -79,7 +78,7 @@ def _digest(model: torch.nn.Module) -> str:
 
 def train(kind: str = "topk", exchange: str = "allreduce", steps: int = 6, bad_step: int = -1,
           ratio: float = 0.05) -> Dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     wire = wire_bytes()
     model = DDP(net(), bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,10 +1,12 @@
 """The DDP hook's drivers: how one bucket travels over ``torch.distributed`` (Gloo, NCCL, MPI alike).
 
 One function per declared collective (:data:`_EXCHANGES`, see :mod:`hvd_gradcomp.codecs`):
-:func:`_allgather` (sparse payloads), :func:`_scatter_reduce` (QSGD's compressed allreduce) and
-:func:`_rounds` (PowerSGD's two allreduces), the last two driving the algorithms of
-:mod:`hvd_gradcomp.collectives.rounds`, plus the dense and float16 allreduces of what a bucket does not
-compress. Each returns a future and never waits: second-round collectives are
+:func:`_allgather` (sparse payloads), :func:`_scatter_reduce` (QSGD's compressed allreduce),
+:func:`_rounds` (PowerSGD's two allreduces), driving the algorithms of :mod:`hvd_gradcomp.collectives.rounds`,
+and :func:`_sparse_allreduce` (TopK's and TopKQSGD's ``exchange="allreduce"``, the algorithm of
+:mod:`hvd_gradcomp.collectives.sparse_allreduce`, framed by :mod:`hvd_gradcomp.ddp.sparse_exchange`), plus the
+dense and float16 allreduces of what a bucket does not compress. Each returns a future and never waits
+(but :func:`_sparse_allreduce`, for two small collectives of counts): second-round collectives are
 chained on the first round's futures and issued in bucket order on a second process group
 (``state._then_in_order``, :class:`_InOrder`), so their order is the same on every rank.
 
@@ -29,9 +31,11 @@ from ..feedback import kernels
 from ..codecs.compressor import payload_size
 from ..collectives.reduce import chunk_bounds, sparse_support
 from ..collectives.rounds import HALF, compressed_allreduce, dense_fallback, low_rank_rounds, sparse_allgather
+from ..collectives.sparse_allreduce import sparse_allreduce
 from ..collectives.rounds import finish as finish_rounds
 from ..collectives.transport import TorchTransport
 from ..collectives.transport import all_gather_single as _all_gather_single
+from .sparse_exchange import Payloads, contribution, counts_of, cut, gather_bound, uncut
 
 State = Any
 """The hook's state or Auto's view of it (see the module docstring)."""
@@ -434,11 +438,95 @@ def _rounds(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Futur
     return result
 
 
+# ---------------------------------------------------------------- TopK/TopKQSGD: the sparse allreduce
+def _sparse_allreduce(state: State, buffer: torch.Tensor, plan: _Plan, step: int) -> Future:
+    """The sparse allreduce (:func:`hvd_gradcomp.collectives.sparse_allreduce.sparse_allreduce`) of the bucket's
+    compressed segments: the counts by ``all_to_all_single`` and a MAX ``all_reduce`` (both waited for here),
+    the pairs by ``all_to_all_single`` on the hook's group, the kept sums by one padded ``all_gather`` in
+    bucket order on the second group; a rank whose bucket holds NaN/Inf flags it and every rank skips the
+    bucket (NaN), see :mod:`hvd_gradcomp.ddp.sparse_exchange`."""
+    comp, world, rank = state.compression, state.world_size, state.rank
+    segs, device = plan.compressed, buffer.device
+    n = len(segs)
+    views = [s.view(buffer) for s in segs]
+    run = sparse_allreduce(comp, [(s.name, v.view(s.shape)) for s, v in zip(segs, views)], views, world, rank,
+                           average=True, flags=True, balancer=state._balancer)
+    with state._lock:
+        finite = kernels.all_finite(buffer)   # a host sync: what is sent depends on it
+        route: Optional[Payloads] = next(run).payloads if finite else None
+    counts = counts_of(route, world, n, device)
+    received = torch.empty(world * n, dtype=torch.int64, device=device)
+    dist.all_to_all_single(received, counts.view(-1), group=state.process_group)
+    got = received.view(world, n)
+    own = gather_bound(got, world)
+    agreed = torch.tensor([own, int(bool((counts < 0).any()))], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=state.process_group)
+    cap, flagged = agreed.tolist()
+    state._record(step, "(counts+padding)", 0, 0, 8 * n * (world - 1) + 16)
+    dense_futs, copy_back = _start_dense(state, buffer, plan, step, finite)
+    if flagged:
+        for s in segs:
+            state._record(step, s.name, s.numel * buffer.element_size(), 0)
+        return _sparse_skipped(state, run if route is not None else None, world, n, dense_futs, buffer, copy_back)
+    assert route is not None   # no rank flagged: this one selected
+    send = torch.cat([p for to_rank in route for p in to_rank]) if n else torch.empty(0, dtype=torch.uint8)
+    send_splits = counts.sum(dim=1).tolist()
+    recv_splits = got.sum(dim=1).tolist()
+    pairs_in = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
+    a2a = dist.all_to_all_single(pairs_in, send, recv_splits, send_splits, group=state.process_group,
+                                 async_op=True).get_future()
+    to_others = [int(counts[:, j].sum() - counts[rank, j]) for j in range(n)]
+
+    def launch() -> Tuple[Future, Callable]:
+        from_rank = cut(pairs_in, got.tolist())
+        with state._lock:
+            mine = run.send(from_rank).payloads
+        blob = contribution(mine, cap, device)
+        for s, m, out in zip(segs, mine, to_others):
+            state._record(step, s.name, s.numel * buffer.element_size(), out + (m.numel() if m is not None else 0))
+        state._record(step, "(counts+padding)", 0, 0, cap - sum(m.numel() for m in mine if m is not None))
+        gathered = torch.empty(world * cap, dtype=torch.uint8, device=device)
+        work = _all_gather_single(gathered, blob, group=state._second, async_op=True)
+
+        def decode() -> None:   # under state._lock (_InOrder)
+            kept = finish_rounds(run, [uncut(gathered[r * cap:(r + 1) * cap], n) for r in range(world)])
+            if any(k is None for k in kept):   # an owner's sum overflowed: NaN on every rank
+                _nonfinite(state)
+                buffer.fill_(float("nan"))
+                return
+            for s, k in zip(segs, kept):
+                state._received(s.name, s.view(buffer), k)
+                state._exchanged_average(s, buffer)
+
+        return work.get_future(), decode
+
+    result = Future(devices=[device]) if buffer.is_cuda else Future()
+    state._then_in_order([a2a] + dense_futs, launch, result, buffer, copy_back)
+    return result
+
+
+def _sparse_skipped(state: State, run: Optional[Any], world: int, n: int, dense_futs: List[Future],
+             buffer: torch.Tensor, copy_back: Callable[[], None]) -> Future:
+    """A bucket some rank flagged: no pairs travel; a rank that selected hands the algorithm flags
+    (every region NaN), so that what it sent goes back to its residuals; the bucket is NaN."""
+    def launch() -> None:
+        if run is not None:
+            with state._lock:
+                run.send([[None] * n for _ in range(world)])
+                finish_rounds(run, [[None] * n for _ in range(world)])
+        _nonfinite(state)
+        return None
+
+    result = Future(devices=[buffer.device]) if buffer.is_cuda else Future()
+    state._then_in_order(list(dense_futs), launch, result, buffer, copy_back)
+    return result
+
+
+
 _EXCHANGES: Dict[str, Callable[[State, torch.Tensor, _Plan, int], Future]] = {
     codecs.ALLGATHER: _allgather, codecs.COMPRESSED_ALLREDUCE: _scatter_reduce,
-    codecs.ALLREDUCE_ROUNDS: _rounds}
-"""A compressor's declared ``collective`` (:mod:`hvd_gradcomp.codecs`) -> the driver of its buckets
-(the sparse allreduce's, :mod:`hvd_gradcomp.ddp.sparse_exchange`, is added at the end of this module)."""
+    codecs.ALLREDUCE_ROUNDS: _rounds, codecs.SPARSE_ALLREDUCE: _sparse_allreduce}
+"""A compressor's declared ``collective`` (:mod:`hvd_gradcomp.codecs`) -> the driver of its buckets."""
 
 
 def _nonfinite(state: State) -> None:
@@ -459,8 +547,3 @@ def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
-
-
-# Its own module (it uses this one's helpers), registered here: one table of drivers.
-from .sparse_exchange import _sparse_allreduce  # noqa: E402
-_EXCHANGES[codecs.SPARSE_ALLREDUCE] = _sparse_allreduce
