@@ -506,7 +506,7 @@ def _sparse_allreduce(state: State, buffer: torch.Tensor, plan: _Plan, step: int
 
 
 def _sparse_skipped(state: State, run: Optional[Any], world: int, n: int, dense_futs: List[Future],
-             buffer: torch.Tensor, copy_back: Callable[[], None]) -> Future:
+                    buffer: torch.Tensor, copy_back: Callable[[], None]) -> Future:
     """A bucket some rank flagged: no pairs travel; a rank that selected hands the algorithm flags
     (every region NaN), so that what it sent goes back to its residuals; the bucket is NaN."""
     def launch() -> None:
