@@ -13,6 +13,9 @@ The exchanges, chosen by :func:`choose_exchange` from the compressor's declared 
   :func:`~hvd_gradcomp.collectives.rounds.sparse_allgather`). Every rank
   decodes all payloads in rank order and averages, so all ranks end with identical gradients.
 * :class:`RoundsExchange`: low-rank factors (PowerSGD) in two dependent allreduces of float32.
+* :class:`~hvd_gradcomp.collectives.sparse_exchange.SparseAllreduceExchange`: the sparse allreduce
+  (TopK, TopKQSGD with ``exchange="allreduce"``): an alltoall of (index, value) pairs to the rank
+  owning their region, an allgather of what the owners kept; bytes per rank flat in P.
 * :class:`ScatterReduceExchange`: QSGD's compressed allreduce. Each rank quantises its
   gradient in P chunks; an alltoall sends chunk i to rank i; rank i decodes and sums its
   chunk, re-quantises it (with its own error feedback), and an allgather returns every
@@ -521,6 +524,9 @@ def choose_exchange(compression: Any, op: Any, process_set: Any, join_guard: Opt
         exchange = TimedExchange(FusedAllgatherExchange(compression, op, process_set))
     elif codecs.collective_of(compression) == codecs.ALLREDUCE_ROUNDS:
         exchange = TimedExchange(RoundsExchange(compression, op, process_set))
+    elif codecs.collective_of(compression) == codecs.SPARSE_ALLREDUCE:
+        from .sparse_exchange import SparseAllreduceExchange   # it builds on this module's parts
+        exchange = TimedExchange(SparseAllreduceExchange(compression, op, process_set))
     elif isinstance(compression, GradientCompressor):
         raise ValueError(f"{type(compression).__name__} declares collective={compression.collective!r}, which "
                          f"this exchange cannot carry (known: {', '.join(codecs.COLLECTIVES)}; see hvd_gradcomp.codecs)")
