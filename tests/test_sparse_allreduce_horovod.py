@@ -1,8 +1,9 @@
 """The sparse allreduce (``TopK/TopKQSGD(exchange="allreduce")``, issue 62) driven by
 ``hvd_gradcomp.DistributedOptimizer`` on 2 and 3 Gloo ranks (tests/workers/sparse_allreduce_hvd.py):
 identical parameters on every rank, nothing lost (residuals plus the applied average hold every
-rank's gradient), training about as the allgather exchange does, its wire bytes (fewer than TopK's\nallgather at 3 ranks), a
-non-finite gradient skipped on every rank, and stock ``hvd.DistributedOptimizer``'s refusal.
+rank's gradient), training about as the allgather exchange does, its wire bytes (fewer than TopK's
+allgather at 3 ranks), a non-finite gradient skipped on every rank, hvd.join() with uneven data, and
+stock ``hvd.DistributedOptimizer``'s refusal.
 
 One job per rank count runs every case (starting ranks costs seconds), cached for the module.
 """
@@ -32,7 +33,9 @@ def _cases() -> List[Dict[str, Any]]:
             cases.append({"key": f"train-{k}-{ex}", "fn": "train", "kind": k, "exchange": ex, "steps": STEPS,
                           "tag": f"sa.{k}.{ex}", "conserve": ex == "allreduce"})
         cases.append({"key": f"gradscaler-{k}", "fn": "gradscaler", "kind": k})
-    cases += [{"key": f"stock-{k}", "fn": "stock", "kind": k} for k in KINDS]   # last: leaves hooks armed
+    cases += [{"key": f"stock-{k}", "fn": "stock", "kind": k} for k in KINDS]   # late: leaves hooks armed
+    # last: the ranks left in hvd.join() stay there until all have joined
+    cases += [{"key": f"join-{k}", "fn": "join", "kind": k} for k in KINDS]
     return cases
 
 
@@ -119,3 +122,12 @@ def test_stock_horovod_refuses(res, kind):
         error = rank["error"]
         assert error is not None and "hvd_gradcomp.DistributedOptimizer" in error, error
         assert "alltoall" in error and "allgather" in error and "hvd_gradcomp.ddp.register" in error, error
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_join_uneven_data(res, kind):
+    """A rank inside hvd.join(): the ranks still training carry their pairs dense in one allreduce
+    (no alltoall, which Horovod refuses then), and sync_after_join leaves every replica alike."""
+    _, r = res
+    for rank in r[f"join-{kind}"]:
+        assert rank["error"] is None and rank["replicas_identical"], rank

@@ -78,6 +78,13 @@ def gradscaler(kind: str) -> Dict[str, Any]:
     return hf.gradscaler("ours", f"{kind}-ar", tag=f"sa.gs.{kind}")
 
 
+def join_uneven(kind: str) -> Dict[str, Any]:
+    """horovod_features' hvd.join() scenario (rank 0 trains one batch more than the others, whose
+    step it carries alone, its pairs dense) with the sparse allreduce."""
+    hf.KINDS[f"{kind}-ar"] = lambda: KINDS[kind]("allreduce")
+    return hf.join_uneven("ours", f"{kind}-ar", tag=f"sa.join.{kind}")
+
+
 def stock(kind: str) -> Dict[str, Any]:
     """Stock hvd.DistributedOptimizer: the first backward raises, naming the wrappers."""
     model = make_model()
@@ -92,7 +99,7 @@ def stock(kind: str) -> Dict[str, Any]:
 
 
 def battery(cases: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Every case in one job (starting ranks costs seconds); stock's refusal last (it leaves hooks armed)."""
-    fns = {"train": train, "gradscaler": gradscaler, "stock": stock}
+    """Every case in one job (starting ranks costs seconds), in the order given."""
+    fns = {"train": train, "gradscaler": gradscaler, "stock": stock, "join": join_uneven}
     return {case["key"]: fns[case["fn"]](**{k: v for k, v in case.items() if k not in ("key", "fn")})
             for case in cases}
