@@ -22,8 +22,8 @@ The exchanges, chosen by :func:`choose_exchange` from the compressor's declared 
   chunk. The bytes a rank sends stay about (1 + 1/P) x its payload, whatever P is.
 
 Each exchange has two phases: ``start`` (at the gradient hook, overlapping backward) and
-``finish`` (in ``synchronize``); the QSGD exchange has a middle phase ``advance`` that launches
-the allgather once the alltoall is done. ``bytes_sent`` counts the bytes handed to Horovod.
+``finish`` (in ``synchronize``); the QSGD and sparse allreduce exchanges have a middle phase
+``advance`` that launches the allgather once the alltoall is done. ``bytes_sent`` counts the bytes handed to Horovod.
 
 Every payload travels behind an envelope, the tensor in flight is a :class:`Pending`: see
 :mod:`hvd_gradcomp.collectives.inflight`; the fused allgather is in :mod:`hvd_gradcomp.collectives.fused`.
@@ -435,10 +435,12 @@ class SparseAllreduceExchange(_TwoCollectives):
     """The sparse allreduce (:func:`~hvd_gradcomp.collectives.sparse_allreduce.sparse_allreduce`, issue 62)
     of one tensor on Horovod, for a codec built with ``exchange="allreduce"`` (TopK, TopKQSGD): its
     ``"route"`` Scatter as one ``hvd.alltoall`` with ``splits=`` (the payloads to each owner differ in
-    size), its ``"gather"`` Gather as one ``hvd.allgather``, each payload behind its envelope. ``start`` selects and launches the alltoall of
-    this rank's pairs to their owners, ``advance`` hands the owner's received pairs to the algorithm
-    and launches the allgather of its kept sums, ``finish`` writes the average and hands it to the
-    compressor's ``received`` with the kept indices as support (its feedback policy's rule).
+    size), its ``"gather"`` Gather as one ``hvd.allgather``, each payload behind its envelope.
+    ``start`` selects and launches the alltoall of this rank's pairs to their owners, ``advance``
+    hands the owner's received pairs to the algorithm and launches the allgather of its kept sums,
+    ``finish`` writes the average and hands it to the compressor's ``received`` with the kept
+    indices as support (its feedback policy's rule). Stock ``hvd.DistributedOptimizer`` cannot carry
+    it (:func:`hvd_gradcomp.horovod.stock.refuse_rounds`).
 
     ``bytes_sent`` (the ledger's) counts what this rank hands Horovod: its routed pairs to the other
     ranks and its kept sums, each behind an envelope; never the codec payload ``compress_carried``
