@@ -321,22 +321,37 @@ def _advice(why: str) -> str:
 
 # ---------------------------------------------------------------- Horovod's compressor protocol
 def refuse_rounds(compressor: GradientCompressor) -> None:
-    """Refuse a codec whose payload travels in dependent rounds (its declared collective is
-    :data:`~hvd_gradcomp.codecs.ALLREDUCE_ROUNDS`: PowerSGD), with what to use instead: stock Horovod
-    allreduces what ``compress()`` returns once, and PowerSGD's ``Q`` is computed from the averaged ``P``.
+    """Refuse a codec whose exchange needs more than the one allreduce stock Horovod gives what
+    ``compress()`` returns, with what to use instead: its declared collective is
+    :data:`~hvd_gradcomp.codecs.ALLREDUCE_ROUNDS` (PowerSGD: ``Q`` is computed from the averaged ``P``)
+    or :data:`~hvd_gradcomp.codecs.SPARSE_ALLREDUCE` (``exchange="allreduce"``: an alltoall, then an
+    allgather).
 
     >>> from hvd_gradcomp.codecs.powersgd import PowerSGD
     >>> refuse_rounds(PowerSGD(rank=4))
     Traceback (most recent call last):
     ...
     hvd_gradcomp.horovod.stock.HorovodIntegrationError: PowerSGD(rank=4, error_feedback=True) cannot run inside hvd.DistributedOptimizer(compression=...): Horovod allreduces what compress() returns once, and PowerSGD needs two dependent allreduces (P, then Q computed from the averaged P). Use hvd_gradcomp.DistributedOptimizer(...) (same arguments) or, with PyTorch DDP, hvd_gradcomp.ddp.register(model, compression=...).
+    >>> from hvd_gradcomp.codecs.topk import TopK
+    >>> refuse_rounds(TopK(ratio=0.01, exchange="allreduce"))   # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hvd_gradcomp.horovod.stock.HorovodIntegrationError: TopK(...) cannot run inside hvd.DistributedOptimizer(compression=...): Horovod allreduces what compress() returns once, and exchange="allreduce" (the sparse allreduce) needs an alltoall of each rank's (index, value) pairs to their owners, then an allgather of what the owners kept. Use hvd_gradcomp.DistributedOptimizer(...) (same arguments) or, with PyTorch DDP, hvd_gradcomp.ddp.register(model, compression=...); or exchange="allgather" (the default) here.
     """
-    if codecs.collective_of(compressor) == codecs.ALLREDUCE_ROUNDS:
-        raise HorovodIntegrationError(
-            f"{compressor!r} cannot run inside hvd.DistributedOptimizer(compression=...): Horovod allreduces what "
-            f"compress() returns once, and {type(compressor).__name__} needs two dependent allreduces (P, then Q "
-            "computed from the averaged P). Use hvd_gradcomp.DistributedOptimizer(...) (same arguments) or, with "
-            "PyTorch DDP, hvd_gradcomp.ddp.register(model, compression=...).")
+    collective = codecs.collective_of(compressor)
+    if collective == codecs.ALLREDUCE_ROUNDS:
+        needs = (f"{type(compressor).__name__} needs two dependent allreduces (P, then Q computed from the "
+                 "averaged P)")
+    elif collective == codecs.SPARSE_ALLREDUCE:
+        needs = ('exchange="allreduce" (the sparse allreduce) needs an alltoall of each rank\'s (index, value) '
+                 "pairs to their owners, then an allgather of what the owners kept")
+    else:
+        return
+    also = '; or exchange="allgather" (the default) here' if collective == codecs.SPARSE_ALLREDUCE else ""
+    raise HorovodIntegrationError(
+        f"{compressor!r} cannot run inside hvd.DistributedOptimizer(compression=...): Horovod allreduces what "
+        f"compress() returns once, and {needs}. Use hvd_gradcomp.DistributedOptimizer(...) (same arguments) or, "
+        f"with PyTorch DDP, hvd_gradcomp.ddp.register(model, compression=...){also}.")
 
 
 def compress(compressor: GradientCompressor, tensor: torch.Tensor, name: Optional[str] = None,
