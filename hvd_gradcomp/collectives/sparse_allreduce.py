@@ -70,15 +70,18 @@ raised before touching its residual, as :func:`~hvd_gradcomp.collectives.infligh
 does on every exchange); an owner that received a flag, or whose sum overflows, sends ``None``, and
 every rank writes NaN over that owner's region: the same non-finite result on every rank, so every
 loss scaler skips the step; the pairs a rank sent into such a region go back to its residual.
-``flags=False`` (a driver that checked its inputs, DDP's): an overflowing sum raises
-``FloatingPointError``.
+``flags=False`` (a driver that checked its inputs): an overflowing sum raises
+``FloatingPointError``. Both drivers below pass ``flags=True``.
 
-**Drivers still to come:** no Horovod or DDP driver issues this algorithm yet. A Horovod driver
-(beside :class:`~hvd_gradcomp.collectives.exchange.ScatterReduceExchange`) carries the Scatter as
-``hvd.alltoall`` with splits and the Gather as ``hvd.allgather``, behind its envelopes; a DDP driver
-(beside :func:`hvd_gradcomp.ddp.exchanges._scatter_reduce`) as ``all_to_all_single`` after an exchange
-of sizes, and a padded ``all_gather_into_tensor``. :func:`hvd_gradcomp.collectives.simulate.simulate`
-drives it in one process meanwhile.
+**Drivers** (a codec takes this exchange with ``TopK(..., exchange="allreduce")``, whose declared
+collective is then :data:`~hvd_gradcomp.codecs.SPARSE_ALLREDUCE`):
+:class:`~hvd_gradcomp.collectives.exchange.SparseAllreduceExchange` (``hvd_gradcomp.DistributedOptimizer``:
+the Scatter as ``hvd.alltoall`` with splits, the Gather as ``hvd.allgather``, behind its envelopes; a
+joined rank makes the step dense among the others) and :func:`hvd_gradcomp.ddp.exchanges._sparse_allreduce`
+(the DDP hook: counts by ``all_to_all_single`` and a MAX allreduce, the pairs by ``all_to_all_single``,
+the owners' selections by an ``all_gather`` padded to the agreed bound behind a header). Stock
+``hvd.DistributedOptimizer`` refuses it (:func:`hvd_gradcomp.horovod.stock.refuse_rounds`).
+:func:`hvd_gradcomp.collectives.simulate.simulate` drives it with simulated ranks in one process.
 """
 from __future__ import annotations
 
