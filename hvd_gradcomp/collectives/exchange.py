@@ -310,6 +310,21 @@ class _TwoCollectives:
         raise NotImplementedError
 
 
+
+def _gather_after_alltoall(exchange: Any, p: Pending, tag: str) -> None:
+    """The middle of an alltoall-then-allgather exchange (QSGD's compressed allreduce, the sparse
+    allreduce): every rank's payload for this rank, from the finished alltoall, goes to the algorithm,
+    and the allgather of what it returns starts behind an envelope (``hvdgc.<tag>.<name>``)."""
+    hvd = _hvd()
+    received, _ = hvd.synchronize(p.handle)
+    payloads = payloads_of(exchange.compressor, unseal(received), exchange.process_set.size(), p.name)
+    gather = p.ctx.run.send(payloads)
+    sealed = seal(gather.payloads[0], exchange.compressor.exchange_step, received.device)
+    p.handle = hvd.allgather_async(sealed, name=f"hvdgc.{tag}.{p.name}", process_set=exchange.process_set)
+    p.bytes_sent += sealed.numel()
+    p.framing_bytes += ENVELOPE_BYTES
+    p.stage = 2
+
 class ScatterReduceExchange(_TwoCollectives):
     """QSGD's compressed allreduce (:func:`~hvd_gradcomp.collectives.rounds.compressed_allreduce`) on Horovod:
     its :class:`~hvd_gradcomp.collectives.rounds.Scatter` as an alltoall, its
@@ -345,17 +360,8 @@ class ScatterReduceExchange(_TwoCollectives):
     def advance(self, p: Pending) -> None:
         """Stage 2: hand every rank's payload of my chunk to the algorithm, which reduces and
         re-quantises it; start the allgather of the result."""
-        if p.stage != 1:
-            return
-        hvd = _hvd()
-        received, _ = hvd.synchronize(p.handle)
-        payloads = payloads_of(self.compressor, unseal(received), self.process_set.size(), p.name)
-        gather = p.ctx.run.send(payloads)
-        sealed = seal(gather.payloads[0], self.compressor.exchange_step, received.device)
-        p.handle = hvd.allgather_async(sealed, name=f"hvdgc.ag2.{p.name}", process_set=self.process_set)
-        p.bytes_sent += sealed.numel()
-        p.framing_bytes += ENVELOPE_BYTES
-        p.stage = 2
+        if p.stage == 1:
+            _gather_after_alltoall(self, p, "ag2")
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if p.joined:
@@ -496,17 +502,8 @@ class SparseAllreduceExchange(_TwoCollectives):
     def advance(self, p: Pending) -> None:
         """Stage 2: every rank's pairs of this rank's region to the algorithm, which sums them and keeps
         its budget; launch the allgather of the kept sums."""
-        if p.stage != 1:
-            return
-        hvd = _hvd()
-        received, _ = hvd.synchronize(p.handle)
-        payloads = payloads_of(self.compressor, unseal(received), self.process_set.size(), p.name)
-        gather = p.ctx.run.send(payloads)
-        sealed = seal(gather.payloads[0], self.compressor.exchange_step, received.device)
-        p.handle = hvd.allgather_async(sealed, name=f"hvdgc.sag.{p.name}", process_set=self.process_set)
-        p.bytes_sent += sealed.numel()
-        p.framing_bytes += ENVELOPE_BYTES
-        p.stage = 2
+        if p.stage == 1:
+            _gather_after_alltoall(self, p, "sag")
 
     def finish(self, p: Pending, out: torch.Tensor) -> None:
         if p.joined:
