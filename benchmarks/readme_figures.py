@@ -186,7 +186,7 @@ def recipes_sentence(out: Path) -> List[str]:
     count = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]} to {seeds[-1]}"
     names = sorted({r["recipe"] for r in rows})
     return [f"Recipes as users copy them from well-known training scripts ({len(names)} recipes x 3 compressed "
-            f"roads, {count} seeds, [benchmarks/results/RECIPES.md](benchmarks/results/RECIPES.md)): {within} of {len(rows)} end within 3% of "
+            f"wrappers, {count} seeds, [benchmarks/results/RECIPES.md](benchmarks/results/RECIPES.md)): {within} of {len(rows)} end within 3% of "
             f"uncompressed training or its seed spread, or below it ({better} of them; benchmarks/results/RECIPES.md measures why), {diverged} "
             f"diverged. TopKQSGD(1%, 8) saved {_span(rows, 'whole', ('gc', 'ddp'))} of the bytes over the whole "
             f"run on `hvd_gradcomp.DistributedOptimizer` and the DDP hook, {_span(rows, 'whole', ('stock',))} on "
