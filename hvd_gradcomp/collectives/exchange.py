@@ -310,25 +310,43 @@ class _TwoCollectives:
         raise NotImplementedError
 
 
+class _AlltoallThenAllgather(_TwoCollectives):
+    """An alltoall, then an allgather of what the algorithm returns for it (QSGD's compressed allreduce,
+    the sparse allreduce): the middle step and the joined step, once. ``gather_tag`` names the allgather
+    (``hvdgc.<tag>.<name>``); subclasses set ``compressor``, ``op`` and ``process_set``."""
 
-def _gather_after_alltoall(exchange: Any, p: Pending, tag: str) -> None:
-    """The middle of an alltoall-then-allgather exchange (QSGD's compressed allreduce, the sparse
-    allreduce): every rank's payload for this rank, from the finished alltoall, goes to the algorithm,
-    and the allgather of what it returns starts behind an envelope (``hvdgc.<tag>.<name>``)."""
-    hvd = _hvd()
-    received, _ = hvd.synchronize(p.handle)
-    payloads = payloads_of(exchange.compressor, unseal(received), exchange.process_set.size(), p.name)
-    gather = p.ctx.run.send(payloads)
-    sealed = seal(gather.payloads[0], exchange.compressor.exchange_step, received.device)
-    p.handle = hvd.allgather_async(sealed, name=f"hvdgc.{tag}.{p.name}", process_set=exchange.process_set)
-    p.bytes_sent += sealed.numel()
-    p.framing_bytes += ENVELOPE_BYTES
-    p.stage = 2
+    gather_tag = ""
 
-class ScatterReduceExchange(_TwoCollectives):
+    def advance(self, p: Pending) -> None:
+        """Stage 2: every rank's payload for this rank, from the finished alltoall, to the algorithm;
+        start the allgather of what it returns, behind an envelope."""
+        if p.stage != 1:
+            return
+        hvd = _hvd()
+        received, _ = hvd.synchronize(p.handle)
+        payloads = payloads_of(self.compressor, unseal(received), self.process_set.size(), p.name)
+        gather = p.ctx.run.send(payloads)
+        sealed = seal(gather.payloads[0], self.compressor.exchange_step, received.device)
+        p.handle = hvd.allgather_async(sealed, name=f"hvdgc.{self.gather_tag}.{p.name}", process_set=self.process_set)
+        p.bytes_sent += sealed.numel()
+        p.framing_bytes += ENVELOPE_BYTES
+        p.stage = 2
+
+    def _finished_joined(self, p: Pending, out: torch.Tensor) -> bool:
+        """A step some rank joined (dense among the others): finish it here and say so."""
+        if not p.joined:
+            return False
+        finish_joined(p, out, is_average(self.op))
+        self.compressor.received(p.name, out)
+        return True
+
+
+class ScatterReduceExchange(_AlltoallThenAllgather):
     """QSGD's compressed allreduce (:func:`~hvd_gradcomp.collectives.rounds.compressed_allreduce`) on Horovod:
     its :class:`~hvd_gradcomp.collectives.rounds.Scatter` as an alltoall, its
     :class:`~hvd_gradcomp.collectives.rounds.Gather` as an allgather, each payload behind its envelope."""
+
+    gather_tag = "ag2"
 
     def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
@@ -357,16 +375,8 @@ class ScatterReduceExchange(_TwoCollectives):
         return Pending(name, grad.shape, grad.dtype, handle, _Rounds(run, outs), bytes_sent=sent,
                        framing_bytes=ENVELOPE_BYTES * (size - 1))
 
-    def advance(self, p: Pending) -> None:
-        """Stage 2: hand every rank's payload of my chunk to the algorithm, which reduces and
-        re-quantises it; start the allgather of the result."""
-        if p.stage == 1:
-            _gather_after_alltoall(self, p, "ag2")
-
     def finish(self, p: Pending, out: torch.Tensor) -> None:
-        if p.joined:
-            finish_joined(p, out, is_average(self.op))
-            self.compressor.received(p.name, out)
+        if self._finished_joined(p, out):
             return
         if p.stage == 1:
             self.advance(p)
@@ -437,8 +447,8 @@ class RoundsExchange(_TwoCollectives):
         p.finished = True
 
 
-class SparseAllreduceExchange(_TwoCollectives):
-    """The sparse allreduce (:func:`~hvd_gradcomp.collectives.sparse_allreduce.sparse_allreduce`, issue 62)
+class SparseAllreduceExchange(_AlltoallThenAllgather):
+    """The sparse allreduce (:func:`~hvd_gradcomp.collectives.sparse_allreduce.sparse_allreduce`)
     of one tensor on Horovod, for a codec built with ``exchange="allreduce"`` (TopK, TopKQSGD): its
     ``"route"`` Scatter as one ``hvd.alltoall`` with ``splits=`` (the payloads to each owner differ in
     size), its ``"gather"`` Gather as one ``hvd.allgather``, each payload behind its envelope.
@@ -459,6 +469,8 @@ class SparseAllreduceExchange(_TwoCollectives):
     a new one (equal regions) when the ranks change. While ranks are inside ``hvd.join()`` this
     rank's routed pairs go dense in one allreduce among the ranks still training (nothing dropped).
     """
+
+    gather_tag = "sag"
 
     def __init__(self, compressor: GradientCompressor, op: Any, process_set: Any) -> None:
         self.compressor, self.op, self.process_set = compressor, op, process_set
@@ -499,16 +511,8 @@ class SparseAllreduceExchange(_TwoCollectives):
             dense[idx + b] = vals
         return dense
 
-    def advance(self, p: Pending) -> None:
-        """Stage 2: every rank's pairs of this rank's region to the algorithm, which sums them and keeps
-        its budget; launch the allgather of the kept sums."""
-        if p.stage == 1:
-            _gather_after_alltoall(self, p, "sag")
-
     def finish(self, p: Pending, out: torch.Tensor) -> None:
-        if p.joined:
-            finish_joined(p, out, is_average(self.op))
-            self.compressor.received(p.name, out)
+        if self._finished_joined(p, out):
             return
         if p.stage == 1:
             self.advance(p)
